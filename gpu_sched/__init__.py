@@ -1,0 +1,8 @@
+"""gpu_sched: SGLang's request-scheduling policy with the queue, prefix tree and admission on the GPU."""
+
+from .config import SchedulerConfig
+from .plan import PrefillPlan
+from .request import Request
+
+__version__ = "0.1.0"
+__all__ = ["SchedulerConfig", "PrefillPlan", "Request", "__version__"]

@@ -1,0 +1,91 @@
+"""The result of one scheduling step (SPEC.md R-STEP-4), shared by every scheduler."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+STOP_REASONS = (
+    "no_prefill_full",  # R-STEP-1: nothing to do, the batch is marked full
+    "no_prefill_empty",  # R-STEP-1: nothing to do, empty queue
+    "no_prefill_max_running",  # R-STEP-1: running batch at max_running_requests
+    "budget_other",  # R-STEP-3.1
+    "batch_full",  # R-STEP-3.3: preemption off or failed
+    "add_no_token",  # R-STEP-3.5 NO_TOKEN
+    "add_other",  # R-STEP-3.5 OTHER
+    "queue_end",  # every queued request processed
+)
+
+
+@dataclass
+class PrefillPlan:
+    """One step's decisions.
+
+    Attributes:
+        admitted: (rid, extend_start, extend_end) in admission order [token positions of fill];
+            the in-flight chunked request, when there is one, first.
+        new_chunked_rid: the request that became the chunked request this step, or None.
+        chunked_rid_after: the chunked request after the step (new one, or the in-flight one
+            if it still has tokens left), or None.
+        preempted: victims in running-batch order (R-ADM-7).
+        ordered, active_policy, queue_order, num_matched, deprioritized: what ordering did
+            (R-ORD); `num_matched`/`deprioritized` only for an active cache-aware policy.
+        batch_is_full: the full mark after the step. stop: one of STOP_REASONS.
+        budgets, budgets_start: {rem_total (float64), cur_rem, rem_input, rem_chunk} at the end
+            of the step and right after the budgets were built; None on R-STEP-1 exits.
+        log_hit_tokens, log_input_tokens: R-ADM-2 counters [tokens].
+        available, evictable, protected: pool/cache sizes after the step [tokens].
+        preempt_evicted_tokens: tokens evicted by R-ADM-7's releases.
+    """
+
+    admitted: List[Tuple[str, int, int]] = field(default_factory=list)
+    new_chunked_rid: Optional[str] = None
+    chunked_rid_after: Optional[str] = None
+    preempted: List[str] = field(default_factory=list)
+    ordered: bool = False
+    active_policy: Optional[str] = None
+    queue_order: List[str] = field(default_factory=list)
+    num_matched: Optional[List[int]] = None
+    deprioritized: Optional[List[str]] = None
+    batch_is_full: bool = False
+    stop: str = "no_prefill_empty"
+    budgets: Optional[dict] = None
+    budgets_start: Optional[dict] = None
+    log_hit_tokens: int = 0
+    log_input_tokens: int = 0
+    available: int = 0
+    evictable: int = 0
+    protected: int = 0
+    preempt_evicted_tokens: int = 0
+
+    @property
+    def admitted_rids(self) -> List[str]:
+        return [a[0] for a in self.admitted]
+
+    @property
+    def extend_tokens(self) -> int:
+        return sum(e - s for _, s, e in self.admitted)
+
+    def decision_bytes(self) -> bytes:
+        """The decisions that define a run (admitted rids and extend ranges, chunked request,
+        preempted rids), serialised for the replay digest."""
+        parts = [f"{r}:{s}:{e}" for r, s, e in self.admitted]
+        parts.append(f"c={self.chunked_rid_after}")
+        parts.append("p=" + ",".join(self.preempted))
+        return ("|".join(parts) + "\n").encode()
+
+
+class DecisionDigest:
+    """Running SHA-256 over every step's decisions (to compare runs and backends)."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self.steps = 0
+
+    def update(self, plan: PrefillPlan) -> None:
+        self._h.update(plan.decision_bytes())
+        self.steps += 1
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()

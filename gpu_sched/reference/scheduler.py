@@ -1,0 +1,445 @@
+"""The reference scheduler: SPEC.md's step (R-STEP-1..4) and decode side (R-DEC-2/3).
+
+How a step works (read this first):
+  1. R-STEP-1 early exits: nothing queued, batch marked full, or running at the cap.
+  2. Order the queue (R-ORD, `policy.py`), build the budgets (R-ADM, `adder.py`), admit the
+     in-flight chunked request first (R-ADM-5).
+  3. Walk the new order: stop on OTHER budget; mark the batch full at the request cap; when
+     full, try priority preemption (R-ADM-7) or stop; re-match the request with its prefix
+     capped (R-STEP-3.4); `add_one_req` (R-ADM-3); stop at the first non-CONTINUE.
+  4. Admitted requests leave the queue holding their prefix locks; preempted ones rejoin its
+     tail. The engine then runs the prefill and calls `complete_prefill`.
+
+The same calls (`submit`, `step`, `complete_prefill`, `decode`, `retract_decode`, `finish`,
+`abort`) are what the device scheduler exposes; tests hold one against the other.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ..config import SchedulerConfig
+from ..plan import PrefillPlan
+from ..request import Request
+from .adder import AddResult, PrefillAdder
+from .policy import order_queue
+from .radix_cache import KVPool, RadixCache, TreeNode
+from .state import ReqState
+
+RETRACT_DECODE_STEPS = 20  # reserve per remaining request when releasing (R-ADM-7, R-DEC-2)
+
+
+class ReferenceScheduler:
+    """Sequential oracle of SPEC.md.
+
+    Args:
+        config: a `SchedulerConfig`.
+        kv_pool_size: KV pool size [tokens].
+        shuffle: `shuffle(n) -> permutation of range(n)` for the `random` policy (R-ORD-6);
+            default a `numpy` generator seeded with `config.random_seed`.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_pool_size: int,
+                 shuffle: Optional[Callable[[int], Sequence[int]]] = None):
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        self.config = config
+        self.pool = KVPool(kv_pool_size)
+        self.cache = RadixCache(self.pool, config.page_size, disable=config.disable_radix_cache)
+        if shuffle is None:
+            rng = np.random.default_rng(config.random_seed)
+            shuffle = lambda n: rng.permutation(n)  # noqa: E731
+        self.shuffle = shuffle
+        self.queue: List[ReqState] = []
+        self.running: List[ReqState] = []
+        self.chunked: Optional[ReqState] = None
+        self.prefilling: List[ReqState] = []
+        self.batch_is_full = False
+        self.reqs: Dict[str, ReqState] = {}
+        self.now = 0.0
+
+    # ---- sizes -----------------------------------------------------------------------------
+    @property
+    def available(self) -> int:
+        return self.pool.available
+
+    @property
+    def evictable(self) -> int:
+        return self.cache.evictable_size
+
+    @property
+    def protected(self) -> int:
+        return self.cache.protected_size
+
+    @property
+    def kv_used(self) -> int:
+        return self.pool.size - self.pool.available
+
+    def _state(self, req: Request, now: Optional[float]) -> ReqState:
+        prio = req.priority if req.priority is not None else self.config.absent_priority
+        t = req.enqueue_time if req.enqueue_time is not None else (self.now if now is None else now)
+        return ReqState(req, prio, t)
+
+    def _check_new(self, requests: Iterable[Request]) -> List[Request]:
+        requests = list(requests)
+        seen = set()
+        for r in requests:
+            if not isinstance(r, Request):
+                raise TypeError(f"submit takes Request objects, got {type(r).__name__}")
+            r.validate()
+            if r.rid in self.reqs or r.rid in seen:
+                raise ValueError(f"rid {r.rid!r} is already known to the scheduler")
+            seen.add(r.rid)
+        return requests
+
+    # ---- engine API ------------------------------------------------------------------------
+    def submit(self, requests: Iterable[Request], now: Optional[float] = None) -> None:
+        """Append requests to the waiting queue tail (validated first: all or nothing).
+
+        Raises TypeError/ValueError naming the field (bad record, duplicate rid)."""
+        requests = self._check_new(requests)
+        if now is not None:
+            self.now = max(self.now, float(now))
+        for r in requests:
+            st = self._state(r, now)
+            self.reqs[r.rid] = st
+            self.queue.append(st)
+
+    def step(self, new_token_ratio: float, now: Optional[float] = None) -> PrefillPlan:
+        """One scheduling step (R-STEP-1..4). `new_token_ratio` in (0, 1]."""
+        if self.prefilling:
+            raise RuntimeError("step() called before complete_prefill() of the previous plan")
+        ratio = float(new_token_ratio)
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"new_token_ratio must be in (0, 1], got {new_token_ratio}")
+        if now is not None:
+            self.now = max(self.now, float(now))
+        cfg = self.config
+        plan = PrefillPlan(queue_order=[r.rid for r in self.queue])
+        # R-STEP-1
+        if cfg.enable_priority_preemption or not self.running:
+            self.batch_is_full = False
+        if (not self.queue or self.batch_is_full) and self.chunked is None:
+            plan.stop = "no_prefill_full" if self.batch_is_full else "no_prefill_empty"
+            return self._close(plan)
+        cap = cfg.max_running_requests
+        if (cap is not None and len(self.running) >= cap and self.chunked is None
+                and not cfg.enable_priority_preemption):
+            self.batch_is_full = True
+            plan.stop = "no_prefill_max_running"
+            return self._close(plan)
+        # R-STEP-2
+        order = order_queue(self.queue, cfg, self.cache, self.running, self.shuffle)
+        plan.ordered = True
+        plan.active_policy = order.active_policy
+        plan.queue_order = [r.rid for r in order.queue]
+        if order.num_matched is not None:
+            plan.num_matched = order.num_matched
+            plan.deprioritized = order.deprioritized
+        mixed = len(self.running) if cfg.enable_mixed_chunk and cfg.chunked_prefill_size is not None else 0
+        adder = PrefillAdder(cfg, self.cache, self.pool, self.running, ratio, mixed)
+        plan.budgets_start = adder.budgets()
+        chunk_left = None
+        if self.chunked is not None:
+            if adder.add_chunked_req(self.chunked):
+                chunk_left = self.chunked
+        # R-STEP-3
+        running_bs = len(self.running)
+        batch_at_start = list(self.running)
+        stop = "queue_end"
+        for r in order.queue:
+            if adder.budget_state() is AddResult.OTHER:
+                stop = "budget_other"
+                break
+            if cap is not None and running_bs + len(adder.can_run) >= cap:
+                self.batch_is_full = True
+            if self.batch_is_full:
+                if not cfg.enable_priority_preemption:
+                    stop = "batch_full"
+                    break
+                self._rematch(r)  # D5: the need uses the re-matched extend length
+                if not adder.preempt_for(r, self._release):
+                    stop = "batch_full"
+                    break
+            self._rematch(r)
+            res = adder.add_one_req(r)
+            if res is not AddResult.CONTINUE:
+                if res is AddResult.NO_TOKEN:
+                    self.batch_is_full = bool(adder.can_run or self.running)
+                stop = "add_no_token" if res is AddResult.NO_TOKEN else "add_other"
+                break
+        plan.stop = stop
+        # R-STEP-4
+        admitted = {id(r) for r in adder.can_run}
+        self.queue = [r for r in order.queue if id(r) not in admitted]
+        victims = adder.preempted_in_batch_order(batch_at_start)
+        for v in victims:
+            self._requeue(v)
+        plan.admitted = [(r.rid, r.extend_start, r.extend_end) for r in adder.can_run]
+        plan.preempted = [v.rid for v in victims]
+        if adder.new_chunked is not None:
+            plan.new_chunked_rid = adder.new_chunked.rid
+            self.chunked = adder.new_chunked
+        elif chunk_left is None and self.chunked is not None and adder.can_run and adder.can_run[0] is self.chunked:
+            self.chunked = None  # its last chunk runs now
+        plan.chunked_rid_after = self.chunked.rid if self.chunked is not None else None
+        plan.budgets = adder.budgets()
+        plan.log_hit_tokens = adder.log_hit_tokens
+        plan.log_input_tokens = adder.log_input_tokens
+        plan.preempt_evicted_tokens = adder.preempt_evicted_tokens
+        self.prefilling = list(adder.can_run)
+        return self._close(plan)
+
+    def _close(self, plan: PrefillPlan) -> PrefillPlan:
+        plan.batch_is_full = self.batch_is_full
+        plan.available = self.pool.available
+        plan.evictable = self.cache.evictable_size
+        plan.protected = self.cache.protected_size
+        return plan
+
+    def _rematch(self, r: ReqState) -> None:
+        """R-STEP-3.4: match fill[:max_prefix_len]."""
+        r.prefix_len, r.last_node = self.cache.match_prefix(r.fill()[: r.max_prefix_len()], r.req.extra_key)
+
+    def _drop_kv(self, r: ReqState) -> None:
+        """Free a request's private slots and its prefix lock; nothing enters the cache."""
+        self.pool.free(r.private_slots())
+        if r.lock_node is not None:
+            self.cache.dec_lock_ref(r.lock_node)
+        r.lock_node = r.last_node = None
+        r.kv_len = r.cached_len = r.prefix_len = 0
+
+    def _evict_shortfall(self, remaining: int) -> int:
+        need = remaining * RETRACT_DECODE_STEPS - self.pool.available
+        if need <= 0:
+            return 0
+        return sum(len(n.key) for n in self.cache.evict(need))
+
+    def _release(self, r: ReqState, remaining: int) -> int:
+        self._drop_kv(r)
+        return self._evict_shortfall(remaining)
+
+    def _requeue(self, r: ReqState) -> None:
+        r.retracted = True
+        r.enqueue_time = self.now
+        self.queue.append(r)
+
+    def _alloc(self, n: int) -> np.ndarray:
+        """Allocate n slots, evicting the cache first when the pool is short."""
+        if n > self.pool.available:
+            self.cache.evict(n - self.pool.available)
+        return self.pool.alloc(n)
+
+    def _path_values(self, node: Optional[TreeNode]) -> np.ndarray:
+        parts = []
+        while node is not None and node is not self.cache.root:
+            parts.append(node.value)
+            node = node.parent
+        return np.concatenate(parts[::-1]) if parts else np.zeros(0, np.int64)
+
+    def complete_prefill(self, first_tokens: Mapping[str, int]) -> None:
+        """The engine ran the last plan's prefill: allocate KV for the extend ranges, cache the
+        chunked request's prefilled part (R-DEC-3) and move finished prefills into the running
+        batch with their first output token from `first_tokens[rid]`."""
+        for r in self.prefilling:
+            if r.extend_end == r.fill_len and r.rid not in first_tokens:
+                raise ValueError(f"first_tokens has no token for request {r.rid!r}")
+        for r in self.prefilling:
+            if r.kv_len == 0 and r.extend_start > 0 or r.lock_node is not None and r.cached_len == 0 and r.kv_len == 0:
+                # fresh admission: its cached prefix is the locked path
+                vals = self._path_values(r.lock_node)
+                r.ensure_kv_capacity(r.fill_len + r.max_new + 1)
+                r.kv[: len(vals)] = vals
+                r.kv_len = r.cached_len = len(vals)
+            if r.kv_len != r.extend_start:
+                raise RuntimeError(f"request {r.rid!r}: KV covers {r.kv_len} tokens, extend starts at {r.extend_start}")
+            n = r.extend_end - r.extend_start
+            r.ensure_kv_capacity(r.extend_end + r.max_new + 1)
+            r.kv[r.kv_len : r.kv_len + n] = self._alloc(n)
+            r.kv_len += n
+            if r is self.chunked:
+                self._cache_unfinished(r)
+            else:
+                r.prefix_len = r.kv_len
+                r.req.output_ids.append(int(first_tokens[r.rid]))
+                self.running.append(r)
+        self.prefilling = []
+
+    def _cache_unfinished(self, r: ReqState) -> None:
+        """R-DEC-3 for a chunk: insert the prefilled part, move the lock to the new last node."""
+        fill = r.fill()[: r.kv_len]
+        present = self.cache.insert(fill, r.kv[: r.kv_len], r.req.extra_key)
+        if present > r.cached_len:
+            self.pool.free(r.kv[r.cached_len : present].copy())
+        m, node = self.cache.match_prefix(fill, r.req.extra_key)
+        r.kv[:m] = self._path_values(node)
+        if r.lock_node is not None:
+            self.cache.dec_lock_ref(r.lock_node)
+        self.cache.inc_lock_ref(node)
+        r.lock_node = r.last_node = node
+        r.cached_len = m
+        r.prefix_len = r.kv_len
+
+    # ---- decode side (R-DEC) ---------------------------------------------------------------
+    def decode_tokens_needed(self, reqs: Optional[Sequence[ReqState]] = None) -> int:
+        """Slots the next decode step needs: one per request, and at least one page for each
+        request whose length is a multiple of P (R-DEC-2)."""
+        reqs = self.running if reqs is None else reqs
+        P = self.config.page_size
+        pages = len(reqs) if P == 1 else sum(1 for r in reqs if r.fill_len % P == 0)
+        return max(len(reqs), pages * P)
+
+    def decode_fits(self, reqs: Optional[Sequence[ReqState]] = None) -> bool:
+        need = self.decode_tokens_needed(reqs)
+        if need > self.pool.available:
+            self.cache.evict(need - self.pool.available)
+        return need <= self.pool.available
+
+    def retract_decode(self) -> List[str]:
+        """R-DEC-2: retract running requests (fewest outputs, then longest prompt, first) until
+        the next decode step fits, keeping at least one. Returns retracted rids."""
+        order = sorted(self.running, key=lambda r: (r.out_len, -r.prompt_len), reverse=True)
+        out: List[ReqState] = []
+        while len(order) > 1 and not self.decode_fits(order):
+            r = order.pop()
+            out.append(r)
+            self._drop_kv(r)
+            self._evict_shortfall(len(order))
+        gone = {id(r) for r in out}
+        self.running = [r for r in self.running if id(r) not in gone]
+        for r in out:
+            self._requeue(r)
+        return [r.rid for r in out]
+
+    def decode(self, tokens: Mapping[str, int]) -> None:
+        """One decode step: each running request gets a KV slot for its last token and appends
+        `tokens[rid]`. Raises MemoryError if the pool cannot hold the step (retract first)."""
+        missing = [r.rid for r in self.running if r.rid not in tokens]
+        if missing:
+            raise ValueError(f"decode tokens missing for running requests {missing[:5]}")
+        n = len(self.running)
+        if n > self.pool.available:
+            self.cache.evict(n - self.pool.available)
+        slots = self.pool.alloc(n)
+        for r, s in zip(self.running, slots):
+            r.ensure_kv_capacity(r.kv_len + 1)
+            r.kv[r.kv_len] = s
+            r.kv_len += 1
+            r.req.output_ids.append(int(tokens[r.rid]))
+
+    def finish(self, rids: Iterable[str]) -> None:
+        """R-DEC-3: cache each finished request's computed sequence (page-aligned), free the
+        duplicate and unaligned slots, release its lock and drop it."""
+        rids = list(rids)
+        index = {r.rid: r for r in self.running}
+        for rid in rids:
+            if rid not in index:
+                raise ValueError(f"finish: request {rid!r} is not running")
+        for rid in rids:
+            r = index[rid]
+            if self.cache.disable:
+                self.pool.free(r.kv[: r.kv_len].copy())
+            else:
+                n = r.kv_len
+                present = self.cache.insert(r.fill()[:n], r.kv[:n], r.req.extra_key)
+                if present > r.cached_len:
+                    self.pool.free(r.kv[r.cached_len : present].copy())
+                aligned = n // self.config.page_size * self.config.page_size
+                self.pool.free(r.kv[aligned:n].copy())
+                if r.lock_node is not None:
+                    self.cache.dec_lock_ref(r.lock_node)
+            r.lock_node = None
+            r.kv_len = r.cached_len = 0
+            del self.reqs[rid]
+        gone = set(rids)
+        self.running = [r for r in self.running if r.rid not in gone]
+
+    def abort(self, rids: Iterable[str]) -> None:
+        """Drop requests wherever they are (queue, running, chunked); nothing is cached."""
+        rids = list(rids)
+        for rid in rids:
+            if rid not in self.reqs:
+                raise ValueError(f"abort: unknown request {rid!r}")
+            if any(r.rid == rid for r in self.prefilling):
+                raise ValueError(f"abort: request {rid!r} is in the prefill being run")
+        for rid in rids:
+            r = self.reqs.pop(rid)
+            if r is self.chunked:
+                self.chunked = None
+            self._drop_kv(r)
+            self.queue = [x for x in self.queue if x is not r]
+            self.running = [x for x in self.running if x is not r]
+
+    # ---- state seeding (tests, conformance, engines restoring state) -----------------------
+    def seed_cache(self, tokens, extra_key: Optional[str] = None) -> int:
+        """Insert `tokens` into the cache with freshly allocated slots (only floorP(len) tokens;
+        tokens already present take none). Returns the newly cached token count."""
+        if self.cache.disable:
+            return 0
+        from ..request import as_token_array
+        toks = as_token_array(tokens, "seed_cache tokens")
+        n = len(toks) // self.config.page_size * self.config.page_size
+        present = self.cache.insert(toks[:n], self.pool.alloc, extra_key)
+        return n - present
+
+    def _seed_holder(self, req: Request, match_len: int, kv_len: int) -> ReqState:
+        self._check_new([req])
+        st = self._state(req, None)
+        m, node = self.cache.match_prefix(st.fill()[:match_len], req.extra_key)
+        self.cache.inc_lock_ref(node)
+        st.lock_node = st.last_node = node
+        st.ensure_kv_capacity(st.fill_len + st.max_new + 1)
+        st.kv[:m] = self._path_values(node)
+        st.kv[m:kv_len] = self.pool.alloc(kv_len - m)
+        st.kv_len, st.cached_len = kv_len, m
+        self.reqs[req.rid] = st
+        return st
+
+    def seed_running(self, req: Request) -> None:
+        """Add a request that is already decoding: its prompt is matched (full length) and
+        locked; it holds private slots for the rest of prompt + output (FORMAT.md 3.3)."""
+        st = self._seed_holder(req, len(req.prompt_ids), req.fill_len)
+        st.prefix_len = st.kv_len
+        self.running.append(st)
+
+    def seed_chunked(self, req: Request, done: int) -> None:
+        """Set the in-flight chunked request with `done` tokens prefilled (FORMAT.md 3.4)."""
+        if self.chunked is not None:
+            raise ValueError("a chunked request is already in flight")
+        if not 0 <= done < req.fill_len:
+            raise ValueError(f"seed_chunked: done must be in [0, {req.fill_len}), got {done}")
+        st = self._seed_holder(req, done, done)
+        st.prefix_len = done
+        self.chunked = st
+
+    # ---- invariants ------------------------------------------------------------------------
+    def holders(self) -> List[ReqState]:
+        hs = list(self.running) + list(self.prefilling)
+        if self.chunked is not None and self.chunked not in hs:
+            hs.append(self.chunked)
+        return hs
+
+    def check_integrity(self) -> None:
+        """Tree, lock and pool invariants (R-RC-6). Raises AssertionError on the first problem:
+        tree structure and counters, lock_ref == number of holders, every holder's cached slots
+        equal its locked path's values, and free + cached + private slots form exactly the pool."""
+        holders = self.holders()
+        self.cache.check_integrity([r.lock_node for r in holders if r.lock_node is not None])
+        parts = [self.pool.free_slots(), self.cache.cached_slots()]
+        for r in holders:
+            if r.lock_node is not None and r.kv_len:
+                path = self._path_values(r.lock_node)
+                if r.cached_len != len(path) or not np.array_equal(r.kv[: r.cached_len], path):
+                    raise AssertionError(f"request {r.rid!r}: cached slots differ from its locked path")
+            parts.append(r.private_slots())
+        slots = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if len(slots) != self.pool.size:
+            raise AssertionError(
+                f"pool accounting: free {self.pool.available} + cached {self.cache.evictable_size + self.cache.protected_size}"
+                f" + private {len(slots) - self.pool.available - self.cache.evictable_size - self.cache.protected_size}"
+                f" != pool size {self.pool.size}"
+            )
+        if len(slots) and not np.array_equal(np.bincount(slots, minlength=self.pool.size), np.ones(self.pool.size, np.int64)):
+            raise AssertionError("pool accounting: a KV slot is owned twice or lost")

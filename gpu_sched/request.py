@@ -1,0 +1,130 @@
+"""The request record an engine hands to a scheduler (SPEC.md section 1), with validation.
+
+A `Request` is host-side data only: the scheduler keeps its own per-request state. Token ids
+must fit int32 (the device token pool is int32); priorities must fit int64. Every check raises
+`TypeError`/`ValueError` naming the field, the request and the value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def as_token_array(tokens, what: str) -> np.ndarray:
+    """Tokens as a read-only 1-D int32 array; raises if an id is not an int in [0, 2^31-1]."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise TypeError(f"{what} must be a 1-D integer array, got dtype {tokens.dtype} ndim {tokens.ndim}")
+        arr = tokens.astype(np.int64, copy=False)
+    else:
+        if isinstance(tokens, (str, bytes)):
+            raise TypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__}")
+        arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype=np.int64)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            # slow path only to name the offending element
+            for i, t in enumerate(tokens):
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise TypeError(f"{what}[{i}] must be an int, got {type(t).__name__} {t!r}")
+            arr = np.array([int(t) for t in tokens], dtype=object)
+            if len(arr) and (min(arr) < 0 or max(arr) > INT32_MAX):
+                i = next(k for k, t in enumerate(arr) if t < 0 or t > INT32_MAX)
+                raise ValueError(f"{what}[{i}] = {arr[i]} is outside the token id range [0, {INT32_MAX}]")
+            arr = arr.astype(np.int64)
+    if len(arr):
+        bad = np.flatnonzero((arr < 0) | (arr > INT32_MAX))
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"{what}[{i}] = {int(arr[i])} is outside the token id range [0, {INT32_MAX}]")
+    out = np.ascontiguousarray(arr, dtype=np.int32)
+    out.setflags(write=False)
+    return out
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    Attributes:
+        rid: unique request id (non-empty str).
+        prompt_ids: prompt token ids, int32 range; at least one token. Stored as a read-only
+            int32 numpy array of shape [len(prompt)].
+        max_new_tokens: generation limit [tokens], >= 0.
+        output_ids: tokens generated so far (retracted/preempted requests keep them).
+        ignore_eos: generate exactly max_new_tokens (R-ADM-6 when the cache is disabled).
+        priority: int64 priority or None (absent: the last possible, SPEC section 1).
+        routing_key: routing-key policy key (R-ORD-7) or None.
+        extra_key: cache namespace (R-RC-2) or None for the default namespace.
+        return_logprob, logprob_start_len: cap the usable prefix (R-ORD-8).
+        enqueue_time: arrival time [seconds or any monotone unit]; None lets the scheduler stamp it.
+    """
+
+    rid: str
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    output_ids: list = field(default_factory=list)
+    ignore_eos: bool = False
+    priority: Optional[int] = None
+    routing_key: Optional[str] = None
+    extra_key: Optional[str] = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    enqueue_time: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raises TypeError/ValueError naming the field and value."""
+        if not isinstance(self.rid, str) or not self.rid:
+            raise TypeError(f"rid must be a non-empty str, got {self.rid!r}")
+        who = f"request {self.rid!r}"
+        self.prompt_ids = as_token_array(self.prompt_ids, f"{who}: prompt_ids")
+        if len(self.prompt_ids) == 0:
+            raise ValueError(f"{who}: prompt_ids must hold at least one token, got 0")
+        out = as_token_array(self.output_ids, f"{who}: output_ids")
+        self.output_ids = [int(t) for t in out]
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, (int, np.integer)):
+            raise TypeError(f"{who}: max_new_tokens must be an int, got {self.max_new_tokens!r}")
+        self.max_new_tokens = int(self.max_new_tokens)
+        if self.max_new_tokens < 0:
+            raise ValueError(f"{who}: max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        for name in ("ignore_eos", "return_logprob"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{who}: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.priority is not None:
+            if isinstance(self.priority, bool) or not isinstance(self.priority, (int, np.integer)):
+                raise TypeError(f"{who}: priority must be an int or None, got {self.priority!r}")
+            self.priority = int(self.priority)
+            if not INT64_MIN <= self.priority <= INT64_MAX:
+                raise ValueError(f"{who}: priority {self.priority} does not fit int64")
+        for name in ("routing_key", "extra_key"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise TypeError(f"{who}: {name} must be a str or None, got {v!r}")
+        if isinstance(self.logprob_start_len, bool) or not isinstance(self.logprob_start_len, (int, np.integer)):
+            raise TypeError(f"{who}: logprob_start_len must be an int, got {self.logprob_start_len!r}")
+        self.logprob_start_len = int(self.logprob_start_len)
+        if self.enqueue_time is not None:
+            if isinstance(self.enqueue_time, bool) or not isinstance(self.enqueue_time, (int, float, np.number)):
+                raise TypeError(f"{who}: enqueue_time must be a number or None, got {self.enqueue_time!r}")
+            t = float(self.enqueue_time)
+            if t != t:
+                raise ValueError(f"{who}: enqueue_time must not be NaN")
+            self.enqueue_time = t
+
+    @property
+    def fill_len(self) -> int:
+        """len(prompt) + len(output) [tokens]: the length of `fill(r)` (SPEC section 0)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def fill_ids(self) -> np.ndarray:
+        """`fill(r)`: prompt followed by the output so far, int32 array [fill_len]."""
+        if not self.output_ids:
+            return self.prompt_ids
+        return np.concatenate([self.prompt_ids, np.asarray(self.output_ids, dtype=np.int32)])

@@ -1,0 +1,1 @@
+"""Serving simulator: traces and workload generation."""

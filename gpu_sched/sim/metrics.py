@@ -1,0 +1,277 @@
+"""Serving metrics for `gpu-sched replay`, with the definitions of vLLM's `benchmark_serving`.
+
+The simulator fills one `RequestRecord` per request and one `StepRecord` per engine step;
+`summarize` turns them into a flat, JSON-serialisable dict whose latency keys follow vLLM's
+result JSON (`mean_ttft_ms`, `p99_itl_ms`, ...). Latencies are reported in milliseconds,
+scheduler times in microseconds, durations in (simulated) seconds. A statistic over no
+values is `None`, never NaN, so `json.dumps(..., allow_nan=False)` always works.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["RequestRecord", "StepRecord", "summarize", "format_summary", "format_comparison",
+           "write_results", "queue_bucket"]
+
+PERCENTILES = (50, 90, 99)
+LATENCIES = (("ttft", "Time to First Token", "TTFT"),
+             ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+             ("itl", "Inter-token Latency", "ITL"),
+             ("e2el", "End-to-end Latency", "E2EL"))
+
+
+@dataclass
+class RequestRecord:
+    """One request; all times in simulated seconds, lengths in tokens."""
+    rid: str
+    arrival_s: float
+    input_len: int                   # prompt tokens
+    output_len: int                  # tokens generated (may be < planned if cut)
+    cached_tokens: int               # prompt tokens served from the prefix cache (all prefill chunks)
+    first_token_s: Optional[float]   # first output token time (None = never)
+    finish_s: Optional[float]        # last token time (None = unfinished)
+    token_times: list = field(default_factory=list)  # time of each output token (len == output_len)
+    retractions: int = 0             # times retracted/preempted
+
+
+@dataclass
+class StepRecord:
+    """One engine step; `t_s`/`duration_s` in simulated seconds, `sched_wall_s` in real seconds."""
+    t_s: float              # simulated time at the end of the step
+    kind: str               # "prefill", "decode" or "idle"
+    duration_s: float       # simulated step duration
+    queue_len: int          # waiting requests when the scheduler ran
+    running: int            # running requests after the step
+    kv_used_tokens: int     # KV pool slots in use (private + cached)
+    kv_pool_tokens: int
+    prefill_tokens: int     # extend tokens prefilled in this step
+    hit_tokens: int         # prefix-cache hit tokens of requests admitted this step
+    sched_wall_s: float     # wall-clock seconds of the scheduler's own step()
+
+
+def _num(x) -> Optional[float]:
+    """Python float, or None for None/NaN/inf."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _clean(obj):
+    """Recursively make `obj` strict-JSON-safe: NaN/inf -> None, numpy scalars/arrays -> Python."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, np.ndarray)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, (bool, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return _num(obj)
+    if obj is None or isinstance(obj, str):
+        return obj
+    return str(obj)
+
+
+def _stats(values, scale: float, prefix: str, unit: str) -> dict:
+    """mean/median/std/pNN of `values * scale` as `{f"mean_{prefix}_{unit}": ...}`."""
+    a = np.asarray(values, dtype=float) * scale
+    out = {f"mean_{prefix}_{unit}": None, f"median_{prefix}_{unit}": None, f"std_{prefix}_{unit}": None}
+    out.update({f"p{p}_{prefix}_{unit}": None for p in PERCENTILES})
+    if a.size:
+        out[f"mean_{prefix}_{unit}"] = _num(np.mean(a))
+        out[f"median_{prefix}_{unit}"] = _num(np.median(a))
+        out[f"std_{prefix}_{unit}"] = _num(np.std(a))
+        for p in PERCENTILES:
+            out[f"p{p}_{prefix}_{unit}"] = _num(np.percentile(a, p))
+    return out
+
+
+def queue_bucket(queue_len: int) -> tuple[int, int]:
+    """Power-of-two bucket (lo, hi) of a queue length: 0 -> (0, 0), 1 -> (1, 1), 5 -> (4, 7)."""
+    if queue_len <= 0:
+        return 0, 0
+    lo = 1 << (int(queue_len).bit_length() - 1)
+    return lo, 2 * lo - 1
+
+
+def summarize(requests, steps, *, duration_s: Optional[float] = None) -> dict:
+    """Summary metrics of a replay as a flat JSON-serialisable dict.
+
+    Latency metrics (vLLM definitions, milliseconds, over completed requests, i.e. `finish_s`
+    set): TTFT = first_token - arrival; TPOT = (finish - first_token) / (output_len - 1) for
+    output_len > 1; ITL = every gap between consecutive `token_times`, pooled; E2EL = finish -
+    arrival. Each has mean/median/std/p90/p99 (`np.percentile`, linear interpolation).
+    `duration` (s) is `duration_s` if given, else first arrival to last finish; throughputs are
+    per simulated second (None if the duration is 0). Token totals count completed requests.
+    `prefix_cache_hit_rate` = sum cached_tokens / sum input_len over prefilled requests (those
+    with a first token); `step_cache_hit_rate` = sum hit_tokens / (hit + prefill tokens) over
+    steps. Queue/KV stats are per-step means/maxima (KV as a fraction of the pool). Scheduler
+    time (`*_sched_us`, microseconds of real time) is over non-idle steps, also broken down
+    by power-of-two queue-length bucket in `sched_us_by_queue_len` ({"4-7": {lo, hi, count,
+    mean_us, p99_us}}, ordered by lower bound).
+    """
+    requests, steps = list(requests), list(steps)
+    done = [r for r in requests if r.finish_s is not None]
+    prefilled = [r for r in requests if r.first_token_s is not None]
+    if duration_s is None:
+        duration_s = (max(r.finish_s for r in done) - min(r.arrival_s for r in requests)) if done else 0.0
+    n_in = sum(int(r.input_len) for r in done)
+    n_out = sum(int(r.output_len) for r in done)
+    rate = (lambda x: x / duration_s) if duration_s and duration_s > 0 else (lambda x: None)
+    s = {"completed": len(done), "unfinished": len(requests) - len(done),
+         "total_input_tokens": n_in, "total_output_tokens": n_out, "duration": _num(duration_s),
+         "request_throughput": _num(rate(len(done))), "output_throughput": _num(rate(n_out)),
+         "total_token_throughput": _num(rate(n_in + n_out))}
+
+    ttft = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
+    tpot = [(r.finish_s - r.first_token_s) / (r.output_len - 1)
+            for r in done if r.output_len > 1 and r.first_token_s is not None]
+    itl = [g for r in done for g in np.diff(np.asarray(r.token_times, dtype=float)).tolist()]
+    e2el = [r.finish_s - r.arrival_s for r in done]
+    for (key, _, _), vals in zip(LATENCIES, (ttft, tpot, itl, e2el)):
+        s.update(_stats(vals, 1e3, key, "ms"))
+
+    cached = sum(int(r.cached_tokens) for r in prefilled)
+    prompt = sum(int(r.input_len) for r in prefilled)
+    hit, pre = sum(int(t.hit_tokens) for t in steps), sum(int(t.prefill_tokens) for t in steps)
+    s.update({"prefilled_requests": len(prefilled), "cached_tokens": cached, "prefilled_input_tokens": prompt,
+              "prefix_cache_hit_rate": _num(cached / prompt) if prompt else None,
+              "step_cache_hit_rate": _num(hit / (hit + pre)) if hit + pre else None,
+              "retractions": sum(int(r.retractions) for r in requests),
+              "retracted_requests": sum(1 for r in requests if r.retractions > 0)})
+
+    q = np.asarray([t.queue_len for t in steps], dtype=float)
+    kv = np.asarray([t.kv_used_tokens / t.kv_pool_tokens for t in steps if t.kv_pool_tokens > 0], dtype=float)
+    s.update({"steps": len(steps),
+              "mean_queue_len": _num(q.mean()) if q.size else None,
+              "max_queue_len": int(q.max()) if q.size else 0,
+              "mean_kv_usage": _num(kv.mean()) if kv.size else None,
+              "max_kv_usage": _num(kv.max()) if kv.size else None})
+
+    sched = [t for t in steps if t.kind != "idle"]
+    us = np.asarray([t.sched_wall_s for t in sched], dtype=float) * 1e6
+    s["sched_steps"] = len(sched)
+    s["mean_sched_us"] = _num(us.mean()) if us.size else None
+    s["median_sched_us"] = _num(np.percentile(us, 50)) if us.size else None
+    s["p99_sched_us"] = _num(np.percentile(us, 99)) if us.size else None
+    groups: dict = {}
+    for t, u in zip(sched, us):
+        groups.setdefault(queue_bucket(t.queue_len), []).append(u)
+    s["sched_us_by_queue_len"] = {
+        f"{lo}-{hi}": {"lo": lo, "hi": hi, "count": len(v), "mean_us": _num(np.mean(v)),
+                       "p99_us": _num(np.percentile(v, 99))}
+        for (lo, hi), v in sorted(groups.items())}
+    return s
+
+
+def _fmt(v, digits: int = 2) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, (bool, str)):
+        return str(v)
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    return f"{float(v):.{digits}f}"
+
+
+def format_summary(summary: dict, title: str = "Serving Benchmark Result", width: int = 50) -> str:
+    """Fixed-width text table in the style of `vllm bench serve` (name left, value right)."""
+    g = summary.get
+    pct = lambda k: None if g(k) is None else 100.0 * g(k)  # noqa: E731
+    lines = [f" {title} ".center(width, "=")]
+    row = lambda name, v: lines.append(f"{name:<{width - 14}}{_fmt(v):>14}")  # noqa: E731
+    sec = lambda name: lines.append(f" {name} ".center(width, "-") if len(name) < width - 2 else name[:width])  # noqa: E731
+    for name, k in (("Successful requests:", "completed"), ("Unfinished requests:", "unfinished"),
+                    ("Benchmark duration (s):", "duration"), ("Total input tokens:", "total_input_tokens"),
+                    ("Total generated tokens:", "total_output_tokens"),
+                    ("Request throughput (req/s):", "request_throughput"),
+                    ("Output token throughput (tok/s):", "output_throughput"),
+                    ("Total token throughput (tok/s):", "total_token_throughput")):
+        row(name, g(k))
+    for key, long, short in LATENCIES:
+        sec(long)
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("std", "Std"), ("p90", "P90"), ("p99", "P99")):
+            row(f"{label} {short} (ms):", g(f"{stat}_{key}_ms"))
+    sec("Prefix cache and queue")
+    row("Prefix cache hit rate (%):", pct("prefix_cache_hit_rate"))
+    row("Cached prompt tokens:", g("cached_tokens"))
+    row("Retractions:", g("retractions"))
+    row("Mean queue length:", g("mean_queue_len"))
+    row("Max queue length:", g("max_queue_len"))
+    row("Mean KV usage (%):", pct("mean_kv_usage"))
+    row("Max KV usage (%):", pct("max_kv_usage"))
+    sec("Scheduler time per step")
+    row("Scheduling steps:", g("sched_steps"))
+    row("Mean sched time (us):", g("mean_sched_us"))
+    row("Median sched time (us):", g("median_sched_us"))
+    row("P99 sched time (us):", g("p99_sched_us"))
+    for label, b in (g("sched_us_by_queue_len") or {}).items():
+        row(f"  queue {label} (n={b['count']}) mean/p99:", f"{_fmt(b['mean_us'], 1)}/{_fmt(b['p99_us'], 1)}")
+    if g("digest"):
+        row("Decision digest:", str(g("digest"))[:12])
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+COMPARISON_ROWS = (("Requests completed", "completed"), ("Request throughput (req/s)", "request_throughput"),
+                   ("Output throughput (tok/s)", "output_throughput"), ("Prefix cache hit rate (%)", "hit%"),
+                   ("Mean TTFT (ms)", "mean_ttft_ms"), ("P99 TTFT (ms)", "p99_ttft_ms"),
+                   ("Mean TPOT (ms)", "mean_tpot_ms"), ("Mean E2EL (ms)", "mean_e2el_ms"),
+                   ("Sched mean (us/step)", "mean_sched_us"), ("Sched p99 (us/step)", "p99_sched_us"),
+                   ("Decision digest", "digest"))
+
+
+def format_comparison(summaries: dict) -> str:
+    """One table with a column per run (`{run name: summary}`), e.g. per policy."""
+    names = list(summaries)
+    cells = []
+    for _, key in COMPARISON_ROWS:
+        row = []
+        for n in names:
+            s = summaries[n]
+            if key == "hit%":
+                v = None if s.get("prefix_cache_hit_rate") is None else 100.0 * s["prefix_cache_hit_rate"]
+            elif key == "digest":
+                v = str(s["digest"])[:12] if s.get("digest") else None
+            else:
+                v = s.get(key)
+            row.append(_fmt(v))
+        cells.append(row)
+    lw = max(len(label) for label, _ in COMPARISON_ROWS) + 2
+    cw = [max(12, len(n) + 2, *(len(r[i]) + 2 for r in cells)) for i, n in enumerate(names)]
+    head = "Metric".ljust(lw) + "".join(n.rjust(w) for n, w in zip(names, cw))
+    body = [label.ljust(lw) + "".join(c.rjust(w) for c, w in zip(r, cw)) for (label, _), r in zip(COMPARISON_ROWS, cells)]
+    rule = "=" * len(head)
+    return "\n".join([rule, head, "-" * len(head), *body, rule])
+
+
+def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict] = None) -> Path:
+    """Write `out_dir/results.json` (strict JSON, no NaN) and return its path.
+
+    Layout: {"summary", "config": extra or {}, "steps": per-step arrays t_s (simulated s),
+    queue_len, running, kv_used_tokens, sched_wall_s (real s), "requests": rows rid,
+    arrival_s, ttft_s, e2el_s (simulated s, None if absent), input_len, output_len, cached_tokens}.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = list(steps)
+    cols = ("t_s", "queue_len", "running", "kv_used_tokens", "sched_wall_s")
+    rows = [{"rid": r.rid, "arrival_s": r.arrival_s,
+             "ttft_s": None if r.first_token_s is None else r.first_token_s - r.arrival_s,
+             "e2el_s": None if r.finish_s is None else r.finish_s - r.arrival_s,
+             "input_len": r.input_len, "output_len": r.output_len, "cached_tokens": r.cached_tokens}
+            for r in requests]
+    doc = {"summary": summary, "config": extra or {},
+           "steps": {c: [getattr(t, c) for t in steps] for c in cols}, "requests": rows}
+    path = out / "results.json"
+    path.write_text(json.dumps(_clean(doc), allow_nan=False, indent=1))
+    return path

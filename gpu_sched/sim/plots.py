@@ -1,0 +1,113 @@
+"""PNG plots of a replay (headless, matplotlib Agg backend).
+
+`plot_run` draws one run: queue length and KV usage over simulated time (seconds), the TTFT
+CDF (milliseconds) and the scheduler's own time per step (microseconds) against queue length.
+`plot_comparison` draws a bar chart per metric across runs (e.g. per policy).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+__all__ = ["plot_run", "plot_comparison"]
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _empty(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what}", ha="center", va="center", transform=ax.transAxes)
+
+
+def plot_run(out_dir, requests, steps, title: str = "") -> list[Path]:
+    """Write queue_len.png, kv_usage.png, ttft_cdf.png, sched_time.png into `out_dir`; return their paths.
+
+    Time axes are simulated seconds, TTFT milliseconds, scheduler time microseconds (real time,
+    non-idle steps, log-log with a symmetric-log x axis so queue length 0 is shown).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    requests, steps = list(requests), list(steps)
+    t = np.asarray([s.t_s for s in steps], dtype=float)
+    sfx = f" - {title}" if title else ""
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    if steps:
+        ax.step(t, [s.queue_len for s in steps], where="post", lw=1, label="waiting")
+        ax.step(t, [s.running for s in steps], where="post", lw=1, label="running")
+        ax.legend(loc="upper right")
+    else:
+        _empty(ax, "steps")
+    ax.set(xlabel="simulated time (s)", ylabel="requests", title=f"Queue length{sfx}")
+    paths.append(_save(fig, out / "queue_len.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    kv = [(s.t_s, s.kv_used_tokens / s.kv_pool_tokens) for s in steps if s.kv_pool_tokens > 0]
+    if kv:
+        ax.step(*zip(*kv), where="post", lw=1)
+        ax.set_ylim(0, 1.05)
+    else:
+        _empty(ax, "KV data")
+    ax.set(xlabel="simulated time (s)", ylabel="KV pool in use (fraction)", title=f"KV usage{sfx}")
+    paths.append(_save(fig, out / "kv_usage.png"))
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ttft = np.sort([(r.first_token_s - r.arrival_s) * 1e3 for r in requests if r.first_token_s is not None])
+    if ttft.size:
+        ax.step(ttft, np.arange(1, ttft.size + 1) / ttft.size, where="post")
+        ax.set_ylim(0, 1.02)
+    else:
+        _empty(ax, "first tokens")
+    ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title=f"TTFT CDF{sfx}")
+    ax.grid(alpha=0.3)
+    paths.append(_save(fig, out / "ttft_cdf.png"))
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    pts = [(s.queue_len, s.sched_wall_s * 1e6) for s in steps if s.kind != "idle" and s.sched_wall_s > 0]
+    if pts:
+        q, us = map(np.asarray, zip(*pts))
+        ax.scatter(q, us, s=4, alpha=0.4)
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_yscale("log")
+    else:
+        _empty(ax, "scheduling steps")
+    ax.set(xlabel="queue length (waiting requests)", ylabel="scheduler time per step (us)",
+           title=f"Scheduler time vs queue{sfx}")
+    ax.grid(alpha=0.3, which="both")
+    paths.append(_save(fig, out / "sched_time.png"))
+    return paths
+
+
+def plot_comparison(out_dir, summaries: dict) -> Path:
+    """Bar charts of prefix-cache hit rate (%), mean TTFT (ms) and output throughput (tok/s)
+    per run (`{run name: summarize() dict}`); writes and returns `out_dir/comparison.png`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(summaries)
+    val = lambda s, k, f=1.0: np.nan if s.get(k) is None else f * s[k]  # noqa: E731
+    panels = (("Prefix cache hit rate (%)", "prefix_cache_hit_rate", 100.0),
+              ("Mean TTFT (ms)", "mean_ttft_ms", 1.0),
+              ("Output throughput (tok/s)", "output_throughput", 1.0))
+    fig, axes = plt.subplots(1, 3, figsize=(4 + 1.2 * max(len(names), 1) * 3, 3.8))
+    x = np.arange(len(names))
+    for ax, (label, key, f) in zip(axes, panels):
+        ys = [val(summaries[n], key, f) for n in names]
+        bars = ax.bar(x, np.nan_to_num(ys), color=[f"C{i % 10}" for i in range(len(names))])
+        for b, y in zip(bars, ys):
+            ax.annotate("n/a" if np.isnan(y) else f"{y:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(x, names, rotation=20)
+        ax.set_title(label)
+        ax.margins(y=0.15)
+    return _save(fig, out / "comparison.png")
