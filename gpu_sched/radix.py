@@ -1,0 +1,572 @@
+"""FlatRadixTree: the radix prefix cache (SPEC.md section 2) as flat tensors on a device.
+
+Layout
+  Nodes live in arrays of a fixed capacity: `parent`, `key_off`/`key_len` (a range of the tree's
+  token pool), `start` (depth of the node's first token), `lock_ref`, `last_access` (logical clock),
+  `cid` (creation id, D4 tie-break), `order` (child order among siblings), `ns` (namespace id),
+  `nchild`, `alive`. Node 0 is the root. Token pool arrays, indexed by pool position: `tok`
+  (int32 token), `val` (int64 KV slot), `hsh` (prefix hash up to and including that token) and
+  `owner` (node holding the position). A split never moves tokens: head and tail just take two
+  parts of the same pool range.
+
+Matching by prefix hashes (why matching cost does not grow with the prompt)
+  Every page end of every path in the tree is entered in an open-addressing table
+  `prefix hash -> pool position of the page's last token`. A query's hashes at every chunk
+  boundary (chunk C = a multiple of the page size) are computed once, e.g. at submit; a match is
+  then a binary search over chunk boundaries (presence is monotone in depth) plus at most
+  C/P - 1 page steps inside the last chunk, each one table probe. No child table is needed:
+  the pool position found gives the node (`owner`) and the offset inside it.
+
+Hash and collision bound
+  h(d) = (s1(d) << 31) | s2(d), with s_k(d) = s_k(d-1) * B_k + tok + 1 mod p_k for the primes
+  p1 = 2^31 - 1, p2 = 2147483629 and bases B_k drawn from the seed; s_k(0) comes from the
+  namespace id, so namespaces never share entries (R-RC-2). For random bases, two different
+  token strings of length <= L collide with probability <= (L / p1) * (L / p2) ~ L^2 / 2^62;
+  over M table entries and Q query prefixes the chance of any wrong match is <= Q * M * L^2 / 2^62
+  (1e-5 for 1e5 queries against 1e6 entries with L = 32k). Hashes are not verified against tokens.
+
+Sequential equivalence of a batched match (SPEC section 8)
+  Splits never change which prefixes the tree holds, so every matched length is computed against
+  the tree as it was before the batch. The splits are then applied in rounds: round r applies,
+  for every original node, the r-th request (in batch order) that ends strictly inside it; splits
+  in different nodes commute, so the result equals matching one by one. Request i carries stamp
+  `clock + 1 + i`; every node on its final root path is stamped with the maximum stamp that
+  touches it (scatter-max), and a split tail gets the splitting request's stamp, as in R-RC-4.
+
+Host syncs: the operations here are vectorised over the batch but read a few scalars back
+(round counts, allocation sizes); the graph-captured step uses bounded variants (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+P1, P2 = 2**31 - 1, 2147483629
+EMPTY, TOMB = -1, -2
+ROOT = 0
+
+
+def _pow_table(base: int, p: int, n: int) -> torch.Tensor:
+    out = np.empty(n + 1, dtype=np.int64)
+    out[0] = 1
+    for i in range(1, n + 1):  # host, once per growth of the table
+        out[i] = out[i - 1] * base % p
+    return torch.from_numpy(out)
+
+
+@dataclass
+class EvictResult:
+    """Nodes removed by `evict`, in eviction order (ids are valid until reused), the KV slots
+    they held (int64, to return to the KV pool) and the evicted token count."""
+
+    nodes: torch.Tensor
+    values: torch.Tensor
+    num_tokens: int
+
+
+class FlatRadixTree:
+    """The device radix tree.
+
+    Args:
+        page_size: P [tokens] (R-RC-3).
+        max_nodes: node capacity (root included). Exhaustion raises MemoryError.
+        token_capacity: tokens the tree can hold (size it to the KV pool: every cached token
+            holds a KV slot). Exhaustion after compaction raises MemoryError.
+        device: torch device of all arrays.
+        chunk_pages: pages per hash chunk C/P (default: enough pages for 16 tokens).
+        seed: draws the hash bases.
+        max_probe: longest probe sequence of the hash table.
+    """
+
+    def __init__(self, page_size: int = 1, max_nodes: int = 1 << 14, token_capacity: int = 1 << 18,
+                 device="cpu", *, chunk_pages: Optional[int] = None, seed: int = 0, max_probe: int = 64):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if max_nodes < 2:
+            raise ValueError(f"max_nodes must be >= 2, got {max_nodes}")
+        if token_capacity < 1:
+            raise ValueError(f"token_capacity must be >= 1, got {token_capacity}")
+        self.P = int(page_size)
+        self.chunk_pages = int(chunk_pages) if chunk_pages else max(1, 16 // self.P)
+        self.C = self.P * self.chunk_pages
+        self.device = torch.device(device)
+        self.max_probe = int(max_probe)
+        rng = np.random.default_rng(seed)
+        self.B1 = int(rng.integers(1 << 20, P1 - 1))
+        self.B2 = int(rng.integers(1 << 20, P2 - 1))
+        self._pow_len = 0
+        self._ensure_pow(1024)
+        dev, N, T = self.device, int(max_nodes), int(token_capacity)
+        z = lambda n, dt=torch.int64: torch.zeros(n, dtype=dt, device=dev)  # noqa: E731
+        self.max_nodes, self.token_capacity = N, T
+        self.parent = torch.full((N,), -1, dtype=torch.int64, device=dev)
+        self.key_off, self.key_len, self.start = z(N), z(N), z(N)
+        self.lock_ref, self.last_access, self.cid, self.order = z(N), z(N), z(N), z(N)
+        self.ns, self.nchild = z(N), z(N)
+        self.alive = z(N, torch.bool)
+        self.tok, self.val, self.hsh = z(T, torch.int32), z(T), z(T)
+        self.owner = torch.full((T,), -1, dtype=torch.int64, device=dev)
+        H = 1
+        while H < 2 * max(T // self.P, 16):
+            H *= 2
+        self.hkeys = torch.full((H,), EMPTY, dtype=torch.int64, device=dev)
+        self.hvals = torch.full((H,), -1, dtype=torch.int64, device=dev)
+        self._h_used = 0  # live entries + tombstones
+        self.evictable_size = torch.zeros((), dtype=torch.int64, device=dev)
+        self.protected_size = torch.zeros((), dtype=torch.int64, device=dev)
+        # root
+        self.alive[ROOT] = True
+        self.lock_ref[ROOT] = 1
+        self.clock = 0
+        self.next_cid = 1
+        self.next_order = 1
+        self.top = 0  # bump pointer of the token pool
+        self._free_nodes: List[int] = list(range(N - 1, 0, -1))
+
+    # ---- hashing ---------------------------------------------------------------------------
+    def _ensure_pow(self, n: int) -> None:
+        if n <= self._pow_len:
+            return
+        n = max(n, 2 * self._pow_len)
+        dev = getattr(self, "device", torch.device("cpu"))
+        inv1, inv2 = pow(self.B1, P1 - 2, P1), pow(self.B2, P2 - 2, P2)
+        self.pw1 = _pow_table(self.B1, P1, n).to(dev)
+        self.pw2 = _pow_table(self.B2, P2, n).to(dev)
+        self.ipw1 = _pow_table(inv1, P1, n).to(dev)
+        self.ipw2 = _pow_table(inv2, P2, n).to(dev)
+        self._pow_len = n
+
+    @staticmethod
+    def _seed(ns: torch.Tensor, p: int) -> torch.Tensor:
+        return (ns.to(torch.int64) * 1000003 + 12345) % p
+
+    def prefix_hashes(self, tokens: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
+                      every: int) -> torch.Tensor:
+        """Prefix hashes of padded queries at depths every, 2*every, ... [B, L // every] int64.
+
+        Entries at depths beyond a query's length are garbage (callers mask by length)."""
+        B, L = tokens.shape
+        K = L // every
+        if K == 0:
+            return torch.zeros((B, 0), dtype=torch.int64, device=tokens.device)
+        self._ensure_pow(L + 1)
+        t = tokens[:, : K * every].to(torch.int64) + 1
+        out = []
+        for p, pw, ipw in ((P1, self.pw1, self.ipw1), (P2, self.pw2, self.ipw2)):
+            w = t * ipw[1 : K * every + 1] % p  # (t+1) * B^-(j+1)
+            cs = torch.cumsum(w, dim=1)[:, every - 1 :: every] % p  # sum up to depth d = k*every
+            d = torch.arange(1, K + 1, device=tokens.device) * every
+            s = (self._seed(ns, p)[:, None] + cs) % p * pw[d] % p
+            out.append(s)
+        return (out[0] << 31) | out[1]
+
+    # ---- hash table ------------------------------------------------------------------------
+    def _probe(self, h: torch.Tensor) -> torch.Tensor:
+        """Table slot of each hash, -1 if absent. h: int64 [n]."""
+        H = self.hkeys.numel()
+        slot = torch.full_like(h, -1)
+        pos = h & (H - 1)
+        active = torch.ones_like(h, dtype=torch.bool)
+        for _ in range(self.max_probe):
+            k = self.hkeys[pos]
+            hit = active & (k == h)
+            slot = torch.where(hit, pos, slot)
+            active = active & ~hit & (k != EMPTY)
+            pos = (pos + 1) & (H - 1)
+        return slot
+
+    def lookup(self, h: torch.Tensor) -> torch.Tensor:
+        """Pool position stored for each prefix hash, -1 if absent."""
+        slot = self._probe(h)
+        return torch.where(slot >= 0, self.hvals[slot.clamp(min=0)], torch.full_like(h, -1))
+
+    def _table_insert(self, h: torch.Tensor, v: torch.Tensor) -> None:
+        n = h.numel()
+        if n == 0:
+            return
+        H = self.hkeys.numel()
+        if (self._h_used + n) * 4 > H * 3:
+            self._rehash(extra=n)
+            H = self.hkeys.numel()
+        pos = h & (H - 1)
+        pending = torch.ones(n, dtype=torch.bool, device=h.device)
+        idx = torch.arange(n, device=h.device)
+        for _ in range(self.max_probe):
+            free = pending & (self.hkeys[pos] < 0)
+            claim = torch.full((H,), -1, dtype=torch.int64, device=h.device)
+            claim.scatter_(0, pos[free], idx[free])
+            won = free & (claim[pos] == idx)
+            self.hkeys[pos[won]] = h[won]
+            self.hvals[pos[won]] = v[won]
+            pending = pending & ~won
+            pos = torch.where(pending, (pos + 1) & (H - 1), pos)
+            if not bool(pending.any()):
+                break
+        if bool(pending.any()):
+            raise RuntimeError("prefix hash table: probe limit reached (table too full)")
+        self._h_used += n
+
+    def _table_delete(self, h: torch.Tensor) -> None:
+        slot = self._probe(h)
+        if bool((slot < 0).any()):
+            raise RuntimeError("prefix hash table: deleting an absent entry")
+        self.hkeys[slot] = TOMB
+
+    def _rehash(self, extra: int = 0) -> None:
+        live = self.hkeys >= 0
+        keys, vals = self.hkeys[live], self.hvals[live]
+        H = self.hkeys.numel()
+        while (keys.numel() + extra) * 2 > H:
+            H *= 2
+        self.hkeys = torch.full((H,), EMPTY, dtype=torch.int64, device=self.device)
+        self.hvals = torch.full((H,), -1, dtype=torch.int64, device=self.device)
+        self._h_used = 0
+        self._table_insert(keys, vals)
+
+    # ---- allocation ------------------------------------------------------------------------
+    def _alloc_nodes(self, n: int) -> torch.Tensor:
+        if n > len(self._free_nodes):
+            raise MemoryError(f"radix tree node capacity {self.max_nodes} exhausted (need {n} more nodes)")
+        ids = [self._free_nodes.pop() for _ in range(n)]
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def _alloc_tokens(self, n: int) -> int:
+        if self.top + n > self.token_capacity:
+            self.compact()
+        if self.top + n > self.token_capacity:
+            raise MemoryError(f"radix tree token capacity {self.token_capacity} exhausted (need {n} tokens)")
+        off = self.top
+        self.top += n
+        return off
+
+    def compact(self) -> None:
+        """Move the live token ranges to the front of the pool (one gather per array)."""
+        ids = torch.nonzero(self.alive & (self.key_len > 0)).flatten()
+        ids = ids[torch.argsort(self.key_off[ids])]
+        lens = self.key_len[ids]
+        new_off = torch.cumsum(lens, 0) - lens
+        total = int(lens.sum())
+        src = torch.repeat_interleave(self.key_off[ids] - new_off, lens) + torch.arange(total, device=self.device)
+        remap = torch.full((self.token_capacity,), -1, dtype=torch.int64, device=self.device)
+        remap[src] = torch.arange(total, device=self.device)
+        for name in ("tok", "val", "hsh", "owner"):
+            arr = getattr(self, name)
+            moved = arr[src].clone()
+            arr[:total] = moved
+            arr[total:] = -1 if name == "owner" else 0
+        self.key_off[ids] = new_off
+        live = self.hkeys >= 0
+        self.hvals[live] = remap[self.hvals[live]]
+        self.top = total
+
+    # ---- match (R-RC-4) --------------------------------------------------------------------
+    def _find(self, tokens, lengths, ns, chunk_hashes=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Matched length (page-aligned) and pool position of its last token (-1 for 0)."""
+        B = lengths.numel()
+        dev = self.device
+        Lq = lengths // self.P * self.P
+        nch = Lq // self.C
+        if chunk_hashes is None:
+            chunk_hashes = self.prefix_hashes(tokens, lengths, ns, self.C)
+        K = chunk_hashes.shape[1]
+        lo = torch.zeros(B, dtype=torch.int64, device=dev)
+        lo_pos = torch.full((B,), -1, dtype=torch.int64, device=dev)
+        hi = nch.clone()
+        rows = torch.arange(B, device=dev)
+        for _ in range(max(K, 1).bit_length()):
+            mid = (lo + hi + 1) // 2
+            go = mid > lo
+            h = chunk_hashes[rows, (mid - 1).clamp(0, max(K - 1, 0))] if K else torch.zeros(B, dtype=torch.int64, device=dev)
+            pos = self.lookup(h)
+            found = go & (pos >= 0)
+            lo = torch.where(found, mid, lo)
+            lo_pos = torch.where(found, pos, lo_pos)
+            hi = torch.where(go & ~found, mid - 1, hi)
+        # extend page by page inside the next chunk from the chunk-boundary hash
+        d = lo * self.C
+        seed_h = torch.where(lo > 0, chunk_hashes[rows, (lo - 1).clamp(0, max(K - 1, 0))] if K else lo, 0)
+        s1 = torch.where(lo > 0, seed_h >> 31, self._seed(ns, P1))
+        s2 = torch.where(lo > 0, seed_h & (2**31 - 1), self._seed(ns, P2))
+        alive = d + self.P <= Lq
+        pos_out = lo_pos
+        Lpad = tokens.shape[1]
+        for _ in range(self.chunk_pages - 1):
+            for j in range(self.P):
+                col = (d + j).clamp(max=max(Lpad - 1, 0))
+                t = tokens[rows, col].to(torch.int64) + 1 if Lpad else torch.zeros_like(d)
+                s1 = (s1 * self.B1 + t) % P1
+                s2 = (s2 * self.B2 + t) % P2
+            pos = self.lookup((s1 << 31) | s2)
+            ok = alive & (pos >= 0)
+            d = torch.where(ok, d + self.P, d)
+            pos_out = torch.where(ok, pos, pos_out)
+            alive = ok & (d + self.P <= Lq)
+        return d, pos_out
+
+    def match(self, tokens: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
+              chunk_hashes: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Batched R-RC-4 match, equal to matching the queries one by one in batch order.
+
+        Args:
+            tokens: int32 [B, L] padded queries (values past a query's length are ignored).
+            lengths: int64 [B] query lengths [tokens] (floored to P inside).
+            ns: int64 [B] namespace ids.
+            chunk_hashes: optional int64 [B, L // C] from `prefix_hashes(..., every=C)`,
+                precomputed once per request so that matching cost does not grow with length.
+        Returns:
+            (matched int64 [B] [tokens, multiples of P], last_node int64 [B]).
+        """
+        m, pos = self._find(tokens, lengths.to(torch.int64), ns.to(torch.int64), chunk_hashes)
+        return self._apply(m, pos)
+
+    def _apply(self, m: torch.Tensor, pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Splits and stamps of a batch whose matches (m, pos) were found on the old tree."""
+        B = m.numel()
+        dev = self.device
+        base_stamp, base_cid = self.clock + 1, self.next_cid
+        self.clock += B
+        self.next_cid += B
+        stamp = base_stamp + torch.arange(B, device=dev)
+        has = m > 0
+        X = torch.where(has, self.owner[pos.clamp(min=0)], torch.zeros_like(m))
+        cover = pos - self.key_off[X] + 1
+        interior = has & (cover < self.key_len[X])
+        idx = torch.nonzero(interior).flatten()
+        if idx.numel():
+            # rank of each interior request among those ending inside the same original node
+            order = torch.argsort(X[idx] * (B + 1) + idx)
+            idx = idx[order]
+            Xs = X[idx]
+            first = torch.ones_like(Xs, dtype=torch.bool)
+            first[1:] = Xs[1:] != Xs[:-1]
+            grp_start = torch.cummax(torch.where(first, torch.arange(idx.numel(), device=dev), torch.zeros_like(idx)), 0).values
+            rank = torch.arange(idx.numel(), device=dev) - grp_start
+            for r in range(int(rank.max()) + 1):
+                sel = idx[rank == r]
+                self._split_round(sel, pos[sel], stamp[sel], base_cid + sel)
+        last = torch.where(has, self.owner[pos.clamp(min=0)], torch.zeros_like(m))
+        self._stamp_paths(last, stamp)
+        return m, last
+
+    def _split_round(self, req: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor, cid: torch.Tensor) -> None:
+        piece = self.owner[pos]
+        cover = pos - self.key_off[piece] + 1
+        cut = cover < self.key_len[piece]  # else an earlier request already cut here
+        piece, cover, stamp, cid = piece[cut], cover[cut], stamp[cut], cid[cut]
+        n = piece.numel()
+        if n == 0:
+            return
+        head = self._alloc_nodes(n)
+        self.parent[head] = self.parent[piece]
+        self.key_off[head] = self.key_off[piece]
+        self.key_len[head] = cover
+        self.start[head] = self.start[piece]
+        self.lock_ref[head] = self.lock_ref[piece]
+        self.last_access[head] = stamp
+        self.cid[head] = cid
+        self.order[head] = self.order[piece]
+        self.ns[head] = self.ns[piece]
+        self.nchild[head] = 1
+        self.alive[head] = True
+        rng = torch.repeat_interleave(self.key_off[piece], cover) + (
+            torch.arange(int(cover.sum()), device=self.device)
+            - torch.repeat_interleave(torch.cumsum(cover, 0) - cover, cover))
+        self.owner[rng] = torch.repeat_interleave(head, cover)
+        self.key_off[piece] += cover
+        self.key_len[piece] -= cover
+        self.start[piece] += cover
+        self.parent[piece] = head
+        self.last_access[piece] = torch.maximum(self.last_access[piece], stamp)
+
+    def _stamp_paths(self, nodes: torch.Tensor, stamp: torch.Tensor) -> None:
+        cur = nodes.clone()
+        while cur.numel():
+            self.last_access.scatter_reduce_(0, cur, stamp, reduce="amax")
+            nxt = self.parent[cur]
+            keep = nxt >= 0
+            cur, stamp = nxt[keep], stamp[keep]
+
+    # ---- insert (R-RC-5) -------------------------------------------------------------------
+    def insert(self, tokens: torch.Tensor, values: torch.Tensor, ns: int = 0) -> int:
+        """Insert one sequence (int32 tokens [L], int64 KV slots [L]) in namespace `ns`.
+
+        Returns the length already present [tokens] (R-RC-5); only floorP(L) tokens enter.
+        Raises MemoryError when node or token capacity is exhausted (before changing anything).
+        """
+        n = tokens.numel() // self.P * self.P
+        tokens = tokens[:n].to(self.device, torch.int32)
+        values = values[:n].to(self.device, torch.int64)
+        nsv = torch.tensor([ns], dtype=torch.int64, device=self.device)
+        h = self.prefix_hashes(tokens[None], torch.tensor([n], device=self.device), nsv, self.P)[0]
+        pos = self.lookup(h)
+        missing = torch.nonzero(pos < 0).flatten()
+        k = int(missing[0]) if missing.numel() else h.numel()  # pages present (monotone)
+        m = k * self.P
+        if m < n:
+            if len(self._free_nodes) < 2:
+                raise MemoryError(f"radix tree node capacity {self.max_nodes} exhausted")
+            if self.top + (n - m) > self.token_capacity and self._live_tokens() + (n - m) > self.token_capacity:
+                raise MemoryError(f"radix tree token capacity {self.token_capacity} exhausted")
+        mpos = pos[k - 1 : k] if k > 0 else torch.full((1,), -1, dtype=torch.int64, device=self.device)
+        _, last = self._apply(torch.tensor([m], device=self.device), mpos)
+        if m < n:
+            stamp = self.clock
+            off = self._alloc_tokens(n - m)
+            leaf = self._alloc_nodes(1)
+            sl = slice(off, off + n - m)
+            self.tok[sl] = tokens[m:]
+            self.val[sl] = values[m:]
+            full_h = self.prefix_hashes(tokens[None], torch.tensor([n], device=self.device), nsv, 1)[0]
+            self.hsh[sl] = full_h[m:]
+            self.owner[sl] = leaf
+            p = last[0]
+            self.parent[leaf] = p
+            self.key_off[leaf] = off
+            self.key_len[leaf] = n - m
+            self.start[leaf] = m
+            self.lock_ref[leaf] = 0
+            self.last_access[leaf] = stamp
+            self.cid[leaf] = self.next_cid
+            self.next_cid += 1
+            self.order[leaf] = self.next_order
+            self.next_order += 1
+            self.ns[leaf] = ns
+            self.nchild[leaf] = 0
+            self.nchild[p] += 1
+            self.alive[leaf] = True
+            page_ends = torch.arange(off + self.P - 1, off + n - m, self.P, device=self.device)
+            self._table_insert(self.hsh[page_ends], page_ends)
+            self.evictable_size += n - m
+        return m
+
+    def _live_tokens(self) -> int:
+        return int(self.key_len[self.alive].sum())
+
+    # ---- locks (R-RC-6) --------------------------------------------------------------------
+    def _path_counts(self, nodes: torch.Tensor) -> torch.Tensor:
+        cnt = torch.zeros_like(self.lock_ref)
+        cur = nodes[nodes > 0]
+        while cur.numel():
+            cnt.index_add_(0, cur, torch.ones_like(cur))
+            cur = self.parent[cur]
+            cur = cur[cur > 0]
+        return cnt
+
+    def lock(self, nodes: torch.Tensor) -> None:
+        """inc_lock_ref for each node (batched; node 0 = root is a no-op)."""
+        cnt = self._path_counts(nodes.to(self.device, torch.int64))
+        moved = (self.lock_ref == 0) & (cnt > 0)
+        delta = (self.key_len * moved).sum()
+        self.evictable_size -= delta
+        self.protected_size += delta
+        self.lock_ref += cnt
+
+    def unlock(self, nodes: torch.Tensor) -> None:
+        """dec_lock_ref for each node (batched). Raises RuntimeError on a negative lock_ref."""
+        cnt = self._path_counts(nodes.to(self.device, torch.int64))
+        if bool((self.lock_ref < cnt).any()):
+            raise RuntimeError("unlock below zero: lock_ref would become negative")
+        moved = (self.lock_ref == cnt) & (cnt > 0)
+        delta = (self.key_len * moved).sum()
+        self.evictable_size += delta
+        self.protected_size -= delta
+        self.lock_ref -= cnt
+
+    # ---- evict (R-RC-7) --------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> EvictResult:
+        """Evict unlocked leaves, oldest stamp first (ties: creation id, D4), parents joining
+        when they become unlocked leaves, until >= num_tokens are freed or none is left.
+
+        Parallel rounds: sort the current unlocked leaves; take the prefix up to the node that
+        reaches num_tokens or up to the first node whose removal turns its parent into a leaf
+        (the parent then joins the next round's sort) — exactly the heap order of the reference."""
+        dev = self.device
+        order_out, vals_out = [], []
+        freed = 0
+        while freed < num_tokens:
+            cand = torch.nonzero(self.alive & (self.nchild == 0) & (self.lock_ref == 0)).flatten()
+            cand = cand[cand != ROOT]
+            if cand.numel() == 0:
+                break
+            cand = cand[torch.argsort(self.cid[cand], stable=True)]
+            cand = cand[torch.argsort(self.last_access[cand], stable=True)]
+            cum = torch.cumsum(self.key_len[cand], 0)
+            reach = torch.nonzero(cum >= num_tokens - freed).flatten()
+            k = int(reach[0]) if reach.numel() else cand.numel() - 1
+            par = self.parent[cand]
+            posn = torch.arange(cand.numel(), device=dev)
+            cnt = torch.zeros_like(self.nchild).index_add_(0, par, torch.ones_like(par))
+            lastpos = torch.full_like(self.nchild, -1).scatter_reduce_(0, par, posn, reduce="amax")
+            becomes = (cnt == self.nchild) & (cnt > 0) & (self.lock_ref == 0)
+            becomes[ROOT] = False
+            if bool(becomes.any()):
+                k = min(k, int(lastpos[becomes].min()))
+            take = cand[: k + 1]
+            order_out.append(take)
+            freed += int(cum[k])
+            vals_out.append(self._remove(take))
+        nodes = torch.cat(order_out) if order_out else torch.zeros(0, dtype=torch.int64, device=dev)
+        vals = torch.cat(vals_out) if vals_out else torch.zeros(0, dtype=torch.int64, device=dev)
+        return EvictResult(nodes, vals, freed)
+
+    def _remove(self, nodes: torch.Tensor) -> torch.Tensor:
+        lens = self.key_len[nodes]
+        total = int(lens.sum())
+        rng = torch.repeat_interleave(self.key_off[nodes], lens) + (
+            torch.arange(total, device=self.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens))
+        vals = self.val[rng].clone()
+        page_ends = rng[(torch.arange(total, device=self.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)) % self.P == self.P - 1]
+        self._table_delete(self.hsh[page_ends])
+        self.owner[rng] = -1
+        self.nchild.index_add_(0, self.parent[nodes], -torch.ones_like(nodes))
+        self.alive[nodes] = False
+        self.parent[nodes] = -1
+        self.evictable_size -= total
+        self._free_nodes.extend(nodes.tolist())
+        return vals
+
+    # ---- inspection ------------------------------------------------------------------------
+    def node_prefix(self, node: int) -> Tuple[int, Tuple[int, ...]]:
+        """(namespace id, full token prefix) of a node: an id-free name for comparisons."""
+        parts = []
+        ns = int(self.ns[node])
+        while node > 0:
+            off, ln = int(self.key_off[node]), int(self.key_len[node])
+            parts.append(self.tok[off : off + ln].tolist())
+            node = int(self.parent[node])
+        return ns, tuple(t for part in reversed(parts) for t in part)
+
+    def triples(self) -> set:
+        """The tree as a set of ((ns, prefix), key length, lock_ref) over non-root nodes."""
+        out = set()
+        for n in torch.nonzero(self.alive).flatten().tolist():
+            if n != ROOT:
+                out.add((self.node_prefix(n), int(self.key_len[n]), int(self.lock_ref[n])))
+        return out
+
+    def check_integrity(self) -> None:
+        """Structure, counters and hash table against each other (AssertionError on failure)."""
+        alive = torch.nonzero(self.alive).flatten()
+        nodes = alive[alive != ROOT]
+        if nodes.numel():
+            par = self.parent[nodes]
+            assert bool(self.alive[par].all()), "a live node has a dead parent"
+            assert bool((self.start[nodes] == self.start[par] + self.key_len[par]).all()), "start != parent end"
+            assert bool((self.key_len[nodes] > 0).all()) and bool((self.key_len[nodes] % self.P == 0).all()), "bad key length"
+            assert bool((self.lock_ref[nodes] >= 0).all()), "negative lock_ref"
+            assert bool((self.lock_ref[nodes] <= torch.where(par == ROOT, self.lock_ref[nodes], self.lock_ref[par])).all()), "lock_ref above parent's"
+            assert bool((self.last_access[nodes] <= self.last_access[par]).all()), "stamp above parent's"
+            cnt = torch.zeros_like(self.nchild).index_add_(0, par, torch.ones_like(par))
+            assert torch.equal(cnt[self.alive], self.nchild[self.alive]), "nchild mismatch"
+            ev = int(self.key_len[nodes][self.lock_ref[nodes] == 0].sum())
+            pr = int(self.key_len[nodes][self.lock_ref[nodes] > 0].sum())
+        else:
+            ev = pr = 0
+        assert (ev, pr) == (int(self.evictable_size), int(self.protected_size)), (
+            f"evictable/protected {int(self.evictable_size)}/{int(self.protected_size)} != {ev}/{pr}")
+        live_entries = int((self.hkeys >= 0).sum())
+        assert live_entries == (ev + pr) // self.P, f"hash entries {live_entries} != pages {(ev + pr) // self.P}"
