@@ -260,6 +260,18 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return evicted
 
+    def evict_tokens(self, num_tokens: int) -> int:
+        """`evict` returning the evicted token count."""
+        return sum(len(n.key) for n in self.evict(num_tokens))
+
+    def path_values(self, node: Optional[TreeNode]) -> np.ndarray:
+        """KV slots of the path root..node, int64 [depth of node in tokens]."""
+        parts = []
+        while node is not None and node is not self.root:
+            parts.append(node.value)
+            node = node.parent
+        return np.concatenate(parts[::-1]) if parts else np.zeros(0, np.int64)
+
     # ---- inspection ------------------------------------------------------------------------
     def _nodes(self) -> Iterator[TreeNode]:
         stack = [self.root]

@@ -47,7 +47,7 @@ class ReferenceScheduler:
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         self.config = config
         self.pool = KVPool(kv_pool_size)
-        self.cache = RadixCache(self.pool, config.page_size, disable=config.disable_radix_cache)
+        self.cache = self._make_cache()
         if shuffle is None:
             rng = np.random.default_rng(config.random_seed)
             shuffle = lambda n: rng.permutation(n)  # noqa: E731
@@ -59,6 +59,9 @@ class ReferenceScheduler:
         self.batch_is_full = False
         self.reqs: Dict[str, ReqState] = {}
         self.now = 0.0
+
+    def _make_cache(self):
+        return RadixCache(self.pool, self.config.page_size, disable=self.config.disable_radix_cache)
 
     # ---- sizes -----------------------------------------------------------------------------
     @property
@@ -131,7 +134,7 @@ class ReferenceScheduler:
             plan.stop = "no_prefill_max_running"
             return self._close(plan)
         # R-STEP-2
-        order = order_queue(self.queue, cfg, self.cache, self.running, self.shuffle)
+        order = self._order()
         plan.ordered = True
         plan.active_policy = order.active_policy
         plan.queue_order = [r.rid for r in order.queue]
@@ -146,31 +149,8 @@ class ReferenceScheduler:
             if adder.add_chunked_req(self.chunked):
                 chunk_left = self.chunked
         # R-STEP-3
-        running_bs = len(self.running)
         batch_at_start = list(self.running)
-        stop = "queue_end"
-        for r in order.queue:
-            if adder.budget_state() is AddResult.OTHER:
-                stop = "budget_other"
-                break
-            if cap is not None and running_bs + len(adder.can_run) >= cap:
-                self.batch_is_full = True
-            if self.batch_is_full:
-                if not cfg.enable_priority_preemption:
-                    stop = "batch_full"
-                    break
-                self._rematch(r)  # D5: the need uses the re-matched extend length
-                if not adder.preempt_for(r, self._release):
-                    stop = "batch_full"
-                    break
-            self._rematch(r)
-            res = adder.add_one_req(r)
-            if res is not AddResult.CONTINUE:
-                if res is AddResult.NO_TOKEN:
-                    self.batch_is_full = bool(adder.can_run or self.running)
-                stop = "add_no_token" if res is AddResult.NO_TOKEN else "add_other"
-                break
-        plan.stop = stop
+        plan.stop = self._admission_loop(order.queue, adder)
         # R-STEP-4
         admitted = {id(r) for r in adder.can_run}
         self.queue = [r for r in order.queue if id(r) not in admitted]
@@ -191,6 +171,40 @@ class ReferenceScheduler:
         plan.preempt_evicted_tokens = adder.preempt_evicted_tokens
         self.prefilling = list(adder.can_run)
         return self._close(plan)
+
+    def _order(self):
+        """R-STEP-2 ordering (R-ORD); device schedulers override it."""
+        return order_queue(self.queue, self.config, self.cache, self.running, self.shuffle)
+
+    def _admission_loop(self, queue: List[ReqState], adder: PrefillAdder) -> str:
+        """R-STEP-3 over the ordered queue; returns the stop reason. Device schedulers
+        override it with the parallel scan."""
+        cfg = self.config
+        cap = cfg.max_running_requests
+        running_bs = len(self.running)  # SGLang reads the batch size once, before the loop
+        stop = "queue_end"
+        for r in queue:
+            if adder.budget_state() is AddResult.OTHER:
+                stop = "budget_other"
+                break
+            if cap is not None and running_bs + len(adder.can_run) >= cap:
+                self.batch_is_full = True
+            if self.batch_is_full:
+                if not cfg.enable_priority_preemption:
+                    stop = "batch_full"
+                    break
+                self._rematch(r)  # D5: the need uses the re-matched extend length
+                if not adder.preempt_for(r, self._release):
+                    stop = "batch_full"
+                    break
+            self._rematch(r)
+            res = adder.add_one_req(r)
+            if res is not AddResult.CONTINUE:
+                if res is AddResult.NO_TOKEN:
+                    self.batch_is_full = bool(adder.can_run or self.running)
+                stop = "add_no_token" if res is AddResult.NO_TOKEN else "add_other"
+                break
+        return stop
 
     def _close(self, plan: PrefillPlan) -> PrefillPlan:
         plan.batch_is_full = self.batch_is_full
@@ -215,7 +229,7 @@ class ReferenceScheduler:
         need = remaining * RETRACT_DECODE_STEPS - self.pool.available
         if need <= 0:
             return 0
-        return sum(len(n.key) for n in self.cache.evict(need))
+        return self.cache.evict_tokens(need)
 
     def _release(self, r: ReqState, remaining: int) -> int:
         self._drop_kv(r)
@@ -232,13 +246,6 @@ class ReferenceScheduler:
             self.cache.evict(n - self.pool.available)
         return self.pool.alloc(n)
 
-    def _path_values(self, node: Optional[TreeNode]) -> np.ndarray:
-        parts = []
-        while node is not None and node is not self.cache.root:
-            parts.append(node.value)
-            node = node.parent
-        return np.concatenate(parts[::-1]) if parts else np.zeros(0, np.int64)
-
     def complete_prefill(self, first_tokens: Mapping[str, int]) -> None:
         """The engine ran the last plan's prefill: allocate KV for the extend ranges, cache the
         chunked request's prefilled part (R-DEC-3) and move finished prefills into the running
@@ -249,7 +256,7 @@ class ReferenceScheduler:
         for r in self.prefilling:
             if r.kv_len == 0 and r.extend_start > 0 or r.lock_node is not None and r.cached_len == 0 and r.kv_len == 0:
                 # fresh admission: its cached prefix is the locked path
-                vals = self._path_values(r.lock_node)
+                vals = self.cache.path_values(r.lock_node)
                 r.ensure_kv_capacity(r.fill_len + r.max_new + 1)
                 r.kv[: len(vals)] = vals
                 r.kv_len = r.cached_len = len(vals)
@@ -274,7 +281,7 @@ class ReferenceScheduler:
         if present > r.cached_len:
             self.pool.free(r.kv[r.cached_len : present].copy())
         m, node = self.cache.match_prefix(fill, r.req.extra_key)
-        r.kv[:m] = self._path_values(node)
+        r.kv[:m] = self.cache.path_values(node)
         if r.lock_node is not None:
             self.cache.dec_lock_ref(r.lock_node)
         self.cache.inc_lock_ref(node)
@@ -391,7 +398,7 @@ class ReferenceScheduler:
         self.cache.inc_lock_ref(node)
         st.lock_node = st.last_node = node
         st.ensure_kv_capacity(st.fill_len + st.max_new + 1)
-        st.kv[:m] = self._path_values(node)
+        st.kv[:m] = self.cache.path_values(node)
         st.kv[m:kv_len] = self.pool.alloc(kv_len - m)
         st.kv_len, st.cached_len = kv_len, m
         self.reqs[req.rid] = st
@@ -430,7 +437,7 @@ class ReferenceScheduler:
         parts = [self.pool.free_slots(), self.cache.cached_slots()]
         for r in holders:
             if r.lock_node is not None and r.kv_len:
-                path = self._path_values(r.lock_node)
+                path = self.cache.path_values(r.lock_node)
                 if r.cached_len != len(path) or not np.array_equal(r.kv[: r.cached_len], path):
                     raise AssertionError(f"request {r.rid!r}: cached slots differ from its locked path")
             parts.append(r.private_slots())
