@@ -178,33 +178,36 @@ class ReferenceScheduler:
 
     def _admission_loop(self, queue: List[ReqState], adder: PrefillAdder) -> str:
         """R-STEP-3 over the ordered queue; returns the stop reason. Device schedulers
-        override it with the parallel scan."""
+        override it with a parallel scan that calls `_admit_one` only at events."""
+        running_bs = len(self.running)  # SGLang reads the batch size once, before the loop
+        for r in queue:
+            stop = self._admit_one(r, adder, running_bs)
+            if stop is not None:
+                return stop
+        return "queue_end"
+
+    def _admit_one(self, r: ReqState, adder: PrefillAdder, running_bs: int) -> Optional[str]:
+        """One iteration of R-STEP-3 for request r; returns a stop reason or None."""
         cfg = self.config
         cap = cfg.max_running_requests
-        running_bs = len(self.running)  # SGLang reads the batch size once, before the loop
-        stop = "queue_end"
-        for r in queue:
-            if adder.budget_state() is AddResult.OTHER:
-                stop = "budget_other"
-                break
-            if cap is not None and running_bs + len(adder.can_run) >= cap:
-                self.batch_is_full = True
-            if self.batch_is_full:
-                if not cfg.enable_priority_preemption:
-                    stop = "batch_full"
-                    break
-                self._rematch(r)  # D5: the need uses the re-matched extend length
-                if not adder.preempt_for(r, self._release):
-                    stop = "batch_full"
-                    break
-            self._rematch(r)
-            res = adder.add_one_req(r)
-            if res is not AddResult.CONTINUE:
-                if res is AddResult.NO_TOKEN:
-                    self.batch_is_full = bool(adder.can_run or self.running)
-                stop = "add_no_token" if res is AddResult.NO_TOKEN else "add_other"
-                break
-        return stop
+        if adder.budget_state() is AddResult.OTHER:
+            return "budget_other"
+        if cap is not None and running_bs + len(adder.can_run) >= cap:
+            self.batch_is_full = True
+        if self.batch_is_full:
+            if not cfg.enable_priority_preemption:
+                return "batch_full"
+            self._rematch(r)  # D5: the need uses the re-matched extend length
+            if not adder.preempt_for(r, self._release):
+                return "batch_full"
+        self._rematch(r)
+        res = adder.add_one_req(r)
+        if res is AddResult.CONTINUE:
+            return None
+        if res is AddResult.NO_TOKEN:
+            self.batch_is_full = bool(adder.can_run or self.running)
+            return "add_no_token"
+        return "add_other"
 
     def _close(self, plan: PrefillPlan) -> PrefillPlan:
         plan.batch_is_full = self.batch_is_full
