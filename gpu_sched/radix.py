@@ -48,6 +48,7 @@ import torch
 P1, P2 = 2**31 - 1, 2147483629
 EMPTY, TOMB = -1, -2
 ROOT = 0
+BACKENDS = ("torch", "triton")
 
 
 def _pow_table(base: int, p: int, n: int) -> torch.Tensor:
@@ -80,10 +81,17 @@ class FlatRadixTree:
         chunk_pages: pages per hash chunk C/P (default: enough pages for 16 tokens).
         seed: draws the hash bases.
         max_probe: longest probe sequence of the hash table.
+        backend: "torch" (vectorised torch ops, any device) or "triton" (the kernels of
+            `gpu_sched.kernels.radix` for probes, match search, table inserts, split writes, path
+            stamps and lock counts, eviction ranking; CUDA tensors, or any device under
+            `TRITON_INTERPRET=1`). Results are identical; the public operations also take
+            `backend=` per call.
     """
 
     def __init__(self, page_size: int = 1, max_nodes: int = 1 << 14, token_capacity: int = 1 << 18,
-                 device="cpu", *, chunk_pages: Optional[int] = None, seed: int = 0, max_probe: int = 64):
+                 device="cpu", *, chunk_pages: Optional[int] = None, seed: int = 0, max_probe: int = 64,
+                 backend: str = "torch"):
+        self.backend = self._check_backend(backend)
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if max_nodes < 2:
@@ -116,6 +124,8 @@ class FlatRadixTree:
         self.hkeys = torch.full((H,), EMPTY, dtype=torch.int64, device=dev)
         self.hvals = torch.full((H,), -1, dtype=torch.int64, device=dev)
         self._h_used = 0  # live entries + tombstones
+        self._hclaim: Optional[torch.Tensor] = None  # claim buffer of the triton table insert
+        self._claim_tag = 0
         self.evictable_size = torch.zeros((), dtype=torch.int64, device=dev)
         self.protected_size = torch.zeros((), dtype=torch.int64, device=dev)
         # root
@@ -126,6 +136,23 @@ class FlatRadixTree:
         self.next_order = 1
         self.top = 0  # bump pointer of the token pool
         self._free_nodes: List[int] = list(range(N - 1, 0, -1))
+
+    # ---- backends --------------------------------------------------------------------------
+    @staticmethod
+    def _check_backend(backend: str) -> str:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        return backend
+
+    def _be(self, backend: Optional[str]) -> str:
+        """The backend of one call: the constructor's unless the call names one."""
+        return self.backend if backend is None else self._check_backend(backend)
+
+    @staticmethod
+    def _kernels():
+        from gpu_sched.kernels import radix as kernels  # imports triton: only when asked for
+
+        return kernels
 
     # ---- hashing ---------------------------------------------------------------------------
     def _ensure_pow(self, n: int) -> None:
@@ -165,8 +192,10 @@ class FlatRadixTree:
         return (out[0] << 31) | out[1]
 
     # ---- hash table ------------------------------------------------------------------------
-    def _probe(self, h: torch.Tensor) -> torch.Tensor:
+    def _probe(self, h: torch.Tensor, be: str = "torch") -> torch.Tensor:
         """Table slot of each hash, -1 if absent. h: int64 [n]."""
+        if be == "triton":
+            return self._kernels().probe(h.contiguous(), self.hkeys, self.hvals, self.max_probe)[0]
         H = self.hkeys.numel()
         slot = torch.full_like(h, -1)
         pos = h & (H - 1)
@@ -177,29 +206,49 @@ class FlatRadixTree:
             slot = torch.where(hit, pos, slot)
             active = active & ~hit & (k != EMPTY)
             pos = (pos + 1) & (H - 1)
+            if self.device.type == "cpu" and not bool(active.any()):
+                break  # nothing left to change; a free check on the host
         return slot
 
-    def lookup(self, h: torch.Tensor) -> torch.Tensor:
+    def lookup(self, h: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
         """Pool position stored for each prefix hash, -1 if absent."""
+        if self._be(backend) == "triton":
+            return self._kernels().probe(h.contiguous(), self.hkeys, self.hvals, self.max_probe)[1]
         slot = self._probe(h)
         return torch.where(slot >= 0, self.hvals[slot.clamp(min=0)], torch.full_like(h, -1))
 
-    def _table_insert(self, h: torch.Tensor, v: torch.Tensor) -> None:
+    def _table_insert(self, h: torch.Tensor, v: torch.Tensor, be: str = "torch") -> None:
+        """Insert absent keys. Round by round every pending key claims its slot if free; of
+        several claimants the largest index wins, the others move one slot on."""
         n = h.numel()
         if n == 0:
             return
         H = self.hkeys.numel()
         if (self._h_used + n) * 4 > H * 3:
-            self._rehash(extra=n)
+            self._rehash(extra=n, be=be)
             H = self.hkeys.numel()
+        if be == "triton":
+            if self._hclaim is None or self._hclaim.numel() != H:
+                self._hclaim = torch.full((H,), -1, dtype=torch.int64, device=self.device)
+                self._claim_tag = 0
+            ok, self._claim_tag = self._kernels().table_insert(
+                h.contiguous(), v.contiguous(), self.hkeys, self.hvals, self._hclaim, self._claim_tag, self.max_probe)
+            if not ok:
+                raise RuntimeError("prefix hash table: probe limit reached (table too full)")
+            self._h_used += n
+            return
         pos = h & (H - 1)
         pending = torch.ones(n, dtype=torch.bool, device=h.device)
         idx = torch.arange(n, device=h.device)
         for _ in range(self.max_probe):
             free = pending & (self.hkeys[pos] < 0)
-            claim = torch.full((H,), -1, dtype=torch.int64, device=h.device)
-            claim.scatter_(0, pos[free], idx[free])
-            won = free & (claim[pos] == idx)
+            fp, fi = pos[free], idx[free]
+            o = torch.argsort(fp * n + fi)  # by slot, then index: the last of each slot wins
+            fp, fi = fp[o], fi[o]
+            last = torch.ones_like(fp, dtype=torch.bool)
+            last[:-1] = fp[1:] != fp[:-1]
+            won = torch.zeros(n, dtype=torch.bool, device=h.device)
+            won[fi[last]] = True
             self.hkeys[pos[won]] = h[won]
             self.hvals[pos[won]] = v[won]
             pending = pending & ~won
@@ -210,13 +259,13 @@ class FlatRadixTree:
             raise RuntimeError("prefix hash table: probe limit reached (table too full)")
         self._h_used += n
 
-    def _table_delete(self, h: torch.Tensor) -> None:
-        slot = self._probe(h)
+    def _table_delete(self, h: torch.Tensor, be: str = "torch") -> None:
+        slot = self._probe(h, be)
         if bool((slot < 0).any()):
             raise RuntimeError("prefix hash table: deleting an absent entry")
         self.hkeys[slot] = TOMB
 
-    def _rehash(self, extra: int = 0) -> None:
+    def _rehash(self, extra: int = 0, be: str = "torch") -> None:
         live = self.hkeys >= 0
         keys, vals = self.hkeys[live], self.hvals[live]
         H = self.hkeys.numel()
@@ -225,7 +274,7 @@ class FlatRadixTree:
         self.hkeys = torch.full((H,), EMPTY, dtype=torch.int64, device=self.device)
         self.hvals = torch.full((H,), -1, dtype=torch.int64, device=self.device)
         self._h_used = 0
-        self._table_insert(keys, vals)
+        self._table_insert(keys, vals, be)
 
     # ---- allocation ------------------------------------------------------------------------
     def _alloc_nodes(self, n: int) -> torch.Tensor:
@@ -264,43 +313,73 @@ class FlatRadixTree:
         self.top = total
 
     # ---- match (R-RC-4) --------------------------------------------------------------------
-    def _find(self, tokens, lengths, ns, chunk_hashes=None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Matched length (page-aligned) and pool position of its last token (-1 for 0)."""
+    def _find(self, tokens, lengths, ns, chunk_hashes=None, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
+        """Matched length (page-aligned) and pool position of its last token (-1 for 0), for
+        padded queries: the CSR search below with row i starting at i * L."""
+        B, Lpad = tokens.shape
+        dev = self.device
+        if chunk_hashes is None:
+            chunk_hashes = self.prefix_hashes(tokens, lengths, ns, self.C)
+        K = chunk_hashes.shape[1]
+        rows = torch.arange(B, dtype=torch.int64, device=dev)
+        return self._find_csr(tokens.contiguous().reshape(-1), rows * Lpad, torch.full((B,), Lpad, device=dev),
+                              lengths, ns, chunk_hashes.contiguous().reshape(-1), rows * K,
+                              torch.full((B,), K, device=dev), K, be)
+
+    def _find_csr(self, tok, tok_start, tok_span, lengths, ns, ch, ch_start, ch_count, max_count: int,
+                  be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
+        """Matched length and last pool position of B queries in CSR form.
+
+        Row i reads tokens tok[tok_start[i] + c] for c < tok_span[i] (a read past the span is
+        clamped to its last token; it only feeds hashes of finished rows) and its boundary hashes
+        at depths C, 2C, ... from ch[ch_start[i] : ch_start[i] + ch_count[i]]. max_count >=
+        every ch_count (sets the number of binary-search steps, which do nothing once converged).
+        """
+        if be == "triton":
+            return self._kernels().find(
+                tok.contiguous(), tok_start.contiguous(), tok_span.contiguous(), lengths.contiguous(),
+                ns.contiguous(), ch.contiguous(), ch_start.contiguous(), ch_count.contiguous(), self.hkeys,
+                self.hvals, page_size=self.P, chunk_pages=self.chunk_pages, B1=self.B1, B2=self.B2,
+                max_probe=self.max_probe)
         B = lengths.numel()
         dev = self.device
         Lq = lengths // self.P * self.P
         nch = Lq // self.C
-        if chunk_hashes is None:
-            chunk_hashes = self.prefix_hashes(tokens, lengths, ns, self.C)
-        K = chunk_hashes.shape[1]
-        lo = torch.zeros(B, dtype=torch.int64, device=dev)
+        zero = torch.zeros(B, dtype=torch.int64, device=dev)
+
+        def chunk_hash(k):  # row i's boundary hash number k (clamped into the row; 0 if none)
+            if ch.numel() == 0:
+                return zero
+            k = torch.minimum(k.clamp(min=0), (ch_count - 1).clamp(min=0))
+            return torch.where(ch_count > 0, ch[(ch_start + k).clamp(0, ch.numel() - 1)], zero)
+
+        lo = zero.clone()
         lo_pos = torch.full((B,), -1, dtype=torch.int64, device=dev)
         hi = nch.clone()
-        rows = torch.arange(B, device=dev)
-        for _ in range(max(K, 1).bit_length()):
+        for _ in range(max(max_count, 1).bit_length()):
             mid = (lo + hi + 1) // 2
             go = mid > lo
-            h = chunk_hashes[rows, (mid - 1).clamp(0, max(K - 1, 0))] if K else torch.zeros(B, dtype=torch.int64, device=dev)
-            pos = self.lookup(h)
+            pos = self.lookup(chunk_hash(mid - 1), backend="torch")
             found = go & (pos >= 0)
             lo = torch.where(found, mid, lo)
             lo_pos = torch.where(found, pos, lo_pos)
             hi = torch.where(go & ~found, mid - 1, hi)
         # extend page by page inside the next chunk from the chunk-boundary hash
         d = lo * self.C
-        seed_h = torch.where(lo > 0, chunk_hashes[rows, (lo - 1).clamp(0, max(K - 1, 0))] if K else lo, 0)
+        seed_h = torch.where(lo > 0, chunk_hash(lo - 1), zero)
         s1 = torch.where(lo > 0, seed_h >> 31, self._seed(ns, P1))
         s2 = torch.where(lo > 0, seed_h & (2**31 - 1), self._seed(ns, P2))
         alive = d + self.P <= Lq
         pos_out = lo_pos
-        Lpad = tokens.shape[1]
+        last_col = (tok_span - 1).clamp(min=0)
         for _ in range(self.chunk_pages - 1):
             for j in range(self.P):
-                col = (d + j).clamp(max=max(Lpad - 1, 0))
-                t = tokens[rows, col].to(torch.int64) + 1 if Lpad else torch.zeros_like(d)
+                col = torch.minimum(d + j, last_col)
+                t = tok[(tok_start + col).clamp(0, max(tok.numel() - 1, 0))].to(torch.int64) + 1 if tok.numel() else zero
+                t = torch.where(tok_span > 0, t, zero)
                 s1 = (s1 * self.B1 + t) % P1
                 s2 = (s2 * self.B2 + t) % P2
-            pos = self.lookup((s1 << 31) | s2)
+            pos = self.lookup((s1 << 31) | s2, backend="torch")
             ok = alive & (pos >= 0)
             d = torch.where(ok, d + self.P, d)
             pos_out = torch.where(ok, pos, pos_out)
@@ -308,7 +387,8 @@ class FlatRadixTree:
         return d, pos_out
 
     def match(self, tokens: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
-              chunk_hashes: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+              chunk_hashes: Optional[torch.Tensor] = None, *,
+              backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Batched R-RC-4 match, equal to matching the queries one by one in batch order.
 
         Args:
@@ -317,13 +397,40 @@ class FlatRadixTree:
             ns: int64 [B] namespace ids.
             chunk_hashes: optional int64 [B, L // C] from `prefix_hashes(..., every=C)`,
                 precomputed once per request so that matching cost does not grow with length.
+            backend: "torch" or "triton" for this call (default: the tree's).
         Returns:
             (matched int64 [B] [tokens, multiples of P], last_node int64 [B]).
         """
-        m, pos = self._find(tokens, lengths.to(torch.int64), ns.to(torch.int64), chunk_hashes)
-        return self._apply(m, pos)
+        be = self._be(backend)
+        m, pos = self._find(tokens, lengths.to(torch.int64), ns.to(torch.int64), chunk_hashes, be)
+        return self._apply(m, pos, be)
 
-    def _apply(self, m: torch.Tensor, pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def match_csr(self, tokens: torch.Tensor, token_offsets: torch.Tensor, lengths: torch.Tensor,
+                  ns: torch.Tensor, chunk_hashes: torch.Tensor, chunk_offsets: torch.Tensor, *,
+                  backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`match` for queries stored as a flat token pool (the request table's CSR form): no
+        [B, max L] padding, and rows may share storage.
+
+        Args:
+            tokens: int32 [T]; query i is tokens[token_offsets[i] : token_offsets[i] + lengths[i]].
+            token_offsets, lengths, ns: int64 [B].
+            chunk_hashes: int64 [K]; query i's boundary hashes at depths C, 2C, ... (its
+                `prefix_hashes(t[None], len, ns, every=C)[0]`, lengths[i] // C of them) start at
+                chunk_offsets[i] (int64 [B]).
+        Returns:
+            as `match`.
+        """
+        be = self._be(backend)
+        lengths = lengths.to(self.device, torch.int64)
+        count = lengths // self.C
+        max_count = int(count.max()) if count.numel() else 0
+        m, pos = self._find_csr(tokens.to(self.device, torch.int32), token_offsets.to(self.device, torch.int64),
+                                lengths, lengths, ns.to(self.device, torch.int64),
+                                chunk_hashes.to(self.device, torch.int64),
+                                chunk_offsets.to(self.device, torch.int64), count, max_count, be)
+        return self._apply(m, pos, be)
+
+    def _apply(self, m: torch.Tensor, pos: torch.Tensor, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
         """Splits and stamps of a batch whose matches (m, pos) were found on the old tree."""
         B = m.numel()
         dev = self.device
@@ -347,12 +454,13 @@ class FlatRadixTree:
             rank = torch.arange(idx.numel(), device=dev) - grp_start
             for r in range(int(rank.max()) + 1):
                 sel = idx[rank == r]
-                self._split_round(sel, pos[sel], stamp[sel], base_cid + sel)
+                self._split_round(sel, pos[sel], stamp[sel], base_cid + sel, be)
         last = torch.where(has, self.owner[pos.clamp(min=0)], torch.zeros_like(m))
-        self._stamp_paths(last, stamp)
+        self._stamp_paths(last, stamp, be)
         return m, last
 
-    def _split_round(self, req: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor, cid: torch.Tensor) -> None:
+    def _split_round(self, req: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor, cid: torch.Tensor,
+                     be: str = "torch") -> None:
         piece = self.owner[pos]
         cover = pos - self.key_off[piece] + 1
         cut = cover < self.key_len[piece]  # else an earlier request already cut here
@@ -361,6 +469,19 @@ class FlatRadixTree:
         if n == 0:
             return
         head = self._alloc_nodes(n)
+        self._split_writes(piece, cover, stamp, cid, head, be)
+
+    def _node_arrays(self) -> List[torch.Tensor]:
+        return [self.parent, self.key_off, self.key_len, self.start, self.lock_ref, self.last_access, self.cid,
+                self.order, self.ns, self.nchild]
+
+    def _split_writes(self, piece, cover, stamp, cid, head, be: str = "torch") -> None:
+        """Cut each piece (distinct nodes) after `cover` tokens: `head` takes the front."""
+        if be == "triton":
+            self._kernels().split_apply(piece.contiguous(), cover.contiguous(), stamp.contiguous(),
+                                        cid.contiguous(), head.contiguous(), self._node_arrays(), self.alive,
+                                        self.owner)
+            return
         self.parent[head] = self.parent[piece]
         self.key_off[head] = self.key_off[piece]
         self.key_len[head] = cover
@@ -382,7 +503,10 @@ class FlatRadixTree:
         self.parent[piece] = head
         self.last_access[piece] = torch.maximum(self.last_access[piece], stamp)
 
-    def _stamp_paths(self, nodes: torch.Tensor, stamp: torch.Tensor) -> None:
+    def _stamp_paths(self, nodes: torch.Tensor, stamp: torch.Tensor, be: str = "torch") -> None:
+        if be == "triton":
+            self._kernels().stamp_paths(nodes.contiguous(), stamp.contiguous(), self.parent, self.last_access)
+            return
         cur = nodes.clone()
         while cur.numel():
             self.last_access.scatter_reduce_(0, cur, stamp, reduce="amax")
@@ -391,18 +515,20 @@ class FlatRadixTree:
             cur, stamp = nxt[keep], stamp[keep]
 
     # ---- insert (R-RC-5) -------------------------------------------------------------------
-    def insert(self, tokens: torch.Tensor, values: torch.Tensor, ns: int = 0) -> int:
+    def insert(self, tokens: torch.Tensor, values: torch.Tensor, ns: int = 0, *,
+               backend: Optional[str] = None) -> int:
         """Insert one sequence (int32 tokens [L], int64 KV slots [L]) in namespace `ns`.
 
         Returns the length already present [tokens] (R-RC-5); only floorP(L) tokens enter.
         Raises MemoryError when node or token capacity is exhausted (before changing anything).
         """
+        be = self._be(backend)
         n = tokens.numel() // self.P * self.P
         tokens = tokens[:n].to(self.device, torch.int32)
         values = values[:n].to(self.device, torch.int64)
         nsv = torch.tensor([ns], dtype=torch.int64, device=self.device)
         h = self.prefix_hashes(tokens[None], torch.tensor([n], device=self.device), nsv, self.P)[0]
-        pos = self.lookup(h)
+        pos = self.lookup(h, backend=be)
         missing = torch.nonzero(pos < 0).flatten()
         k = int(missing[0]) if missing.numel() else h.numel()  # pages present (monotone)
         m = k * self.P
@@ -412,7 +538,7 @@ class FlatRadixTree:
             if self.top + (n - m) > self.token_capacity and self._live_tokens() + (n - m) > self.token_capacity:
                 raise MemoryError(f"radix tree token capacity {self.token_capacity} exhausted")
         mpos = pos[k - 1 : k] if k > 0 else torch.full((1,), -1, dtype=torch.int64, device=self.device)
-        _, last = self._apply(torch.tensor([m], device=self.device), mpos)
+        _, last = self._apply(torch.tensor([m], device=self.device), mpos, be)
         if m < n:
             stamp = self.clock
             off = self._alloc_tokens(n - m)
@@ -439,7 +565,7 @@ class FlatRadixTree:
             self.nchild[p] += 1
             self.alive[leaf] = True
             page_ends = torch.arange(off + self.P - 1, off + n - m, self.P, device=self.device)
-            self._table_insert(self.hsh[page_ends], page_ends)
+            self._table_insert(self.hsh[page_ends], page_ends, be)
             self.evictable_size += n - m
         return m
 
@@ -447,7 +573,10 @@ class FlatRadixTree:
         return int(self.key_len[self.alive].sum())
 
     # ---- locks (R-RC-6) --------------------------------------------------------------------
-    def _path_counts(self, nodes: torch.Tensor) -> torch.Tensor:
+    def _path_counts(self, nodes: torch.Tensor, be: str = "torch") -> torch.Tensor:
+        """How many of the paths nodes[i]..root pass through each node (root excluded)."""
+        if be == "triton":
+            return self._kernels().path_counts(nodes.contiguous(), self.parent)
         cnt = torch.zeros_like(self.lock_ref)
         cur = nodes[nodes > 0]
         while cur.numel():
@@ -456,18 +585,18 @@ class FlatRadixTree:
             cur = cur[cur > 0]
         return cnt
 
-    def lock(self, nodes: torch.Tensor) -> None:
+    def lock(self, nodes: torch.Tensor, *, backend: Optional[str] = None) -> None:
         """inc_lock_ref for each node (batched; node 0 = root is a no-op)."""
-        cnt = self._path_counts(nodes.to(self.device, torch.int64))
+        cnt = self._path_counts(nodes.to(self.device, torch.int64), self._be(backend))
         moved = (self.lock_ref == 0) & (cnt > 0)
         delta = (self.key_len * moved).sum()
         self.evictable_size -= delta
         self.protected_size += delta
         self.lock_ref += cnt
 
-    def unlock(self, nodes: torch.Tensor) -> None:
+    def unlock(self, nodes: torch.Tensor, *, backend: Optional[str] = None) -> None:
         """dec_lock_ref for each node (batched). Raises RuntimeError on a negative lock_ref."""
-        cnt = self._path_counts(nodes.to(self.device, torch.int64))
+        cnt = self._path_counts(nodes.to(self.device, torch.int64), self._be(backend))
         if bool((self.lock_ref < cnt).any()):
             raise RuntimeError("unlock below zero: lock_ref would become negative")
         moved = (self.lock_ref == cnt) & (cnt > 0)
@@ -477,13 +606,14 @@ class FlatRadixTree:
         self.lock_ref -= cnt
 
     # ---- evict (R-RC-7) --------------------------------------------------------------------
-    def evict(self, num_tokens: int) -> EvictResult:
+    def evict(self, num_tokens: int, *, backend: Optional[str] = None) -> EvictResult:
         """Evict unlocked leaves, oldest stamp first (ties: creation id, D4), parents joining
         when they become unlocked leaves, until >= num_tokens are freed or none is left.
 
         Parallel rounds: sort the current unlocked leaves; take the prefix up to the node that
         reaches num_tokens or up to the first node whose removal turns its parent into a leaf
         (the parent then joins the next round's sort) — exactly the heap order of the reference."""
+        be = self._be(backend)
         dev = self.device
         order_out, vals_out = [], []
         freed = 0
@@ -497,10 +627,7 @@ class FlatRadixTree:
             cum = torch.cumsum(self.key_len[cand], 0)
             reach = torch.nonzero(cum >= num_tokens - freed).flatten()
             k = int(reach[0]) if reach.numel() else cand.numel() - 1
-            par = self.parent[cand]
-            posn = torch.arange(cand.numel(), device=dev)
-            cnt = torch.zeros_like(self.nchild).index_add_(0, par, torch.ones_like(par))
-            lastpos = torch.full_like(self.nchild, -1).scatter_reduce_(0, par, posn, reduce="amax")
+            cnt, lastpos = self._evict_rank(self.parent[cand], be)
             becomes = (cnt == self.nchild) & (cnt > 0) & (self.lock_ref == 0)
             becomes[ROOT] = False
             if bool(becomes.any()):
@@ -508,19 +635,28 @@ class FlatRadixTree:
             take = cand[: k + 1]
             order_out.append(take)
             freed += int(cum[k])
-            vals_out.append(self._remove(take))
+            vals_out.append(self._remove(take, be))
         nodes = torch.cat(order_out) if order_out else torch.zeros(0, dtype=torch.int64, device=dev)
         vals = torch.cat(vals_out) if vals_out else torch.zeros(0, dtype=torch.int64, device=dev)
         return EvictResult(nodes, vals, freed)
 
-    def _remove(self, nodes: torch.Tensor) -> torch.Tensor:
+    def _evict_rank(self, par: torch.Tensor, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per node: how many sorted candidates have it as parent, and the last such position."""
+        if be == "triton":
+            return self._kernels().evict_rank(par.contiguous(), self.max_nodes)
+        posn = torch.arange(par.numel(), device=self.device)
+        cnt = torch.zeros_like(self.nchild).index_add_(0, par, torch.ones_like(par))
+        lastpos = torch.full_like(self.nchild, -1).scatter_reduce_(0, par, posn, reduce="amax")
+        return cnt, lastpos
+
+    def _remove(self, nodes: torch.Tensor, be: str = "torch") -> torch.Tensor:
         lens = self.key_len[nodes]
         total = int(lens.sum())
         rng = torch.repeat_interleave(self.key_off[nodes], lens) + (
             torch.arange(total, device=self.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens))
         vals = self.val[rng].clone()
         page_ends = rng[(torch.arange(total, device=self.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)) % self.P == self.P - 1]
-        self._table_delete(self.hsh[page_ends])
+        self._table_delete(self.hsh[page_ends], be)
         self.owner[rng] = -1
         self.nchild.index_add_(0, self.parent[nodes], -torch.ones_like(nodes))
         self.alive[nodes] = False

@@ -26,7 +26,9 @@ def as_token_array(tokens, what: str) -> np.ndarray:
         if isinstance(tokens, (str, bytes)):
             raise TypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__}")
         arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype=np.int64)
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        # numpy silently turns True into 1 inside an int list: look for bools explicitly
+        has_bool = arr.dtype.kind == "b" or (arr.dtype.kind in "iu" and any(type(t) is bool for t in tokens))
+        if arr.ndim != 1 or arr.dtype.kind not in "iu" or has_bool:
             # slow path only to name the offending element
             for i, t in enumerate(tokens):
                 if isinstance(t, bool) or not isinstance(t, (int, np.integer)):

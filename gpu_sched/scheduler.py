@@ -113,9 +113,9 @@ class GpuScheduler(ReferenceScheduler):
                                          torch.tensor(dep, dtype=torch.bool, device=self.device), backend=be)
                 q = [q[i] for i in perm.tolist()]
             elif n:
-                parent, rank = self._child_ranks()
-                perm = dpolicy.dfs_weight_order(parent, rank, None,
-                                                self._col([r.last_node for r in q], torch.int64), backend=be)
+                parent, rank, remap = self._child_ranks()
+                last = remap[self._col([r.last_node for r in q], torch.int64)]
+                perm = dpolicy.dfs_weight_order(parent, rank, None, last, backend=be)
                 q = [q[i] for i in perm.tolist()]
             return OrderResult(policy, q, [r.num_matched for r in q], [r.rid for r in q if r.rid in dep_rids])
         if n == 0 or policy == "fcfs":  # fcfs here: the lpm fallback sorts nothing (R-ORD-2)
@@ -140,11 +140,16 @@ class GpuScheduler(ReferenceScheduler):
         return OrderResult(policy, q)
 
     def _child_ranks(self):
-        """(parent, child_rank) arrays of the tree for dfs-weight: siblings ranked by child order."""
+        """(parent, child_rank) over the live nodes only (compacted ids, root first) and the map
+        from tree ids to compacted ids, for dfs-weight: siblings ranked by child order."""
         t = self.cache.tree
-        N = t.parent.numel()
-        parent = torch.where(t.alive, t.parent, torch.full_like(t.parent, -1))
-        idx = torch.argsort(t.order, stable=True)
+        ids = torch.nonzero(t.alive).flatten()  # root (0) first
+        remap = torch.full_like(t.parent, -1)
+        remap[ids] = torch.arange(ids.numel(), device=self.device)
+        p = t.parent[ids]
+        parent = torch.where(p >= 0, remap[p.clamp(min=0)], -1)
+        N = ids.numel()
+        idx = torch.argsort(t.order[ids], stable=True)
         idx = idx[torch.argsort(parent[idx], stable=True)]
         ps = parent[idx]
         first = torch.ones(N, dtype=torch.bool, device=self.device)
@@ -153,7 +158,7 @@ class GpuScheduler(ReferenceScheduler):
         start = torch.cummax(torch.where(first, pos, torch.zeros_like(pos)), 0).values
         rank = torch.empty_like(pos)
         rank[idx] = pos - start
-        return parent, rank
+        return parent, rank, remap
 
     # ---- admission (R-STEP-3) as prefix-sum scans ------------------------------------------------
     def _admission_loop(self, queue: List[ReqState], adder) -> str:

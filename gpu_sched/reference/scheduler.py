@@ -319,6 +319,8 @@ class ReferenceScheduler:
             self._evict_shortfall(len(order))
         gone = {id(r) for r in out}
         self.running = [r for r in self.running if id(r) not in gone]
+        if out:
+            self.batch_is_full = False  # the batch shrank (as SGLang's update_running_batch)
         for r in out:
             self._requeue(r)
         return [r.rid for r in out]
@@ -365,6 +367,8 @@ class ReferenceScheduler:
             del self.reqs[rid]
         gone = set(rids)
         self.running = [r for r in self.running if r.rid not in gone]
+        if rids:
+            self.batch_is_full = False  # the batch shrank (as SGLang's update_running_batch)
 
     def abort(self, rids: Iterable[str]) -> None:
         """Drop requests wherever they are (queue, running, chunked); nothing is cached."""
@@ -380,7 +384,9 @@ class ReferenceScheduler:
                 self.chunked = None
             self._drop_kv(r)
             self.queue = [x for x in self.queue if x is not r]
-            self.running = [x for x in self.running if x is not r]
+            if any(x is r for x in self.running):
+                self.running = [x for x in self.running if x is not r]
+                self.batch_is_full = False
 
     # ---- state seeding (tests, conformance, engines restoring state) -----------------------
     def seed_cache(self, tokens, extra_key: Optional[str] = None) -> int:

@@ -1,0 +1,425 @@
+"""Ordering of the waiting queue on the device (SPEC.md section 3, R-ORD-4..11) as pure tensor
+functions.
+
+Inputs are column tensors of the waiting queue in its current order (length n); every function
+returns an int64 permutation `perm` [n] with `queue[perm]` the new order. Nothing here reads a
+value back to the host (no `.item()`, `.tolist()`, `.cpu()`, `nonzero`): sizes come from tensor
+shapes, and "no reordering" cases pick the identity with `torch.where` on the device.
+
+How the orders are built (one idea per policy):
+- Every key is made an int64 whose ascending order is the policy's order: a priority times
+  `sign = -1` is `~priority` (bitwise-not reverses every int64 order without overflowing on the
+  absent priorities -2^63 / 2^63-1); `-x` is `~x`; a float64 time becomes order-preserving int64
+  bits. Keys are computed by `gpu_sched.kernels.sort_keys` (backend "triton") or by the same
+  formulas in torch (backend "torch"); the two agree bit for bit.
+- A key that fits one int64 is sorted once with `torch.sort(stable=True)`: ties keep queue
+  order (R-ORD-11). Two full 64-bit parts (priority and time, priority and max-new) do not fit
+  one int64 together, so they are sorted least-significant part first, each sort stable (LSD):
+  two sorts, where rank-compressing both parts first would cost three.
+- routing-key packs (group, -count, rank) into one int64; lpm packs the deprioritized flag in.
+- In-batch deprioritization (R-ORD-9) is "first occurrence per (namespace, first T tokens)":
+  a stable sort by (group, head hash) and a compare with the sorted predecessor.
+- dfs-weight (R-ORD-10) is a post-order position per node from subtree weights and sibling
+  prefix sums, both computed by pointer jumping (see `gpu_sched.kernels.dfs_weight`) in
+  `(N-1).bit_length()` rounds, or `max_depth.bit_length()` given a depth bound, instead of one
+  round per tree level (a 10^5-deep chain takes 17 rounds); then one stable sort of the
+  requests by position.
+
+`backend="triton"` runs the key and tree passes as Triton kernels (CUDA tensors, or any tensors
+with `TRITON_INTERPRET=1` set before the kernels are imported); sorts and scans are torch's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .kernels._utils import check_tensor
+
+__all__ = [
+    "BACKENDS",
+    "fcfs_priority_order",
+    "lof_order",
+    "routing_key_order",
+    "random_order",
+    "lpm_order",
+    "in_batch_deprioritize",
+    "head_hashes",
+    "dfs_weight_order",
+]
+
+BACKENDS = ("torch", "triton")
+INT_DTYPES = (torch.int32, torch.int64)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# head hash: two polynomial hashes modulo the prime 2^31-1 with different bases, combined
+# into 62 bits; computed exactly (see head_hashes).
+_HASH_MOD = 2**31 - 1
+_HASH_BASES = (1000003, 998244353)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _kernels(backend: str, family: str):
+    """The kernel module of `family` for backend "triton", None for "torch"."""
+    if backend == "torch":
+        return None
+    if backend != "triton":
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if family == "sort_keys":
+        from .kernels import sort_keys as mod
+    else:
+        from .kernels import dfs_weight as mod
+    return mod
+
+
+def _check_sign(sign) -> int:
+    if isinstance(sign, bool) or sign not in (1, -1):
+        raise ValueError(f"sign must be +1 or -1, got {sign!r}")
+    return int(sign)
+
+
+def _stable_perm(key: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting `key` ascending, ties in index order."""
+    return torch.sort(key, stable=True).indices
+
+
+def _lex_perm(primary: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
+    """Stable permutation by (primary, secondary): two stable sorts, least significant first."""
+    p1 = _stable_perm(secondary)
+    return _take(p1, _stable_perm(_take(primary, p1)))
+
+
+def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t[idx] for 1-D t and int64 idx (index_select: cheaper than advanced indexing)."""
+    return t.index_select(0, idx)
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _time_bits(t: torch.Tensor) -> torch.Tensor:
+    """int64 with the order of t (float64 bits made monotone; -0.0 counts as +0.0)."""
+    if t.dtype != torch.float64:
+        return t.to(torch.int64)
+    t = torch.where(t == 0, torch.zeros_like(t), t)
+    b = _contig(t).view(torch.int64)
+    return torch.where(b < 0, b ^ INT64_MAX, b)
+
+
+# ---- R-ORD-4 fcfs with priority ------------------------------------------------------------------
+def fcfs_priority_order(priority: torch.Tensor, enqueue_time: torch.Tensor, sign: int,
+                        *, backend: str = "torch", block: Optional[int] = None) -> torch.Tensor:
+    """R-ORD-4 with priority scheduling on: stable order by `(priority * sign, enqueue_time)`.
+
+    Args:
+        priority: int64 (or int32) [n], absent priorities already resolved to the last possible
+            value (`+2^63-1` when low values go first, else `-2^63`; SPEC section 1).
+        enqueue_time: float64 [n] (no NaN) or int64 [n] (e.g. nanoseconds).
+        sign: +1 when low priority values go first, else -1.
+    Returns: int64 permutation [n].
+    """
+    sign = _check_sign(sign)
+    check_tensor("fcfs_priority_order", "priority", priority, INT_DTYPES, contiguous=False)
+    check_tensor("fcfs_priority_order", "enqueue_time", enqueue_time, (torch.float64,) + INT_DTYPES,
+                 numel=priority.numel(), device=priority.device, contiguous=False)
+    k = _kernels(backend, "sort_keys")
+    if k is None:
+        p = priority.to(torch.int64)
+        pk = p if sign > 0 else ~p
+        tk = _time_bits(enqueue_time)
+    else:
+        pk, tk = k.fcfs_keys(_contig(priority), _contig(enqueue_time), sign, block=block)
+    return _lex_perm(pk, tk)
+
+
+# ---- R-ORD-5 lof -------------------------------------------------------------------------------
+def lof_order(max_new_tokens: torch.Tensor, priority: Optional[torch.Tensor] = None, sign: int = -1,
+              *, backend: str = "torch", block: Optional[int] = None) -> torch.Tensor:
+    """R-ORD-5: stable order by `-max_new_tokens`, or by `(priority * sign, -max_new_tokens)`
+    when `priority` (int64 [n], absent ones resolved) is given (priority scheduling on)."""
+    where = "lof_order"
+    check_tensor(where, "max_new_tokens", max_new_tokens, INT_DTYPES, contiguous=False)
+    n = max_new_tokens.numel()
+    if priority is not None:
+        sign = _check_sign(sign)
+        check_tensor(where, "priority", priority, INT_DTYPES, numel=n, device=max_new_tokens.device,
+                     contiguous=False)
+    k = _kernels(backend, "sort_keys")
+    if k is None:
+        mk = ~max_new_tokens.to(torch.int64)
+        pk = None
+        if priority is not None:
+            p = priority.to(torch.int64)
+            pk = p if sign > 0 else ~p
+    else:
+        pk, mk = k.lof_keys(_contig(max_new_tokens), None if priority is None else _contig(priority),
+                            sign, block=block)
+    return _stable_perm(mk) if pk is None else _lex_perm(pk, mk)
+
+
+# ---- R-ORD-7 routing-key -------------------------------------------------------------------------
+def routing_key_order(key_id: torch.Tensor, key_rank: torch.Tensor, running_key_ids: torch.Tensor,
+                      empty_rank: int = -1, *, backend: str = "torch",
+                      block: Optional[int] = None) -> torch.Tensor:
+    """R-ORD-7: requests whose key is held by the running batch first (most running first),
+    then the others, each group by key string; identity when no running key is counted.
+
+    Args:
+        key_id: int32/int64 [n], the waiting requests' interned routing-key ids; -1 = absent.
+            The caller maps the empty string '' to -1 too: SGLang neither counts '' nor
+            absent keys, and sorts both as "" among the uncounted.
+        key_rank: int32/int64 [K], rank of each id's string in lexicographic order (equal
+            strings share one id; ranks in int32 range).
+        running_key_ids: int32/int64 [m], the running batch's key ids, -1 for absent or ''.
+        empty_rank: the rank "" sorts at: below every rank of a non-empty key (default -1).
+    Ids outside [0, K) count as absent. Returns: int64 permutation [n].
+    """
+    where = "routing_key_order"
+    check_tensor(where, "key_id", key_id, INT_DTYPES, contiguous=False)
+    dev = key_id.device
+    check_tensor(where, "key_rank", key_rank, INT_DTYPES, device=dev, contiguous=False)
+    check_tensor(where, "running_key_ids", running_key_ids, INT_DTYPES, device=dev, contiguous=False)
+    if isinstance(empty_rank, bool) or not isinstance(empty_rank, int) or not -(2**31) <= empty_rank < 2**31:
+        raise ValueError(f"{where}: empty_rank must be an int in int32 range, got {empty_rank!r}")
+    n, K, m = key_id.numel(), key_rank.numel(), running_key_ids.numel()
+    if m > 2**30:
+        raise ValueError(f"{where}: at most 2^30 running requests fit the packed key, got {m}")
+    k = _kernels(backend, "sort_keys")
+    if k is None:
+        r = running_key_ids.to(torch.int64)
+        slot = torch.where((r >= 0) & (r < K), r, K)
+        counts = torch.zeros(K + 1, dtype=torch.int64, device=dev).scatter_add_(0, slot, torch.ones_like(slot))
+        q = key_id.to(torch.int64)
+        valid = (q >= 0) & (q < K)
+        qs = torch.where(valid, q, K)
+        c = torch.where(valid, _take(counts, qs), 0)
+        ranks = torch.cat([key_rank.to(torch.int64), torch.full((1,), empty_rank, dtype=torch.int64, device=dev)])
+        rank = _take(ranks, qs)
+        g = torch.where(c > 0, m - c, m)
+        key = g * 2**32 + (rank + 2**31)
+    else:
+        counts = k.routing_counts(_contig(running_key_ids), K, block=block)
+        key = k.routing_keys(_contig(key_id), _contig(key_rank), counts, m, empty_rank, block=block)
+    any_counted = counts[:K].sum() > 0
+    return torch.where(any_counted, _stable_perm(key), torch.arange(n, device=dev))
+
+
+# ---- R-ORD-6 random ----------------------------------------------------------------------------
+def random_order(n: int, generator: torch.Generator, *, backend: str = "torch") -> torch.Tensor:
+    """R-ORD-6: a uniformly random permutation of n on the generator's device
+    (`torch.randperm`); the same seed gives the same permutation. Both backends use torch."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"random_order: n must be an int >= 0, got {n!r}")
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"random_order: generator must be a torch.Generator, got {type(generator).__name__}")
+    return torch.randperm(n, generator=generator, device=generator.device)
+
+
+# ---- R-ORD-8 lpm -------------------------------------------------------------------------------
+def lpm_order(matched: torch.Tensor, deprioritized: torch.Tensor,
+              *, backend: str = "torch", block: Optional[int] = None) -> torch.Tensor:
+    """R-ORD-8: stable order by `-matched` (capped match lengths, int32/int64 [n] >= 0), the
+    deprioritized requests (bool [n], R-ORD-9) last in queue order."""
+    where = "lpm_order"
+    check_tensor(where, "matched", matched, INT_DTYPES, contiguous=False)
+    check_tensor(where, "deprioritized", deprioritized, (torch.bool,), numel=matched.numel(),
+                 device=matched.device, contiguous=False)
+    k = _kernels(backend, "sort_keys")
+    if k is None:
+        key = torch.where(deprioritized, INT64_MAX, ~matched.to(torch.int64))
+    else:
+        key = k.lpm_keys(_contig(matched), _contig(deprioritized), block=block)
+    return _stable_perm(key)
+
+
+# ---- R-ORD-9 in-batch deprioritization -----------------------------------------------------------
+def head_hashes(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """int64 [n]: a 62-bit hash of each row's first T tokens (T = tokens.shape[1]).
+
+    tokens int32 [n, T], ids in [0, 2^31-1] (row i: the first min(len_i, T) fill tokens,
+    then any padding);
+    lengths int [n]. Positions at or past `lengths[i]` do not count, so padding never matters.
+    With x_t = token_t + 1 (0 for a position past the length) and p = 2^31 - 1:
+    `h_b = sum_t x_t * b^t mod p` for the two bases b, and the hash is `h_1 * 2^31 + h_2`.
+    Equal prefixes give equal hashes; two different ones collide with probability about
+    (T/2^31)^2 over the bases.
+    """
+    where = "head_hashes"
+    check_tensor(where, "tokens", tokens, INT_DTYPES, ndim=2, contiguous=False)
+    n, T = tokens.shape
+    check_tensor(where, "lengths", lengths, INT_DTYPES, numel=n, device=tokens.device, contiguous=False)
+    dev = tokens.device
+    M = _HASH_MOD
+    pos = torch.arange(T, device=dev)
+    # W[t, j] = base_j^t mod p, by square-and-multiply on the device (no host-to-device copy)
+    cols = []
+    for base in _HASH_BASES:
+        w = torch.ones(T, dtype=torch.int64, device=dev)
+        b = base
+        for bit in range(max(T - 1, 0).bit_length()):
+            w = torch.where((pos >> bit) & 1 == 1, w * b % M, w)
+            b = b * b % M
+        cols.append(w)
+    W = torch.stack(cols, dim=1).to(torch.float64)  # [T, 2], entries < 2^31
+    # x_t = token + 1 split into 16-bit limbs: x = lo + hi * 2^16 with lo <= 2^16, hi < 2^15.
+    # A limb times a weight is < 2^47, so a float64 matmul over up to 64 positions sums
+    # integers below 2^53: exact in any summation order; then reduce mod p in int64.
+    acc = torch.zeros((n, len(_HASH_BASES)), dtype=torch.int64, device=dev)
+    for c in range(0, T, 64):  # chunks of 64 positions bound the float64 sums and the memory
+        tok = tokens[:, c:c + 64]
+        live = pos[None, c:c + 64] < lengths.to(torch.int64)[:, None]
+        Wc = W[c:c + 64]
+        s_lo = (torch.where(live, (tok & 0xFFFF) + 1, 0).to(torch.float64) @ Wc).to(torch.int64) % M
+        s_hi = (torch.where(live, tok >> 16, 0).to(torch.float64) @ Wc).to(torch.int64) % M
+        acc = (acc + s_lo + (s_hi << 16)) % M  # each term < 2^47
+    return acc[:, 0] * 2**31 + acc[:, 1]
+
+
+def in_batch_deprioritize(prefix_len: torch.Tensor, fill_len: torch.Tensor, namespace_id: torch.Tensor,
+                          head_hash: torch.Tensor, check_threshold: int, threshold: int,
+                          *, backend: str = "torch", block: Optional[int] = None) -> torch.Tensor:
+    """R-ORD-9 closed form, bool [n] in queue order.
+
+    Checked: `prefix_len <= check_threshold` (nobody when check_threshold == -1). Among
+    checked requests with `fill_len >= T` grouped by (namespace, first T tokens), the first in
+    queue order keeps its place and every later one is deprioritized; T == 0 deprioritizes
+    every checked request.
+
+    Args:
+        prefix_len, fill_len: int [n] (match length from R-ORD-8, len(fill)).
+        namespace_id: int [n] interned namespace (extra_key) ids; INT64_MIN is reserved.
+        head_hash: int64 [n], a hash of the first T fill tokens (`head_hashes`); only read
+            where fill_len >= T.
+        check_threshold: >= -1; threshold T >= 0 (host ints, from the config).
+    """
+    where = "in_batch_deprioritize"
+    check_tensor(where, "prefix_len", prefix_len, INT_DTYPES, contiguous=False)
+    n, dev = prefix_len.numel(), prefix_len.device
+    check_tensor(where, "fill_len", fill_len, INT_DTYPES, numel=n, device=dev, contiguous=False)
+    check_tensor(where, "namespace_id", namespace_id, INT_DTYPES, numel=n, device=dev, contiguous=False)
+    check_tensor(where, "head_hash", head_hash, (torch.int64,), numel=n, device=dev, contiguous=False)
+    for name, v, lo in (("check_threshold", check_threshold, -1), ("threshold", threshold, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= INT64_MAX:
+            raise ValueError(f"{where}: {name} must be an int in [{lo}, 2^63-1], got {v!r}")
+    k = _kernels(backend, "sort_keys")
+    if check_threshold == -1:  # nobody is checked (host-known: no sort needed)
+        return torch.zeros(n, dtype=torch.bool, device=dev)
+    if k is None:
+        pre = prefix_len.to(torch.int64)
+        checked = (pre <= check_threshold) & (check_threshold != -1)
+        eligible = checked & (fill_len.to(torch.int64) >= threshold)
+        a = torch.where(eligible, namespace_id.to(torch.int64), INT64_MIN)
+    else:
+        a, checked = k.deprio_group_keys(_contig(prefix_len), _contig(fill_len), _contig(namespace_id),
+                                         check_threshold, threshold, block=block)
+    if threshold == 0:
+        return checked
+    perm = _lex_perm(a, head_hash)
+    a_s, h_s = _take(a, perm), _take(head_hash.to(torch.int64), perm)
+    if k is not None:
+        return k.deprio_flags(a_s, h_s, perm, block=block)
+    later = torch.zeros(n, dtype=torch.bool, device=dev)
+    later[1:] = (a_s[1:] == a_s[:-1]) & (h_s[1:] == h_s[:-1])
+    later &= a_s != INT64_MIN
+    return torch.empty_like(later).scatter_(0, perm, later)
+
+
+# ---- R-ORD-10 dfs-weight ----------------------------------------------------------------------------
+def _sibling_offsets(parent: torch.Tensor, weight: torch.Tensor, skey: torch.Tensor,
+                     child_rank: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per node, the summed weight of the siblings ordered before it (heavier first, ties by
+    child_rank): a stable sort into sibling runs and a segmented exclusive prefix sum."""
+    N = parent.numel()
+    order = _stable_perm(skey) if child_rank is None else _lex_perm(skey, child_rank.to(torch.int64))
+    w_s = _take(weight, order)
+    p_s = _take(parent.to(torch.int64), order)
+    excl = torch.cumsum(w_s, 0) - w_s
+    idx = torch.arange(N, device=parent.device)
+    first = torch.ones(N, dtype=torch.bool, device=parent.device)
+    first[1:] = p_s[1:] != p_s[:-1]
+    seg0 = torch.cummax(torch.where(first, idx, 0), 0).values
+    off_s = excl - _take(excl, seg0)
+    return torch.empty_like(off_s).scatter_(0, order, off_s)
+
+
+def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Optional[torch.Tensor],
+                     last_node: torch.Tensor, *, max_depth: Optional[int] = None, backend: str = "torch",
+                     block: Optional[int] = None) -> torch.Tensor:
+    """R-ORD-10: depth-first from the root, heavier children first (ties: child order), each
+    node's own requests (queue order) after its descendants'. No recursion, no per-node loop.
+
+    Args:
+        parent: int [N], parent node index; -1 for the root, which is node 0. Other nodes with
+            parent -1 count as detached and must carry no requests.
+        child_rank: int [N], position of each node in its parent's child order, in [0, N).
+        depth: int [N] or None; only its shape is checked (the passes do not need it; kept so
+            callers holding a device tree pass what they have).
+        last_node: int [n], each waiting request's last matched node; -1 (no match) is the root.
+        max_depth: optional host bound on the tree depth: the passes take
+            `max_depth.bit_length()` rounds instead of `(N - 1).bit_length()`. A bound below the
+            true depth gives a wrong order (it is not checked: checking would sync).
+    Returns: int64 permutation [n].
+
+    weight = own requests in the subtree; start(v) = start(parent) + weights of the siblings
+    before v; v's own requests go to start(v) + weight(v) - own(v) onwards (post-order).
+    """
+    where = "dfs_weight_order"
+    check_tensor(where, "parent", parent, INT_DTYPES, contiguous=False)
+    N, dev = parent.numel(), parent.device
+    if N < 1:
+        raise ValueError(f"{where}: the tree needs at least the root (node 0), got N = 0")
+    check_tensor(where, "child_rank", child_rank, INT_DTYPES, numel=N, device=dev, contiguous=False)
+    if depth is not None:
+        check_tensor(where, "depth", depth, INT_DTYPES, numel=N, device=dev, contiguous=False)
+    check_tensor(where, "last_node", last_node, INT_DTYPES, device=dev, contiguous=False)
+    n = last_node.numel()
+    if max_depth is None:
+        rounds = (N - 1).bit_length()
+    elif isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
+        raise ValueError(f"{where}: max_depth must be an int >= 0, got {max_depth!r}")
+    else:
+        rounds = max_depth.bit_length()
+    # one packed sibling key (parent, -weight, child_rank) when it fits int64, else two sorts
+    pack_rank = (N + 1) * (n + 1) * N <= INT64_MAX
+    k = _kernels(backend, "dfs_weight")
+    p64 = parent.to(torch.int64)
+    if k is None:
+        ln = last_node.to(torch.int64)
+        ln = torch.where((ln >= 0) & (ln < N), ln, 0)
+        own = torch.zeros(N, dtype=torch.int64, device=dev).scatter_add_(0, ln, torch.ones_like(ln))
+        s, anc = own, p64
+        for _ in range(rounds):
+            up = anc >= 0
+            a = torch.where(up, anc, N)
+            s = torch.cat([s, s.new_zeros(1)]).scatter_add_(0, a, s)[:N]
+            anc = torch.where(up, _take(anc, a.clamp(max=N - 1)), -1)
+        weight = s
+        skey = (p64 + 1) * (n + 1) + (n - weight)
+        if pack_rank:
+            skey = skey * N + child_rank.to(torch.int64)
+        off = _sibling_offsets(parent, weight, skey, None if pack_rank else child_rank)
+        t, anc = off, p64
+        for _ in range(rounds):
+            up = anc >= 0
+            a = anc.clamp(min=0)
+            t = t + torch.where(up, _take(t, a), 0)
+            anc = torch.where(up, _take(anc, a), -1)
+        base = _take(t + weight - own, ln)
+    else:
+        ln = _contig(last_node)
+        own = k.own_counts(ln, N, block=block)
+        s, anc = own, _contig(p64)
+        for _ in range(rounds):
+            s, anc = k.weight_round(s, anc, block=block)
+        weight = s
+        skey = k.sibling_keys(_contig(parent), _contig(child_rank), weight, n, pack_rank=pack_rank, block=block)
+        off = _sibling_offsets(parent, weight, skey, None if pack_rank else child_rank)
+        t, anc = off, _contig(p64)
+        for _ in range(rounds):
+            t, anc = k.start_round(t, anc, block=block)
+        base = k.request_bases(ln, t, weight, own, block=block)
+    return _stable_perm(base)

@@ -1,0 +1,435 @@
+"""Triton kernels of the flattened radix tree (`gpu_sched.radix.FlatRadixTree`, SPEC.md section 2).
+
+Each kernel does the per-request (or per-key) work of one FlatRadixTree step; the tree keeps the
+host-side bookkeeping (node allocation, round counts) and chooses between these launchers and its
+torch code with `backend="torch" | "triton"`. Results are identical to the torch code, bit for bit
+(tests/test_kernels_radix.py):
+
+- `probe`: hash-table lookup. One program per block of queries; linear probing from
+  `h & (H-1)` for at most `max_probe` slots, stopping at the key or at an EMPTY slot (a tombstone
+  does not stop it). Gives the slot (-1 if absent) and the stored value.
+- `find`: the match search of `FlatRadixTree._find`. One program per block of requests: a binary
+  search over the chunk-boundary hashes (presence is monotone in depth), then page-by-page
+  extension inside the next chunk by rolling the two modular hashes from the chunk-boundary hash.
+  Queries come in CSR form (a flat token pool with per-row start and readable span, and a flat
+  chunk-hash pool with per-row start and count), so a padded [B, L] batch is the special case
+  start = i * L. Gives (matched length, pool position of its last token or -1).
+- `table_insert`: the claim/commit rounds of the open-addressing insert. Round r: every pending
+  key whose slot is free (EMPTY or TOMB) claims it with `atomic_max(claim[slot], tag + i)`; after
+  the launch boundary the claimant with the largest index wins and writes key and value, the
+  others step to the next slot. Tags grow across rounds and calls, so the claim buffer is never
+  cleared. Deterministic under real parallelism (the winner is a maximum, not a race).
+- `split_apply`: the writes of one split round (`FlatRadixTree._split_round`). One program per
+  request: the new head copies the piece's parent, key start, depth, lock count, child order and
+  namespace, takes the request's stamp and creation id; the piece keeps the tail under the head;
+  the head's token range is written to `owner` a block at a time. Requests of one round cut
+  different original nodes, so programs touch disjoint nodes and ranges.
+- `stamp_paths`: R-RC-4 / SPEC section 8 stamping. One program per block of requests walks each
+  node up to the root with `atomic_max` on `last_access`.
+- `path_counts`: lock counts (R-RC-6). Same walk with `atomic_add` of 1 per node, root excluded.
+- `evict_rank`: per-parent candidate count and largest candidate position of one eviction round
+  (R-RC-7), with `atomic_add` / `atomic_max`.
+
+Integer hashes use Python's modulo (Triton's `%` truncates like C, so a negative remainder is
+shifted by the modulus). Offsets are int64 throughout.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import block_config, check_int, check_launch_device, check_tensor, grid_1d
+
+P1, P2 = 2**31 - 1, 2147483629
+EMPTY = -1
+INT_DTYPES = (torch.int32, torch.int64)
+#: requests per program of the per-request kernels (their lanes loop, so keep blocks small)
+REQUEST_BLOCK = 128
+#: owner positions written per iteration by a split program
+FILL_BLOCK = 1024
+
+
+def _req_block(block: Optional[int]) -> Tuple[int, int]:
+    return block_config(REQUEST_BLOCK if block is None else block)
+
+
+# ---- shared device helpers ------------------------------------------------------------------------
+@triton.jit
+def _probe_slot(hkeys_ptr, h, active, H, max_probe):
+    """Slot of h in the table, -1 if absent or `active` is false (linear probing)."""
+    pos = h & (H - 1)
+    slot = tl.full(h.shape, -1, tl.int64)
+    it = 0
+    go = (it < max_probe) & (tl.max(active.to(tl.int32), axis=0) > 0)
+    while go:
+        k = tl.load(hkeys_ptr + pos, mask=active, other=-1)
+        slot = tl.where(active & (k == h), pos, slot)
+        active = active & (k != h) & (k != -1)
+        pos = (pos + 1) & (H - 1)
+        it += 1
+        go = (it < max_probe) & (tl.max(active.to(tl.int32), axis=0) > 0)
+    return slot
+
+
+# ---- probe --------------------------------------------------------------------------------------
+@triton.jit
+def _probe_kernel(h_ptr, hkeys_ptr, hvals_ptr, slot_ptr, val_ptr, n, H, max_probe, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    h = tl.load(h_ptr + offs, mask=mask, other=0)
+    slot = _probe_slot(hkeys_ptr, h, mask, H, max_probe)
+    val = tl.load(hvals_ptr + slot, mask=slot >= 0, other=-1)
+    tl.store(slot_ptr + offs, slot, mask=mask)
+    tl.store(val_ptr + offs, val, mask=mask)
+
+
+def _check_table(where: str, hkeys: torch.Tensor, hvals: torch.Tensor, dev) -> int:
+    check_tensor(where, "hkeys", hkeys, (torch.int64,), device=dev)
+    H = hkeys.numel()
+    if H < 1 or H & (H - 1):
+        raise ValueError(f"{where}: hkeys size must be a power of two, got {H}")
+    check_tensor(where, "hvals", hvals, (torch.int64,), numel=H, device=dev)
+    return H
+
+
+def probe(h: torch.Tensor, hkeys: torch.Tensor, hvals: torch.Tensor, max_probe: int,
+          *, block: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(slot, value) int64 [n] of each hash h (int64 [n]) in the open-addressing table
+    (hkeys, hvals) of power-of-two size; slot -1 and value -1 when absent within max_probe."""
+    where = "probe"
+    check_tensor(where, "h", h, (torch.int64,))
+    dev = check_launch_device(where, _probe_kernel, h)
+    H = _check_table(where, hkeys, hvals, dev)
+    check_int(where, "max_probe", max_probe, lo=1, hi=2**31 - 1)
+    n = h.numel()
+    BLOCK, warps = block_config(block)
+    slot = torch.empty(n, dtype=torch.int64, device=dev)
+    val = torch.empty(n, dtype=torch.int64, device=dev)
+    if n:
+        _probe_kernel[grid_1d(n, BLOCK)](h, hkeys, hvals, slot, val, n, H, max_probe, BLOCK=BLOCK, num_warps=warps)
+    return slot, val
+
+
+# ---- find (binary search + in-chunk extension) ----------------------------------------------------
+@triton.jit
+def _find_kernel(tok_ptr, tok_start_ptr, tok_span_ptr, len_ptr, ns_ptr, ch_ptr, ch_start_ptr, ch_cnt_ptr,
+                 hkeys_ptr, hvals_ptr, d_ptr, pos_ptr, n, H, max_probe, P, C, chunk_pages, B1, B2,
+                 BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    Lq = tl.load(len_ptr + offs, mask=mask, other=0) // P * P
+    cstart = tl.load(ch_start_ptr + offs, mask=mask, other=0)
+    ccnt = tl.load(ch_cnt_ptr + offs, mask=mask, other=0)
+    cmax = tl.maximum(ccnt - 1, 0)
+    # binary search for the deepest present chunk boundary
+    lo = tl.zeros([BLOCK], tl.int64)
+    lo_pos = tl.full([BLOCK], -1, tl.int64)
+    hi = Lq // C
+    go = mask & (lo < hi)
+    while tl.max(go.to(tl.int32), axis=0) > 0:
+        mid = (lo + hi + 1) // 2
+        idx = tl.minimum(tl.maximum(mid - 1, 0), cmax)
+        h = tl.load(ch_ptr + cstart + idx, mask=go & (ccnt > 0), other=0)
+        slot = _probe_slot(hkeys_ptr, h, go, H, max_probe)
+        pos = tl.load(hvals_ptr + slot, mask=slot >= 0, other=-1)
+        found = go & (pos >= 0)
+        lo = tl.where(found, mid, lo)
+        lo_pos = tl.where(found, pos, lo_pos)
+        hi = tl.where(go & ~found, mid - 1, hi)
+        go = mask & (lo < hi)
+    # extend page by page inside the next chunk, rolling the hash from the boundary
+    d = lo * C
+    sidx = tl.minimum(tl.maximum(lo - 1, 0), cmax)
+    seed_h = tl.load(ch_ptr + cstart + sidx, mask=mask & (lo > 0) & (ccnt > 0), other=0)
+    nsv = tl.load(ns_ptr + offs, mask=mask, other=0)
+    seed = nsv * 1000003 + 12345
+    r1 = seed % 2147483647
+    r2 = seed % 2147483629
+    s1 = tl.where(lo > 0, seed_h >> 31, tl.where(r1 < 0, r1 + 2147483647, r1))
+    s2 = tl.where(lo > 0, seed_h & 2147483647, tl.where(r2 < 0, r2 + 2147483629, r2))
+    tstart = tl.load(tok_start_ptr + offs, mask=mask, other=0)
+    tspan = tl.load(tok_span_ptr + offs, mask=mask, other=0)
+    tlast = tl.maximum(tspan - 1, 0)
+    alive = mask & (d + P <= Lq)
+    pos_out = lo_pos
+    it = 0
+    go2 = (it < chunk_pages - 1) & (tl.max(alive.to(tl.int32), axis=0) > 0)
+    while go2:
+        for j in range(P):
+            col = tl.minimum(d + j, tlast)
+            t = tl.load(tok_ptr + tstart + col, mask=alive & (tspan > 0), other=-1).to(tl.int64) + 1
+            s1 = (s1 * B1 + t) % 2147483647
+            s2 = (s2 * B2 + t) % 2147483629
+            s1 = tl.where(s1 < 0, s1 + 2147483647, s1)  # Python's modulo: t may be negative
+            s2 = tl.where(s2 < 0, s2 + 2147483629, s2)
+        slot = _probe_slot(hkeys_ptr, (s1 << 31) | s2, alive, H, max_probe)
+        pos = tl.load(hvals_ptr + slot, mask=slot >= 0, other=-1)
+        ok = alive & (pos >= 0)
+        d = tl.where(ok, d + P, d)
+        pos_out = tl.where(ok, pos, pos_out)
+        alive = ok & (d + P <= Lq)
+        it += 1
+        go2 = (it < chunk_pages - 1) & (tl.max(alive.to(tl.int32), axis=0) > 0)
+    tl.store(d_ptr + offs, d, mask=mask)
+    tl.store(pos_ptr + offs, pos_out, mask=mask)
+
+
+def find(tokens: torch.Tensor, tok_start: torch.Tensor, tok_span: torch.Tensor, lengths: torch.Tensor,
+         ns: torch.Tensor, chunk_hashes: torch.Tensor, ch_start: torch.Tensor, ch_count: torch.Tensor,
+         hkeys: torch.Tensor, hvals: torch.Tensor, *, page_size: int, chunk_pages: int, B1: int, B2: int,
+         max_probe: int, block: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(matched int64 [B], pool position int64 [B]) of `FlatRadixTree._find` for B queries.
+
+    tokens int32 [T] flat pool; row i reads tokens[tok_start[i] + c] for c < tok_span[i] (reads
+    past the span are clamped to its last token and only feed hashes of dead lanes).
+    lengths/ns int64 [B]; chunk_hashes int64 [K] flat pool, row i's boundary hashes at depths
+    C, 2C, ... are chunk_hashes[ch_start[i] : ch_start[i] + ch_count[i]] with
+    ch_count[i] >= floorP(lengths[i]) // C, C = page_size * chunk_pages.
+    """
+    where = "find"
+    check_tensor(where, "lengths", lengths, (torch.int64,))
+    dev = check_launch_device(where, _find_kernel, lengths)
+    B = lengths.numel()
+    check_tensor(where, "tokens", tokens, (torch.int32,), device=dev)
+    for name, t in (("tok_start", tok_start), ("tok_span", tok_span), ("ns", ns), ("ch_start", ch_start),
+                    ("ch_count", ch_count)):
+        check_tensor(where, name, t, (torch.int64,), numel=B, device=dev)
+    check_tensor(where, "chunk_hashes", chunk_hashes, (torch.int64,), device=dev)
+    H = _check_table(where, hkeys, hvals, dev)
+    check_int(where, "page_size", page_size, lo=1, hi=2**20)
+    check_int(where, "chunk_pages", chunk_pages, lo=1, hi=2**20)
+    check_int(where, "B1", B1, lo=0, hi=P1 - 1)
+    check_int(where, "B2", B2, lo=0, hi=P2 - 1)
+    check_int(where, "max_probe", max_probe, lo=1, hi=2**31 - 1)
+    BLOCK, warps = _req_block(block)
+    d = torch.empty(B, dtype=torch.int64, device=dev)
+    pos = torch.empty(B, dtype=torch.int64, device=dev)
+    if B == 0:
+        return d, pos
+    # a zero-size pool still needs a valid address (every read of it is masked)
+    tok = tokens if tokens.numel() else torch.zeros(1, dtype=torch.int32, device=dev)
+    ch = chunk_hashes if chunk_hashes.numel() else torch.zeros(1, dtype=torch.int64, device=dev)
+    _find_kernel[grid_1d(B, BLOCK)](
+        tok, tok_start, tok_span, lengths, ns, ch, ch_start, ch_count, hkeys, hvals, d, pos,
+        B, H, max_probe, page_size, page_size * chunk_pages, chunk_pages, B1, B2,
+        BLOCK=BLOCK, num_warps=warps)
+    return d, pos
+
+
+# ---- table insert (claim / commit rounds) ---------------------------------------------------------
+@triton.jit
+def _claim_kernel(pos_ptr, pend_ptr, hkeys_ptr, claim_ptr, n, tag, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    pend = mask & (tl.load(pend_ptr + offs, mask=mask, other=0) != 0)
+    p = tl.load(pos_ptr + offs, mask=mask, other=0)
+    k = tl.load(hkeys_ptr + p, mask=pend, other=0)
+    free = pend & (k < 0)  # EMPTY or TOMB
+    tl.atomic_max(claim_ptr + p, tag + offs, mask=free)
+
+
+@triton.jit
+def _commit_kernel(h_ptr, v_ptr, pos_ptr, pend_ptr, hkeys_ptr, hvals_ptr, claim_ptr, left_ptr, n, H, tag,
+                   BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    pend = mask & (tl.load(pend_ptr + offs, mask=mask, other=0) != 0)
+    p = tl.load(pos_ptr + offs, mask=mask, other=0)
+    c = tl.load(claim_ptr + p, mask=pend, other=-1)
+    won = pend & (c == tag + offs)
+    tl.store(hkeys_ptr + p, tl.load(h_ptr + offs, mask=won, other=0), mask=won)
+    tl.store(hvals_ptr + p, tl.load(v_ptr + offs, mask=won, other=0), mask=won)
+    still = pend & ~won
+    tl.store(pend_ptr + offs, still.to(tl.int8), mask=mask)
+    tl.store(pos_ptr + offs, tl.where(still, (p + 1) & (H - 1), p), mask=mask)
+    tl.atomic_add(left_ptr, tl.sum(still.to(tl.int64), axis=0))
+
+
+def table_insert(h: torch.Tensor, v: torch.Tensor, hkeys: torch.Tensor, hvals: torch.Tensor,
+                 claim: torch.Tensor, tag_base: int, max_probe: int,
+                 *, block: Optional[int] = None) -> Tuple[bool, int]:
+    """Insert keys h (int64 [n], >= 0, absent from the table) with values v (int64 [n]) into
+    (hkeys, hvals) in place: at most max_probe claim/commit rounds, as `FlatRadixTree._table_insert`
+    (the largest index wins a contested slot). `claim` int64 [H] holds values below tag_base
+    (e.g. -1 when new). Returns (all placed, the next unused tag base). Reads one scalar per round."""
+    where = "table_insert"
+    check_tensor(where, "h", h, (torch.int64,))
+    dev = check_launch_device(where, _claim_kernel, h)
+    n = h.numel()
+    check_tensor(where, "v", v, (torch.int64,), numel=n, device=dev)
+    H = _check_table(where, hkeys, hvals, dev)
+    check_tensor(where, "claim", claim, (torch.int64,), numel=H, device=dev)
+    check_int(where, "tag_base", tag_base, lo=0, hi=2**62)
+    check_int(where, "max_probe", max_probe, lo=1, hi=2**31 - 1)
+    if n == 0:
+        return True, tag_base
+    BLOCK, warps = block_config(block)
+    grid = grid_1d(n, BLOCK)
+    pos = h & (H - 1)
+    pend = torch.ones(n, dtype=torch.int8, device=dev)
+    left = torch.zeros(1, dtype=torch.int64, device=dev)
+    tag = tag_base
+    for _ in range(max_probe):
+        _claim_kernel[grid](pos, pend, hkeys, claim, n, tag, BLOCK=BLOCK, num_warps=warps)
+        left.zero_()
+        _commit_kernel[grid](h, v, pos, pend, hkeys, hvals, claim, left, n, H, tag, BLOCK=BLOCK, num_warps=warps)
+        tag += n
+        if int(left) == 0:
+            return True, tag
+    return False, tag
+
+
+# ---- split round -------------------------------------------------------------------------------
+@triton.jit
+def _split_kernel(piece_ptr, cover_ptr, stamp_ptr, newcid_ptr, head_ptr,
+                  parent_ptr, key_off_ptr, key_len_ptr, start_ptr, lock_ptr, last_ptr, cid_ptr, order_ptr,
+                  ns_ptr, nchild_ptr, alive_ptr, owner_ptr, FILL: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    x = tl.load(piece_ptr + i)
+    c = tl.load(cover_ptr + i)
+    s = tl.load(stamp_ptr + i)
+    hd = tl.load(head_ptr + i)
+    off = tl.load(key_off_ptr + x)
+    st = tl.load(start_ptr + x)
+    tl.store(parent_ptr + hd, tl.load(parent_ptr + x))
+    tl.store(key_off_ptr + hd, off)
+    tl.store(key_len_ptr + hd, c)
+    tl.store(start_ptr + hd, st)
+    tl.store(lock_ptr + hd, tl.load(lock_ptr + x))
+    tl.store(last_ptr + hd, s)
+    tl.store(cid_ptr + hd, tl.load(newcid_ptr + i))
+    tl.store(order_ptr + hd, tl.load(order_ptr + x))
+    tl.store(ns_ptr + hd, tl.load(ns_ptr + x))
+    tl.store(nchild_ptr + hd, tl.full([], 1, tl.int64))
+    tl.store(alive_ptr + hd, tl.full([], 1, tl.int8))
+    hv = tl.full([FILL], 0, tl.int64) + hd
+    b = tl.zeros([], tl.int64)
+    while b < c:
+        o = b + tl.arange(0, FILL)
+        tl.store(owner_ptr + off + o, hv, mask=o < c)
+        b += FILL
+    tl.store(key_off_ptr + x, off + c)
+    tl.store(key_len_ptr + x, tl.load(key_len_ptr + x) - c)
+    tl.store(start_ptr + x, st + c)
+    tl.store(parent_ptr + x, hd)
+    tl.store(last_ptr + x, tl.maximum(tl.load(last_ptr + x), s))
+
+
+NODE_ARRAYS = ("parent", "key_off", "key_len", "start", "lock_ref", "last_access", "cid", "order", "ns", "nchild")
+
+
+def split_apply(piece: torch.Tensor, cover: torch.Tensor, stamp: torch.Tensor, new_cid: torch.Tensor,
+                head: torch.Tensor, nodes: Sequence[torch.Tensor], alive: torch.Tensor, owner: torch.Tensor,
+                *, block: Optional[int] = None) -> None:
+    """The writes of one split round, in place. Request i cuts node piece[i] after cover[i]
+    tokens (0 < cover < key_len) into the new node head[i] (the matched head, stamped stamp[i],
+    creation id new_cid[i]) and piece[i] (the tail, now under head[i]); the pieces must be
+    distinct. `nodes` = the int64 node arrays in `NODE_ARRAYS` order, `alive` bool [N],
+    `owner` int64 [T] (the head's token range is written with head[i])."""
+    where = "split_apply"
+    check_tensor(where, "piece", piece, (torch.int64,))
+    dev = check_launch_device(where, _split_kernel, piece)
+    n = piece.numel()
+    for name, t in (("cover", cover), ("stamp", stamp), ("new_cid", new_cid), ("head", head)):
+        check_tensor(where, name, t, (torch.int64,), numel=n, device=dev)
+    if len(nodes) != len(NODE_ARRAYS):
+        raise ValueError(f"{where}: nodes must be the {len(NODE_ARRAYS)} arrays {NODE_ARRAYS}, got {len(nodes)}")
+    N = alive.numel()
+    check_tensor(where, "alive", alive, (torch.bool,), device=dev)
+    for name, t in zip(NODE_ARRAYS, nodes):
+        check_tensor(where, name, t, (torch.int64,), numel=N, device=dev)
+    check_tensor(where, "owner", owner, (torch.int64,), device=dev)
+    FILL, warps = block_config(FILL_BLOCK if block is None else block)
+    if n == 0:
+        return
+    _split_kernel[(n,)](piece, cover, stamp, new_cid, head, *nodes, alive.view(torch.int8), owner,
+                        FILL=FILL, num_warps=warps)
+
+
+# ---- path walks: stamps and lock counts ------------------------------------------------------------
+@triton.jit
+def _stamp_paths_kernel(nodes_ptr, stamp_ptr, parent_ptr, last_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    cur = tl.load(nodes_ptr + offs, mask=mask, other=-1)
+    s = tl.load(stamp_ptr + offs, mask=mask, other=0)
+    active = mask & (cur >= 0)
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        tl.atomic_max(last_ptr + cur, s, mask=active)
+        cur = tl.load(parent_ptr + cur, mask=active, other=-1)
+        active = active & (cur >= 0)
+
+
+def stamp_paths(nodes: torch.Tensor, stamp: torch.Tensor, parent: torch.Tensor, last_access: torch.Tensor,
+                *, block: Optional[int] = None) -> None:
+    """last_access[v] = max(last_access[v], stamp[i]) for every node v on the path from
+    nodes[i] (>= 0) up to the root, in place (int64 throughout)."""
+    where = "stamp_paths"
+    check_tensor(where, "nodes", nodes, (torch.int64,))
+    dev = check_launch_device(where, _stamp_paths_kernel, nodes)
+    n = nodes.numel()
+    check_tensor(where, "stamp", stamp, (torch.int64,), numel=n, device=dev)
+    check_tensor(where, "parent", parent, (torch.int64,), device=dev)
+    check_tensor(where, "last_access", last_access, (torch.int64,), numel=parent.numel(), device=dev)
+    BLOCK, warps = _req_block(block)
+    if n:
+        _stamp_paths_kernel[grid_1d(n, BLOCK)](nodes, stamp, parent, last_access, n, BLOCK=BLOCK, num_warps=warps)
+
+
+@triton.jit
+def _path_counts_kernel(nodes_ptr, parent_ptr, cnt_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    cur = tl.load(nodes_ptr + offs, mask=mask, other=0)
+    active = mask & (cur > 0)
+    one = tl.full([BLOCK], 1, tl.int64)
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        tl.atomic_add(cnt_ptr + cur, one, mask=active)
+        cur = tl.load(parent_ptr + cur, mask=active, other=0)
+        active = active & (cur > 0)
+
+
+def path_counts(nodes: torch.Tensor, parent: torch.Tensor, *, block: Optional[int] = None) -> torch.Tensor:
+    """int64 [N]: how many of the paths nodes[i]..root pass through each node, root (0)
+    excluded; entries of `nodes` <= 0 contribute nothing."""
+    where = "path_counts"
+    check_tensor(where, "nodes", nodes, (torch.int64,))
+    dev = check_launch_device(where, _path_counts_kernel, nodes)
+    check_tensor(where, "parent", parent, (torch.int64,), device=dev)
+    n = nodes.numel()
+    BLOCK, warps = _req_block(block)
+    cnt = torch.zeros(parent.numel(), dtype=torch.int64, device=dev)
+    if n:
+        _path_counts_kernel[grid_1d(n, BLOCK)](nodes, parent, cnt, n, BLOCK=BLOCK, num_warps=warps)
+    return cnt
+
+
+# ---- eviction ranking ----------------------------------------------------------------------------
+@triton.jit
+def _evict_rank_kernel(par_ptr, cnt_ptr, lastpos_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    par = tl.load(par_ptr + offs, mask=mask, other=0)
+    tl.atomic_add(cnt_ptr + par, tl.full([BLOCK], 1, tl.int64), mask=mask)
+    tl.atomic_max(lastpos_ptr + par, offs, mask=mask)
+
+
+def evict_rank(par: torch.Tensor, num_nodes: int, *, block: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(count, last position) int64 [num_nodes]: for each node, how many entries of `par`
+    (the parents of the sorted eviction candidates, each in [0, num_nodes)) name it, and the
+    largest such position (-1 if none)."""
+    where = "evict_rank"
+    check_tensor(where, "par", par, (torch.int64,))
+    dev = check_launch_device(where, _evict_rank_kernel, par)
+    check_int(where, "num_nodes", num_nodes, lo=1, hi=2**62)
+    n = par.numel()
+    BLOCK, warps = block_config(block)
+    cnt = torch.zeros(num_nodes, dtype=torch.int64, device=dev)
+    lastpos = torch.full((num_nodes,), -1, dtype=torch.int64, device=dev)
+    if n:
+        _evict_rank_kernel[grid_1d(n, BLOCK)](par, cnt, lastpos, n, BLOCK=BLOCK, num_warps=warps)
+    return cnt, lastpos

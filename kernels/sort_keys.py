@@ -1,0 +1,270 @@
+"""Sort-key kernels of the ordering policies (SPEC.md section 3) and the first-occurrence flags
+of in-batch deprioritization (R-ORD-9).
+
+Every key is an int64 whose ascending order is the policy's order, so one stable
+`torch.sort` per key column orders the queue (the sort itself is torch's, not here):
+
+- fcfs (R-ORD-4): `pk = priority` (sign +1) or `~priority` (sign -1), `tk` = the enqueue time
+  as order-preserving int64 bits (for float64; ints are their own key). Bitwise-not reverses
+  the order of every int64 without overflow, so an absent priority (-2^63 / 2^63-1) is safe.
+- lof (R-ORD-5): `mk = ~max_new_tokens` (same order as `-max_new_tokens`), plus `pk`.
+- routing-key (R-ORD-7): one packed key `g * 2^32 + (rank + 2^31)` with `g = m - count` for a
+  request whose key is counted in the running batch (count >= 1) and `g = m` otherwise, where m
+  is the number of running keys: that is the order of `(0, -count, rank)` / `(1, 0, rank)`.
+- lpm (R-ORD-8): `INT64_MAX` when deprioritized, else `~matched`.
+- R-ORD-9 grouping: `a = namespace` for an eligible request (checked and fill >= T), else
+  `INT64_MIN`; after a stable sort by (a, head hash) a request is deprioritized when it is
+  eligible and its sorted predecessor has the same (a, hash).
+
+The torch backend in `gpu_sched.policy` computes the same keys with torch ops; tests hold the
+two equal. Each kernel is private; its launcher checks dtypes, shapes, contiguity and device.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import block_config, check_int, check_launch_device, check_tensor, grid_1d
+
+INT_DTYPES = (torch.int32, torch.int64)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+# ---- fcfs / lof ------------------------------------------------------------------------------
+@triton.jit
+def _order_bits(t, IS_FLOAT: tl.constexpr):
+    """An int64 with the order of `t` (float64: -0.0 counts as +0.0, like Python's ==)."""
+    if IS_FLOAT:
+        t = tl.where(t == 0.0, 0.0, t)
+        b = t.to(tl.int64, bitcast=True)
+        return tl.where(b < 0, b ^ 0x7FFFFFFFFFFFFFFF, b)
+    else:
+        return t.to(tl.int64)
+
+
+@triton.jit
+def _fcfs_keys_kernel(prio_ptr, time_ptr, pk_ptr, tk_ptr, n,
+                      NEGATE: tl.constexpr, TIME_IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    p = tl.load(prio_ptr + offs, mask=mask, other=0).to(tl.int64)
+    if NEGATE:
+        p = ~p
+    t = tl.load(time_ptr + offs, mask=mask, other=0)
+    tl.store(pk_ptr + offs, p, mask=mask)
+    tl.store(tk_ptr + offs, _order_bits(t, TIME_IS_FLOAT), mask=mask)
+
+
+def fcfs_keys(priority: torch.Tensor, enqueue_time: torch.Tensor, sign: int,
+              *, block: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(pk, tk) int64 [n]: the R-ORD-4 key `(priority*sign, enqueue_time)` as two columns.
+
+    priority int32/int64 [n]; enqueue_time float64/int32/int64 [n] (no NaN); sign +1 or -1.
+    """
+    where = "fcfs_keys"
+    check_tensor(where, "priority", priority, INT_DTYPES)
+    dev = check_launch_device(where, _fcfs_keys_kernel, priority)
+    n = priority.numel()
+    check_tensor(where, "enqueue_time", enqueue_time, (torch.float64,) + INT_DTYPES, numel=n, device=dev)
+    if sign not in (1, -1) or isinstance(sign, bool):
+        raise ValueError(f"{where}: sign must be +1 or -1, got {sign!r}")
+    BLOCK, warps = block_config(block)
+    pk = torch.empty(n, dtype=torch.int64, device=dev)
+    tk = torch.empty(n, dtype=torch.int64, device=dev)
+    _fcfs_keys_kernel[grid_1d(n, BLOCK)](
+        priority, enqueue_time, pk, tk, n,
+        NEGATE=sign < 0, TIME_IS_FLOAT=enqueue_time.dtype == torch.float64, BLOCK=BLOCK, num_warps=warps)
+    return pk, tk
+
+
+@triton.jit
+def _lof_keys_kernel(max_new_ptr, prio_ptr, mk_ptr, pk_ptr, n,
+                     HAS_PRIORITY: tl.constexpr, NEGATE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    m = tl.load(max_new_ptr + offs, mask=mask, other=0).to(tl.int64)
+    tl.store(mk_ptr + offs, ~m, mask=mask)
+    if HAS_PRIORITY:
+        p = tl.load(prio_ptr + offs, mask=mask, other=0).to(tl.int64)
+        if NEGATE:
+            p = ~p
+        tl.store(pk_ptr + offs, p, mask=mask)
+
+
+def lof_keys(max_new_tokens: torch.Tensor, priority: Optional[torch.Tensor] = None, sign: int = -1,
+             *, block: Optional[int] = None) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(pk or None, mk) int64 [n]: the R-ORD-5 key `(priority*sign, -max_new_tokens)`."""
+    where = "lof_keys"
+    check_tensor(where, "max_new_tokens", max_new_tokens, INT_DTYPES)
+    dev = check_launch_device(where, _lof_keys_kernel, max_new_tokens)
+    n = max_new_tokens.numel()
+    if priority is not None:
+        check_tensor(where, "priority", priority, INT_DTYPES, numel=n, device=dev)
+    if sign not in (1, -1) or isinstance(sign, bool):
+        raise ValueError(f"{where}: sign must be +1 or -1, got {sign!r}")
+    BLOCK, warps = block_config(block)
+    mk = torch.empty(n, dtype=torch.int64, device=dev)
+    pk = torch.empty(n, dtype=torch.int64, device=dev) if priority is not None else None
+    _lof_keys_kernel[grid_1d(n, BLOCK)](
+        max_new_tokens, priority if priority is not None else mk, mk, pk if pk is not None else mk, n,
+        HAS_PRIORITY=priority is not None, NEGATE=sign < 0, BLOCK=BLOCK, num_warps=warps)
+    return pk, mk
+
+
+# ---- routing-key ------------------------------------------------------------------------------
+@triton.jit
+def _routing_count_kernel(ids_ptr, counts_ptr, m, num_ids, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < m
+    k = tl.load(ids_ptr + offs, mask=mask, other=-1).to(tl.int64)
+    valid = (k >= 0) & (k < num_ids)
+    slot = tl.where(valid, k, num_ids)
+    tl.atomic_add(counts_ptr + slot, tl.full([BLOCK], 1, tl.int64), mask=mask)
+
+
+def routing_counts(running_key_ids: torch.Tensor, num_ids: int, *, block: Optional[int] = None) -> torch.Tensor:
+    """Histogram int64 [num_ids + 1] of the running batch's key ids; the last slot gathers
+    absent ids (-1) and ids outside [0, num_ids)."""
+    where = "routing_counts"
+    check_tensor(where, "running_key_ids", running_key_ids, INT_DTYPES)
+    dev = check_launch_device(where, _routing_count_kernel, running_key_ids)
+    check_int(where, "num_ids", num_ids, lo=0, hi=2**31 - 1)
+    m = running_key_ids.numel()
+    BLOCK, warps = block_config(block)
+    counts = torch.zeros(num_ids + 1, dtype=torch.int64, device=dev)
+    if m:
+        _routing_count_kernel[grid_1d(m, BLOCK)](running_key_ids, counts, m, num_ids, BLOCK=BLOCK, num_warps=warps)
+    return counts
+
+
+@triton.jit
+def _routing_keys_kernel(key_id_ptr, key_rank_ptr, counts_ptr, out_ptr, n, num_ids, m, empty_rank,
+                         BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    k = tl.load(key_id_ptr + offs, mask=mask, other=-1).to(tl.int64)
+    valid = mask & (k >= 0) & (k < num_ids)
+    c = tl.load(counts_ptr + k, mask=valid, other=0)
+    rank = tl.load(key_rank_ptr + k, mask=valid, other=0).to(tl.int64)
+    rank = tl.where(valid, rank, empty_rank)
+    g = tl.where(c > 0, m - c, m)
+    tl.store(out_ptr + offs, g * 4294967296 + (rank + 2147483648), mask=mask)
+
+
+def routing_keys(key_id: torch.Tensor, key_rank: torch.Tensor, counts: torch.Tensor, num_running: int,
+                 empty_rank: int, *, block: Optional[int] = None) -> torch.Tensor:
+    """Packed R-ORD-7 keys int64 [n] from the waiting key ids, the rank of each id, the running
+    histogram (`routing_counts`) and the number of running requests m (so `count <= m`)."""
+    where = "routing_keys"
+    check_tensor(where, "key_id", key_id, INT_DTYPES)
+    dev = check_launch_device(where, _routing_keys_kernel, key_id)
+    check_tensor(where, "key_rank", key_rank, INT_DTYPES, device=dev)
+    num_ids = key_rank.numel()
+    check_tensor(where, "counts", counts, (torch.int64,), numel=num_ids + 1, device=dev)
+    check_int(where, "num_running", num_running, lo=0, hi=2**30)
+    check_int(where, "empty_rank", empty_rank, lo=-(2**31), hi=2**31 - 1)
+    n = key_id.numel()
+    BLOCK, warps = block_config(block)
+    out = torch.empty(n, dtype=torch.int64, device=dev)
+    _routing_keys_kernel[grid_1d(n, BLOCK)](
+        key_id, key_rank if num_ids else counts, counts, out, n, num_ids, num_running, empty_rank,
+        BLOCK=BLOCK, num_warps=warps)
+    return out
+
+
+# ---- lpm ------------------------------------------------------------------------------------
+@triton.jit
+def _lpm_keys_kernel(matched_ptr, deprio_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(matched_ptr + offs, mask=mask, other=0).to(tl.int64)
+    d = tl.load(deprio_ptr + offs, mask=mask, other=0)
+    tl.store(out_ptr + offs, tl.where(d != 0, 0x7FFFFFFFFFFFFFFF, ~x), mask=mask)
+
+
+def lpm_keys(matched: torch.Tensor, deprioritized: torch.Tensor, *, block: Optional[int] = None) -> torch.Tensor:
+    """R-ORD-8 keys int64 [n]: INT64_MAX for a deprioritized request, else `~matched`."""
+    where = "lpm_keys"
+    check_tensor(where, "matched", matched, INT_DTYPES)
+    dev = check_launch_device(where, _lpm_keys_kernel, matched)
+    n = matched.numel()
+    check_tensor(where, "deprioritized", deprioritized, (torch.bool,), numel=n, device=dev)
+    BLOCK, warps = block_config(block)
+    out = torch.empty(n, dtype=torch.int64, device=dev)
+    _lpm_keys_kernel[grid_1d(n, BLOCK)](matched, deprioritized.view(torch.uint8), out, n,
+                                        BLOCK=BLOCK, num_warps=warps)
+    return out
+
+
+# ---- R-ORD-9 in-batch deprioritization ----------------------------------------------------------
+@triton.jit
+def _deprio_group_keys_kernel(prefix_ptr, fill_ptr, ns_ptr, a_ptr, checked_ptr, n,
+                              check_threshold, threshold, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    pre = tl.load(prefix_ptr + offs, mask=mask, other=0).to(tl.int64)
+    fill = tl.load(fill_ptr + offs, mask=mask, other=0).to(tl.int64)
+    ns = tl.load(ns_ptr + offs, mask=mask, other=0).to(tl.int64)
+    checked = (pre <= check_threshold) & (check_threshold != -1)
+    eligible = checked & (fill >= threshold)
+    tl.store(a_ptr + offs, tl.where(eligible, ns, -9223372036854775807 - 1), mask=mask)
+    tl.store(checked_ptr + offs, checked.to(tl.uint8), mask=mask)
+
+
+def deprio_group_keys(prefix_len: torch.Tensor, fill_len: torch.Tensor, namespace_id: torch.Tensor,
+                      check_threshold: int, threshold: int,
+                      *, block: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(a int64 [n], checked bool [n]) of R-ORD-9: `checked = check_threshold != -1 and
+    prefix_len <= check_threshold`; `a` = namespace id when checked and fill_len >= T, else
+    INT64_MIN (so a namespace id must not be INT64_MIN)."""
+    where = "deprio_group_keys"
+    check_tensor(where, "prefix_len", prefix_len, INT_DTYPES)
+    dev = check_launch_device(where, _deprio_group_keys_kernel, prefix_len)
+    n = prefix_len.numel()
+    check_tensor(where, "fill_len", fill_len, INT_DTYPES, numel=n, device=dev)
+    check_tensor(where, "namespace_id", namespace_id, INT_DTYPES, numel=n, device=dev)
+    check_int(where, "check_threshold", check_threshold, lo=-1, hi=INT64_MAX)
+    check_int(where, "threshold", threshold, lo=0, hi=INT64_MAX)
+    BLOCK, warps = block_config(block)
+    a = torch.empty(n, dtype=torch.int64, device=dev)
+    checked = torch.empty(n, dtype=torch.bool, device=dev)
+    _deprio_group_keys_kernel[grid_1d(n, BLOCK)](
+        prefix_len, fill_len, namespace_id, a, checked.view(torch.uint8), n, check_threshold, threshold,
+        BLOCK=BLOCK, num_warps=warps)
+    return a, checked
+
+
+@triton.jit
+def _first_occurrence_kernel(a_ptr, h_ptr, perm_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    has_prev = mask & (offs > 0)
+    a = tl.load(a_ptr + offs, mask=mask, other=0)
+    h = tl.load(h_ptr + offs, mask=mask, other=0)
+    a_prev = tl.load(a_ptr + offs - 1, mask=has_prev, other=0)
+    h_prev = tl.load(h_ptr + offs - 1, mask=has_prev, other=0)
+    later = has_prev & (a == a_prev) & (h == h_prev) & (a != -9223372036854775807 - 1)
+    dst = tl.load(perm_ptr + offs, mask=mask, other=0)
+    tl.store(out_ptr + dst, later.to(tl.uint8), mask=mask)
+
+
+def deprio_flags(a_sorted: torch.Tensor, hash_sorted: torch.Tensor, perm: torch.Tensor,
+                 *, block: Optional[int] = None) -> torch.Tensor:
+    """bool [n] in queue order: true where a request is eligible (`a != INT64_MIN`) and not the
+    first of its (a, hash) group. Inputs are stably sorted by (a, hash); `perm[j]` is the queue
+    index of sorted position j (a permutation: every queue index is written once)."""
+    where = "deprio_flags"
+    check_tensor(where, "a_sorted", a_sorted, (torch.int64,))
+    dev = check_launch_device(where, _first_occurrence_kernel, a_sorted)
+    n = a_sorted.numel()
+    check_tensor(where, "hash_sorted", hash_sorted, (torch.int64,), numel=n, device=dev)
+    check_tensor(where, "perm", perm, (torch.int64,), numel=n, device=dev)
+    BLOCK, warps = block_config(block)
+    out = torch.empty(n, dtype=torch.bool, device=dev)
+    _first_occurrence_kernel[grid_1d(n, BLOCK)](a_sorted, hash_sorted, perm, out.view(torch.uint8), n,
+                                                BLOCK=BLOCK, num_warps=warps)
+    return out

@@ -1,0 +1,290 @@
+"""SchedulerConfig and Request validation, and submit's all-or-nothing behaviour on bad input."""
+
+import math
+
+import numpy as np
+import pytest
+
+from gpu_sched import Request, SchedulerConfig
+from gpu_sched.config import INT64_MAX, INT64_MIN, POLICIES
+from gpu_sched.reference import ReferenceScheduler
+
+
+# ---- SchedulerConfig --------------------------------------------------------------------------
+def test_config_defaults_match_spec_section_1():
+    """SPEC section 1 defaults; D3: the plain constructor has no LPM fallback, the preset 128."""
+    c = SchedulerConfig()
+    assert c.schedule_policy == "fcfs"
+    assert c.page_size == 1
+    assert c.max_prefill_tokens == 16384
+    assert c.chunked_prefill_size == 8192
+    assert c.max_running_requests is None
+    assert c.enable_priority_scheduling is False
+    assert c.schedule_low_priority_values_first is False
+    assert c.priority_scheduling_preemption_threshold == 10
+    assert c.enable_priority_preemption is False
+    assert c.clip_max_new_tokens == 4096
+    assert c.in_batch_prefix_caching_check_threshold == 32
+    assert c.in_batch_prefix_caching_deprioritize_threshold == 32
+    assert c.lpm_fallback_queue_len is None  # D3
+    assert c.enable_mixed_chunk is False
+    assert c.prefill_max_requests is None
+    assert c.truncation_align_size is None
+    assert c.disable_radix_cache is False
+    assert c.schedule_conservativeness == 1.0
+    s = SchedulerConfig.sglang()
+    assert s.lpm_fallback_queue_len == 128  # D3: the SGLang-compatible preset
+    assert s.replace(lpm_fallback_queue_len=None) == c
+
+
+def test_config_derived_sign_absent_priority_and_effective_policy():
+    """SPEC section 0/1: sign +1 when low values go first; absent priority is the last possible;
+    R-ORD-1: a cache-aware policy with the cache disabled becomes fcfs."""
+    assert SchedulerConfig().priority_sign == -1
+    assert SchedulerConfig().absent_priority == -(2**63)
+    low = SchedulerConfig(schedule_low_priority_values_first=True)
+    assert low.priority_sign == 1
+    assert low.absent_priority == 2**63 - 1
+    assert SchedulerConfig(schedule_policy="lpm", disable_radix_cache=True).effective_policy == "fcfs"
+    assert SchedulerConfig(schedule_policy="dfs-weight", disable_radix_cache=True).effective_policy == "fcfs"
+    assert SchedulerConfig(schedule_policy="lof", disable_radix_cache=True).effective_policy == "lof"
+    assert SchedulerConfig(schedule_policy="lpm").effective_policy == "lpm"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_r_ord_1_every_policy_name_is_accepted(policy):
+    """R-ORD-1: the six policy names."""
+    assert SchedulerConfig(schedule_policy=policy).schedule_policy == policy
+
+
+BAD_FIELDS = [
+    # (field, value, exception)
+    ("schedule_policy", "longest", ValueError),  # R-ORD-1: any other name is an error
+    ("schedule_policy", "LPM", ValueError),
+    ("schedule_policy", 3, TypeError),
+    ("page_size", 0, ValueError),
+    ("page_size", -4, ValueError),
+    ("page_size", 4.0, TypeError),
+    ("page_size", True, TypeError),
+    ("page_size", None, TypeError),
+    ("max_prefill_tokens", 0, ValueError),
+    ("max_prefill_tokens", "16384", TypeError),
+    ("chunked_prefill_size", 0, ValueError),
+    ("chunked_prefill_size", 8192.5, TypeError),
+    ("max_running_requests", 0, ValueError),
+    ("max_running_requests", -1, ValueError),
+    ("enable_priority_scheduling", 1, TypeError),
+    ("schedule_low_priority_values_first", "yes", TypeError),
+    ("enable_mixed_chunk", None, TypeError),
+    ("disable_radix_cache", 0, TypeError),
+    ("priority_scheduling_preemption_threshold", 1.5, TypeError),
+    ("clip_max_new_tokens", -1, ValueError),
+    ("in_batch_prefix_caching_check_threshold", -2, ValueError),
+    ("in_batch_prefix_caching_deprioritize_threshold", -1, ValueError),
+    ("lpm_fallback_queue_len", -1, ValueError),
+    ("prefill_max_requests", 0, ValueError),
+    ("truncation_align_size", 0, ValueError),
+    ("truncation_align_size", 2.0, TypeError),
+    ("random_seed", "seed", TypeError),
+    ("schedule_conservativeness", 0, ValueError),
+    ("schedule_conservativeness", -0.5, ValueError),
+    ("schedule_conservativeness", float("nan"), ValueError),
+    ("schedule_conservativeness", float("inf"), ValueError),
+    ("schedule_conservativeness", "1.0", TypeError),
+    ("schedule_conservativeness", True, TypeError),
+]
+
+
+@pytest.mark.parametrize("field,value,exc", BAD_FIELDS, ids=[f"{f}={v!r}" for f, v, _ in BAD_FIELDS])
+def test_config_bad_field_names_field_and_value(field, value, exc):
+    """Every bad field raises ValueError/TypeError whose message names the field and the value."""
+    with pytest.raises(exc) as ei:
+        SchedulerConfig(**{field: value})
+    msg = str(ei.value)
+    assert field in msg
+    assert repr(value) in msg or str(value) in msg
+
+
+def test_config_bad_field_via_replace_and_preset():
+    with pytest.raises(ValueError, match="page_size"):
+        SchedulerConfig().replace(page_size=0)
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        SchedulerConfig.sglang(max_prefill_tokens=0)
+
+
+def test_config_preemption_needs_priority_scheduling():
+    """R-ADM-7 orders victims by priority: preemption without priority scheduling is refused."""
+    with pytest.raises(ValueError, match="enable_priority_preemption=True"):
+        SchedulerConfig(enable_priority_preemption=True)
+    ok = SchedulerConfig(enable_priority_preemption=True, enable_priority_scheduling=True)
+    assert ok.enable_priority_preemption
+
+
+def test_config_is_frozen():
+    c = SchedulerConfig()
+    with pytest.raises(Exception):
+        c.page_size = 4  # type: ignore[misc]
+
+
+def test_config_optional_fields_accept_none():
+    c = SchedulerConfig(chunked_prefill_size=None, max_running_requests=None, lpm_fallback_queue_len=None,
+                        prefill_max_requests=None, truncation_align_size=None)
+    assert c.chunked_prefill_size is None
+
+
+def test_scheduler_rejects_non_config():
+    with pytest.raises(TypeError, match="config"):
+        ReferenceScheduler({"page_size": 1}, 10)
+    with pytest.raises(ValueError, match="kv_pool_size"):
+        ReferenceScheduler(SchedulerConfig(), -1)
+
+
+# ---- Request ----------------------------------------------------------------------------------
+def test_request_normalises_fields():
+    r = Request("a", [1, 2, 3], 5, output_ids=np.array([7], np.int64), priority=np.int64(4), enqueue_time=2)
+    assert r.prompt_ids.dtype == np.int32 and list(r.prompt_ids) == [1, 2, 3]
+    assert not r.prompt_ids.flags.writeable
+    assert r.output_ids == [7]
+    assert r.priority == 4 and type(r.priority) is int
+    assert r.enqueue_time == 2.0
+    assert r.fill_len == 4
+    assert list(r.fill_ids()) == [1, 2, 3, 7]
+    # boundary token ids 0 and 2^31-1 are valid
+    assert list(Request("b", [0, 2**31 - 1], 0).prompt_ids) == [0, 2**31 - 1]
+    # int64 priority bounds are valid
+    assert Request("c", [1], 1, priority=INT64_MIN).priority == INT64_MIN
+    assert Request("d", [1], 1, priority=INT64_MAX).priority == INT64_MAX
+
+
+BAD_REQUESTS = [
+    # (kwargs, exception, words that must appear in the message)
+    (dict(max_new_tokens=-1), ValueError, ["max_new_tokens", "-1"]),
+    (dict(max_new_tokens=2.0), TypeError, ["max_new_tokens", "2.0"]),
+    (dict(max_new_tokens=True), TypeError, ["max_new_tokens", "True"]),
+    (dict(prompt_ids=[1, -1, 2]), ValueError, ["prompt_ids[1]", "-1"]),
+    (dict(prompt_ids=[1, 2**31]), ValueError, ["prompt_ids[1]", "2147483648"]),
+    (dict(prompt_ids=[2**64]), ValueError, ["prompt_ids[0]", str(2**64)]),
+    (dict(prompt_ids=np.array([5, 2**31], np.int64)), ValueError, ["prompt_ids[1]", "2147483648"]),
+    (dict(prompt_ids=np.array([1.0, 2.0])), TypeError, ["prompt_ids", "float64"]),
+    (dict(prompt_ids=[1, 1.5]), TypeError, ["prompt_ids[1]", "1.5"]),
+    (dict(prompt_ids=[1, "2"]), TypeError, ["prompt_ids[1]", "'2'"]),
+    (dict(prompt_ids=[1, None]), TypeError, ["prompt_ids[1]", "None"]),
+    (dict(prompt_ids=[True, False]), TypeError, ["prompt_ids[0]", "True"]),
+    (dict(prompt_ids="abc"), TypeError, ["prompt_ids", "str"]),
+    (dict(prompt_ids=[]), ValueError, ["prompt_ids", "0"]),
+    (dict(output_ids=[3, -2]), ValueError, ["output_ids[1]", "-2"]),
+    (dict(priority="high"), TypeError, ["priority", "'high'"]),
+    (dict(priority=1.5), TypeError, ["priority", "1.5"]),
+    (dict(priority=True), TypeError, ["priority", "True"]),
+    (dict(priority=2**63), ValueError, ["priority", str(2**63)]),
+    (dict(priority=-(2**63) - 1), ValueError, ["priority", str(-(2**63) - 1)]),
+    (dict(ignore_eos=1), TypeError, ["ignore_eos", "1"]),
+    (dict(return_logprob="no"), TypeError, ["return_logprob", "'no'"]),
+    (dict(routing_key=5), TypeError, ["routing_key", "5"]),
+    (dict(extra_key=b"ns"), TypeError, ["extra_key", "b'ns'"]),
+    (dict(logprob_start_len=1.0), TypeError, ["logprob_start_len", "1.0"]),
+    (dict(enqueue_time="now"), TypeError, ["enqueue_time", "'now'"]),
+    (dict(enqueue_time=float("nan")), ValueError, ["enqueue_time", "NaN"]),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,words", BAD_REQUESTS, ids=[repr(k)[:60] for k, _, _ in BAD_REQUESTS])
+def test_request_bad_field_names_field_and_value(kwargs, exc, words):
+    base = dict(rid="r1", prompt_ids=[1, 2, 3], max_new_tokens=4)
+    base.update(kwargs)
+    with pytest.raises(exc) as ei:
+        Request(**base)
+    msg = str(ei.value)
+    for w in words:
+        assert w in msg, (w, msg)
+    assert "'r1'" in msg  # the request is named
+
+
+def test_request_rejects_bool_token_mixed_with_ints():
+    """A bool is not a token id. `[True, False]` is refused (above); `[1, True]` must be too:
+    numpy turns the list into an int64 array and the bool slips through as token 1."""
+    with pytest.raises(TypeError, match=r"prompt_ids\[1\]"):
+        Request("r1", [1, True], 4)
+
+
+def test_request_bad_rid():
+    with pytest.raises(TypeError, match="rid"):
+        Request("", [1], 1)
+    with pytest.raises(TypeError, match="rid"):
+        Request(7, [1], 1)
+
+
+# ---- submit: all or nothing -------------------------------------------------------------------
+def _snapshot(s: ReferenceScheduler):
+    return ([r.rid for r in s.queue], s.available, s.evictable, s.protected, sorted(s.reqs), s.cache.clock)
+
+
+@pytest.fixture
+def loaded():
+    """A scheduler with a cached prefix, one running request and two queued ones."""
+    s = ReferenceScheduler(SchedulerConfig(), 100)
+    s.seed_cache([1, 2, 3, 4])
+    s.seed_running(Request("run", [1, 2, 3, 4, 5], 8, output_ids=[9], enqueue_time=0))
+    s.submit([Request("q1", [7, 8], 4), Request("q2", [9, 9, 9], 4)])
+    s.check_integrity()
+    return s
+
+
+def _bad_after_construction(kind):
+    r = Request("bad", [1, 2, 3], 4)
+    if kind == "neg_token":
+        r.prompt_ids = [1, -1]
+    elif kind == "big_token":
+        r.prompt_ids = [2**31]
+    elif kind == "float_token":
+        r.prompt_ids = [1.5]
+    elif kind == "empty_prompt":
+        r.prompt_ids = []
+    elif kind == "neg_max_new":
+        r.max_new_tokens = -3
+    elif kind == "bad_priority":
+        r.priority = "urgent"
+    return r
+
+
+@pytest.mark.parametrize("kind", ["neg_token", "big_token", "float_token", "empty_prompt", "neg_max_new",
+                                  "bad_priority"])
+def test_submit_bad_request_leaves_state_unchanged(loaded, kind):
+    """A record made bad after construction is caught by submit's validation; the good requests
+    before it in the same call are not queued either."""
+    before = _snapshot(loaded)
+    with pytest.raises((TypeError, ValueError)):
+        loaded.submit([Request("ok1", [5, 5], 2), _bad_after_construction(kind), Request("ok2", [6], 2)])
+    assert _snapshot(loaded) == before
+    loaded.check_integrity()
+
+
+def test_submit_duplicate_rid_within_one_call(loaded):
+    before = _snapshot(loaded)
+    with pytest.raises(ValueError, match="'dup'"):
+        loaded.submit([Request("dup", [5], 2), Request("x", [6], 2), Request("dup", [7], 2)])
+    assert _snapshot(loaded) == before
+
+
+@pytest.mark.parametrize("rid", ["q1", "run"])
+def test_submit_duplicate_rid_against_existing(loaded, rid):
+    """Against a queued request and against a running one."""
+    before = _snapshot(loaded)
+    with pytest.raises(ValueError, match=repr(rid)):
+        loaded.submit([Request("fresh", [5], 2), Request(rid, [6], 2)])
+    assert _snapshot(loaded) == before
+
+
+def test_submit_non_request(loaded):
+    before = _snapshot(loaded)
+    with pytest.raises(TypeError, match="Request"):
+        loaded.submit([Request("fresh", [5], 2), {"rid": "x"}])
+    assert _snapshot(loaded) == before
+
+
+def test_step_rejects_bad_ratio(loaded):
+    before = _snapshot(loaded)
+    for bad in (0.0, -0.1, 1.5, math.nan):
+        with pytest.raises(ValueError, match="new_token_ratio"):
+            loaded.step(bad)
+    assert _snapshot(loaded) == before

@@ -1,0 +1,287 @@
+"""Kernel tests of `gpu_sched.kernels.sort_keys` and `gpu_sched.kernels.dfs_weight`: every
+checked launcher against plain-Python values of the same formula, at sizes 0, 1, BLOCK-1,
+BLOCK, BLOCK+1 and a larger one, with tied and all-equal keys; exact integer equality; the
+failure message names the first differing index. On CPU the kernels run in Triton's
+interpreter: `TRITON_INTERPRET=1` is set below, before anything imports triton.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import random  # noqa: E402
+import struct  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from gpu_sched.kernels import dfs_weight as DW  # noqa: E402
+from gpu_sched.kernels import sort_keys as SK  # noqa: E402
+from gpu_sched.kernels._utils import DEFAULT_BLOCK, block_config, is_interpreted  # noqa: E402
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# (n, block): 0, 1, BLOCK-1, BLOCK, BLOCK+1 for two blocks, and a few blocks' worth
+SIZES = [(0, 16), (1, 16), (15, 16), (16, 16), (17, 16), (127, 128), (128, 128), (129, 128),
+         (300, 16), (300, None)]
+SIZE_IDS = [f"n{n}-b{b or DEFAULT_BLOCK}" for n, b in SIZES]
+
+
+def assert_equal(got, want, what):
+    got = [int(x) for x in (got.tolist() if isinstance(got, torch.Tensor) else got)]
+    want = [int(x) for x in (want.tolist() if isinstance(want, torch.Tensor) else want)]
+    assert len(got) == len(want), f"{what}: length {len(got)} != {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            raise AssertionError(f"{what}: first difference at index {i}: got {g}, want {w}")
+
+
+def order_bits(t: float) -> int:
+    """Python model of the float64 order key."""
+    if t == 0.0:
+        t = 0.0
+    b = struct.unpack("<q", struct.pack("<d", t))[0]
+    return b ^ INT64_MAX if b < 0 else b
+
+
+def test_kernels_are_interpreted_here():
+    assert is_interpreted(SK._fcfs_keys_kernel)
+
+
+def test_block_config():
+    assert block_config(None) == (DEFAULT_BLOCK, 4)
+    assert block_config(16) == (16, 4)
+    assert block_config(4096) == (4096, 8)
+    for bad in (0, 15, 24, 2**14):
+        with pytest.raises(ValueError, match="power of two"):
+            block_config(bad)
+    with pytest.raises(TypeError):
+        block_config(16.0)
+
+
+# ---- fcfs / lof ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+@pytest.mark.parametrize("sign", [1, -1])
+def test_fcfs_keys(n, block, sign):
+    rng = random.Random(n + sign)
+    prio = [rng.choice([INT64_MIN, INT64_MAX, -1, 0, 0, 5]) for _ in range(n)]
+    times = [rng.choice([0.0, -0.0, 1.5, -2.25, float("inf"), -float("inf"), 1e-300]) for _ in range(n)]
+    pk, tk = SK.fcfs_keys(torch.tensor(prio, dtype=torch.int64), torch.tensor(times, dtype=torch.float64),
+                          sign, block=block)
+    assert_equal(pk, [p if sign > 0 else ~p for p in prio], "pk")
+    assert_equal(tk, [order_bits(t) for t in times], "tk")
+    # the keys order like the Python values (ties included)
+    assert sorted(range(n), key=lambda i: (prio[i] * sign, times[i])) == sorted(
+        range(n), key=lambda i: (int(pk[i]), int(tk[i])))
+
+
+@pytest.mark.parametrize("n,block", SIZES[:6], ids=SIZE_IDS[:6])
+def test_fcfs_keys_integer_times_all_equal(n, block):
+    pk, tk = SK.fcfs_keys(torch.full((n,), 3, dtype=torch.int32), torch.full((n,), -9, dtype=torch.int64),
+                          -1, block=block)
+    assert_equal(pk, [~3] * n, "pk")
+    assert_equal(tk, [-9] * n, "tk")
+
+
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+@pytest.mark.parametrize("with_prio", [False, True])
+def test_lof_keys(n, block, with_prio):
+    rng = random.Random(n * 3 + with_prio)
+    max_new = [rng.choice([0, 1, 7, 7, 2**31 - 1]) for _ in range(n)]
+    prio = [rng.choice([INT64_MIN, 2, 2, INT64_MAX]) for _ in range(n)]
+    pk, mk = SK.lof_keys(torch.tensor(max_new, dtype=torch.int32),
+                         torch.tensor(prio, dtype=torch.int64) if with_prio else None, -1, block=block)
+    assert_equal(mk, [-m - 1 for m in max_new], "mk")
+    if with_prio:
+        assert_equal(pk, [~p for p in prio], "pk")
+    else:
+        assert pk is None
+
+
+# ---- routing-key -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+def test_routing_counts_and_keys(n, block):
+    rng = random.Random(n * 5)
+    K = 6
+    ranks = [4, 0, 5, 1, 3, 2]
+    running = [rng.choice([-1, 0, 2, 2, 5, 7]) for _ in range(n)]  # 7 is out of range: absent
+    counts = SK.routing_counts(torch.tensor(running, dtype=torch.int32), K, block=block)
+    want_counts = [sum(1 for r in running if r == k) for k in range(K)] + [sum(1 for r in running if not 0 <= r < K)]
+    assert_equal(counts, want_counts, "counts")
+    waiting = [rng.choice([-1, 0, 1, 2, 5, 9]) for _ in range(n)]
+    m = len(running)
+    keys = SK.routing_keys(torch.tensor(waiting, dtype=torch.int64), torch.tensor(ranks, dtype=torch.int32),
+                           counts, m, -1, block=block)
+
+    def want(k):
+        valid = 0 <= k < K
+        c = want_counts[k] if valid else 0
+        rank = ranks[k] if valid else -1
+        return (m - c if c > 0 else m) * 2**32 + rank + 2**31
+
+    assert_equal(keys, [want(k) for k in waiting], "keys")
+
+
+def test_routing_with_no_ids():
+    counts = SK.routing_counts(torch.tensor([-1, 3], dtype=torch.int32), 0, block=16)
+    assert_equal(counts, [2], "counts")
+    keys = SK.routing_keys(torch.tensor([-1, 0], dtype=torch.int32), torch.zeros(0, dtype=torch.int32), counts, 2, -1)
+    assert_equal(keys, [2 * 2**32 + 2**31 - 1] * 2, "keys")
+
+
+# ---- lpm -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+def test_lpm_keys(n, block):
+    rng = random.Random(n * 7)
+    matched = [rng.choice([0, 0, 3, 2**40]) for _ in range(n)]
+    dep = [rng.random() < 0.3 for _ in range(n)]
+    keys = SK.lpm_keys(torch.tensor(matched, dtype=torch.int64), torch.tensor(dep, dtype=torch.bool), block=block)
+    assert_equal(keys, [INT64_MAX if d else -x - 1 for x, d in zip(matched, dep)], "lpm keys")
+
+
+# ---- R-ORD-9 -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+@pytest.mark.parametrize("check,T", [(-1, 4), (0, 4), (5, 0), (5, 4), (2**40, 1)])
+def test_deprio_group_keys(n, block, check, T):
+    rng = random.Random(n * 11 + check + T)
+    pre = [rng.choice([0, 0, 3, 5, 6, 100]) for _ in range(n)]
+    fill = [rng.choice([1, 3, 4, 4, 9]) for _ in range(n)]
+    ns = [rng.choice([0, 1, 2**31 - 1, -(2**31)]) for _ in range(n)]
+    a, checked = SK.deprio_group_keys(torch.tensor(pre, dtype=torch.int32), torch.tensor(fill, dtype=torch.int64),
+                                      torch.tensor(ns, dtype=torch.int32), check, T, block=block)
+    want_checked = [check != -1 and p <= check for p in pre]
+    assert checked.dtype == torch.bool
+    assert_equal(checked, want_checked, "checked")
+    assert_equal(a, [s if c and f >= T else INT64_MIN for s, c, f in zip(ns, want_checked, fill)], "a")
+
+
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+def test_deprio_flags_first_occurrence(n, block):
+    rng = random.Random(n * 13)
+    a = [rng.choice([INT64_MIN, 0, 1, 1]) for _ in range(n)]
+    h = [rng.choice([5, 6, -(2**62)]) for _ in range(n)]
+    perm = sorted(range(n), key=lambda i: (a[i], h[i]))  # stable: queue order inside groups
+    seen, want = set(), [False] * n
+    for i in range(n):  # sequential definition: a later eligible member of a seen group
+        if a[i] == INT64_MIN:
+            continue
+        want[i] = (a[i], h[i]) in seen
+        seen.add((a[i], h[i]))
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    got = SK.deprio_flags(t([a[i] for i in perm]), t([h[i] for i in perm]), t(perm), block=block)
+    assert got.dtype == torch.bool
+    assert_equal(got, want, "deprio flags")
+
+
+def test_deprio_flags_all_equal():
+    n = 33
+    got = SK.deprio_flags(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
+                          torch.arange(n), block=16)
+    assert_equal(got, [False] + [True] * (n - 1), "all equal")
+
+
+# ---- dfs-weight passes -----------------------------------------------------------------------------
+def random_tree(N, rng):
+    parent = [-1] + [rng.randrange(max(0, i - 3), i) if rng.random() < 0.5 else rng.randrange(i) for i in range(1, N)]
+    kids = {}
+    rank = [0] * N
+    for v in range(1, N):
+        rank[v] = kids.get(parent[v], 0)
+        kids[parent[v]] = rank[v] + 1
+    return parent, rank
+
+
+def ancestors(parent, v):
+    out = []
+    while v >= 0:
+        out.append(v)
+        v = parent[v]
+    return out
+
+
+DFS_SIZES = [(1, 16), (2, 16), (15, 16), (16, 16), (17, 16), (129, 128), (300, 16)]
+
+
+@pytest.mark.parametrize("N,block", DFS_SIZES, ids=[f"N{N}-b{b}" for N, b in DFS_SIZES])
+def test_dfs_passes_against_python(N, block):
+    rng = random.Random(N)
+    parent, rank = random_tree(N, rng)
+    n = N + 3
+    last = [rng.choice([-1, 0, rng.randrange(N), N + 5]) for _ in range(n)]
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    own = DW.own_counts(t(last), N, block=block)
+    node_of = [v if 0 <= v < N else 0 for v in last]
+    want_own = [node_of.count(v) for v in range(N)]
+    assert_equal(own, want_own, "own")
+    # weight rounds: after k rounds S_k(v) = own of nodes u with v = anc^j(u), j < 2^k
+    s, anc = own, t(parent)
+    for k in range(max(1, (N - 1).bit_length())):
+        s, anc = DW.weight_round(s, anc, block=block)
+        want_s = [0] * N
+        for u in range(N):
+            for j, v in enumerate(ancestors(parent, u)):
+                if j < 2 ** (k + 1):
+                    want_s[v] += want_own[u]
+        assert_equal(s, want_s, f"weights after round {k + 1}")
+        want_anc = [(ancestors(parent, u) + [-1] * 2 ** (k + 1))[2 ** (k + 1)] for u in range(N)]
+        assert_equal(anc, want_anc, f"ancestors after round {k + 1}")
+    weight = want_s
+    # sibling keys
+    for pack in (False, True):
+        key = DW.sibling_keys(t(parent), torch.tensor(rank, dtype=torch.int32), s, n, pack_rank=pack, block=block)
+        want_key = [((p + 1) * (n + 1) + (n - w)) * (N if pack else 1) + (r if pack else 0)
+                    for p, w, r in zip(parent, weight, rank)]
+        assert_equal(key, want_key, f"sibling keys pack={pack}")
+    # start rounds on arbitrary offsets: T = path sums over 2^k ancestors
+    off = [rng.randrange(5) if v else 0 for v in range(N)]
+    tt, anc = t(off), t(parent)
+    for k in range(max(1, (N - 1).bit_length())):
+        tt, anc = DW.start_round(tt, anc, block=block)
+        want_t = [sum(off[v] for j, v in enumerate(ancestors(parent, u)) if j < 2 ** (k + 1)) for u in range(N)]
+        assert_equal(tt, want_t, f"starts after round {k + 1}")
+    base = DW.request_bases(t(last), tt, s, own, block=block)
+    assert_equal(base, [int(tt[v]) + weight[v] - want_own[v] for v in node_of], "request bases")
+
+
+def test_dfs_passes_empty_queue():
+    own = DW.own_counts(torch.zeros(0, dtype=torch.int64), 3, block=16)
+    assert_equal(own, [0, 0, 0], "own")
+    assert DW.request_bases(torch.zeros(0, dtype=torch.int32), own, own, own).numel() == 0
+
+
+# ---- launcher checks -------------------------------------------------------------------------------
+def test_launchers_reject_bad_arguments():
+    i64 = torch.zeros(8, dtype=torch.int64)
+    f64 = torch.zeros(8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="fcfs_keys: priority must have dtype int32 or int64, got float64"):
+        SK.fcfs_keys(f64, f64, 1)
+    with pytest.raises(ValueError, match="fcfs_keys: enqueue_time must have 8 elements, got 7"):
+        SK.fcfs_keys(i64, f64[:7], 1)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        SK.fcfs_keys(torch.zeros(16, dtype=torch.int64)[::2], f64, 1)
+    with pytest.raises(ValueError, match="sign must be"):
+        SK.fcfs_keys(i64, f64, 2)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        SK.lpm_keys(i64.view(2, 4), torch.zeros(8, dtype=torch.bool))
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        SK.lpm_keys([0, 1], torch.zeros(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="meta tensors"):
+        SK.lpm_keys(torch.zeros(8, dtype=torch.int64, device="meta"), torch.zeros(8, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match="counts must have 3 elements"):
+        SK.routing_keys(i64, torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), 1, -1)
+    with pytest.raises(ValueError, match="num_running"):
+        SK.routing_keys(i64, torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int64), -1, -1)
+    with pytest.raises(ValueError, match="check_threshold"):
+        SK.deprio_group_keys(i64, i64, i64, -2, 0)
+    with pytest.raises(TypeError, match="a_sorted must have dtype int64"):
+        SK.deprio_flags(i64.to(torch.int32), i64, i64)
+    with pytest.raises(TypeError, match="weight_round: s must have dtype int64"):
+        DW.weight_round(i64.to(torch.int32), i64)
+    with pytest.raises(ValueError, match="start_round: anc must have 8 elements"):
+        DW.start_round(i64, i64[:4])
+    with pytest.raises(ValueError, match="num_nodes must be in"):
+        DW.own_counts(i64, 0)
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        SK.lpm_keys(i64, torch.zeros(8, dtype=torch.bool), block=100)

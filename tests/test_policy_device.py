@@ -1,0 +1,505 @@
+"""Differential tests of the device ordering (`gpu_sched.policy`) against the reference
+(`gpu_sched.reference.policy.order_queue`, SPEC.md section 3): the same queue through both,
+permutations compared exactly. Torch backend at 0, 1, 2, 127, 128, 129, 1000, 5000; Triton
+backend (interpreter on CPU, `TRITON_INTERPRET=1` set below before Triton is imported) at
+small sizes around its block. Heavy ties everywhere: few distinct priorities, lengths, keys.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (kernels are decorated then)
+
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from gpu_sched import policy as P  # noqa: E402
+from gpu_sched.config import INT64_MAX, INT64_MIN, SchedulerConfig  # noqa: E402
+from gpu_sched.reference.policy import dfs_weight_order as ref_dfs_weight_order  # noqa: E402
+from gpu_sched.reference.policy import in_batch_deprioritized, order_queue  # noqa: E402
+from gpu_sched.reference.radix_cache import KVPool, RadixCache, TreeNode  # noqa: E402
+from gpu_sched.reference.state import ReqState  # noqa: E402
+from gpu_sched.request import Request  # noqa: E402
+
+try:
+    import triton  # noqa: F401,E402
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - triton is a dependency
+    HAVE_TRITON = False
+
+TORCH_SIZES = [0, 1, 2, 127, 128, 129, 1000, 5000]
+TRITON_SIZES = [0, 1, 2, 15, 16, 17, 129, 300]
+TRITON_BLOCK = 16  # small block: the triton sizes straddle it and 8 * 16 + 1
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+
+BACKEND_CASES = [pytest.param("torch", n, id=f"torch-{n}") for n in TORCH_SIZES] + [
+    pytest.param("triton", n, id=f"triton-{n}", marks=needs_triton) for n in TRITON_SIZES
+]
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def assert_perm_equal(got: torch.Tensor, want, what: str) -> None:
+    got = got.tolist()
+    want = [int(x) for x in want]
+    assert len(got) == len(want), f"{what}: length {len(got)} != {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            raise AssertionError(f"{what}: first difference at index {i}: got {g}, want {w} "
+                                 f"(got[{i}:{i + 5}]={got[i:i + 5]}, want[{i}:{i + 5}]={want[i:i + 5]})")
+
+
+def ref_perm(queue, ordered):
+    pos = {id(r): i for i, r in enumerate(queue)}
+    return [pos[id(r)] for r in ordered]
+
+
+def kw(backend):
+    return {"backend": backend, "block": TRITON_BLOCK} if backend == "triton" else {"backend": backend}
+
+
+PRIOS = [None, None, -5, 0, 0, 3, 3, 7, INT64_MAX, INT64_MIN, INT64_MIN + 1, INT64_MAX - 1]
+TIMES = [0.0, -0.0, 0.5, 0.5, 1.0, 2.5, -3.0, 1e300, float("inf")]
+KEYS = [None, "", "a", "b", "b", "ab", "c", "zz", "a0"]
+NAMESPACES = [None, None, "ns1", "ns2"]
+
+
+def make_queue(n, rng, low_first, *, prompts=None, with_prio=True):
+    cfg = SchedulerConfig(schedule_low_priority_values_first=low_first)
+    queue = []
+    for i in range(n):
+        prio = rng.choice(PRIOS) if with_prio else None
+        prompt = prompts[i] if prompts is not None else [rng.randrange(3)]
+        req = Request(rid=f"r{i}", prompt_ids=prompt, max_new_tokens=rng.choice([0, 1, 16, 16, 128, 4096]),
+                      priority=prio, routing_key=rng.choice(KEYS), extra_key=rng.choice(NAMESPACES))
+        queue.append(ReqState(req, prio if prio is not None else cfg.absent_priority, rng.choice(TIMES)))
+    return queue
+
+
+def empty_cache():
+    return RadixCache(KVPool(0), 1)
+
+
+def no_shuffle(n):  # pragma: no cover - random is tested separately
+    return list(range(n))
+
+
+# ---- R-ORD-4 fcfs with priority ------------------------------------------------------------------------
+@pytest.mark.parametrize("backend,n", BACKEND_CASES)
+@pytest.mark.parametrize("low_first", [False, True])
+def test_fcfs_priority_matches_reference(backend, n, low_first):
+    rng = random.Random(n * 2 + low_first)
+    queue = make_queue(n, rng, low_first)
+    cfg = SchedulerConfig(schedule_policy="fcfs", enable_priority_scheduling=True,
+                          schedule_low_priority_values_first=low_first)
+    want = ref_perm(queue, order_queue(queue, cfg, empty_cache(), [], no_shuffle).queue)
+    prio = torch.tensor([r.priority for r in queue], dtype=torch.int64)
+    t = torch.tensor([r.enqueue_time for r in queue], dtype=torch.float64)
+    got = P.fcfs_priority_order(prio, t, cfg.priority_sign, **kw(backend))
+    assert got.dtype == torch.int64
+    assert_perm_equal(got, want, f"fcfs {backend} n={n} low_first={low_first}")
+
+
+def test_fcfs_integer_times_and_int32_priority():
+    rng = random.Random(7)
+    n = 500
+    prio = [rng.choice([-3, 0, 2, 2, 9]) for _ in range(n)]
+    times = [rng.choice([5, 5, 1, -7, 2**62]) for _ in range(n)]
+    want = sorted(range(n), key=lambda i: (-prio[i], times[i]))
+    got = P.fcfs_priority_order(torch.tensor(prio, dtype=torch.int32), torch.tensor(times), -1)
+    assert_perm_equal(got, want, "fcfs int times")
+
+
+# ---- R-ORD-5 lof ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend,n", BACKEND_CASES)
+@pytest.mark.parametrize("priority_on,low_first", [(False, False), (True, False), (True, True)])
+def test_lof_matches_reference(backend, n, priority_on, low_first):
+    rng = random.Random(n * 3 + priority_on + 2 * low_first)
+    queue = make_queue(n, rng, low_first)
+    cfg = SchedulerConfig(schedule_policy="lof", enable_priority_scheduling=priority_on,
+                          schedule_low_priority_values_first=low_first)
+    want = ref_perm(queue, order_queue(queue, cfg, empty_cache(), [], no_shuffle).queue)
+    max_new = torch.tensor([r.max_new for r in queue], dtype=torch.int32)
+    prio = torch.tensor([r.priority for r in queue], dtype=torch.int64) if priority_on else None
+    got = P.lof_order(max_new, prio, cfg.priority_sign, **kw(backend))
+    assert_perm_equal(got, want, f"lof {backend} n={n} prio={priority_on} low_first={low_first}")
+
+
+# ---- R-ORD-7 routing-key ----------------------------------------------------------------------------
+def routing_inputs(queue, running):
+    strings = sorted({r.req.routing_key for r in list(queue) + list(running) if r.req.routing_key})
+    ids = {s: i for i, s in enumerate(strings)}
+    # ids in a shuffled interning order, so id != rank
+    perm = list(range(len(strings)))
+    random.Random(len(strings)).shuffle(perm)
+    key_rank = [0] * len(strings)
+    for rank, s in enumerate(strings):
+        key_rank[perm[ids[s]]] = rank
+
+    def id_of(r):
+        k = r.req.routing_key
+        return perm[ids[k]] if k else -1  # '' and absent both map to -1
+
+    return (torch.tensor([id_of(r) for r in queue], dtype=torch.int32),
+            torch.tensor(key_rank, dtype=torch.int32),
+            torch.tensor([id_of(r) for r in running], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("backend,n", BACKEND_CASES)
+@pytest.mark.parametrize("running_kind", ["none", "uncounted", "some", "many"])
+def test_routing_key_matches_reference(backend, n, running_kind):
+    rng = random.Random(n * 5 + len(running_kind))
+    queue = make_queue(n, rng, False)
+    m = {"none": 0, "uncounted": 3, "some": 4, "many": 40}[running_kind]
+    running = make_queue(m, rng, False)
+    for i, r in enumerate(running):
+        if running_kind == "uncounted":
+            r.req.routing_key = rng.choice([None, ""])
+        elif running_kind == "some" and i == 0:
+            r.req.routing_key = "only-running"  # a key no waiting request has
+    cfg = SchedulerConfig(schedule_policy="routing-key")
+    want = ref_perm(queue, order_queue(queue, cfg, empty_cache(), running, no_shuffle).queue)
+    key_id, key_rank, run_ids = routing_inputs(queue, running)
+    got = P.routing_key_order(key_id, key_rank, run_ids, -1, **kw(backend))
+    assert_perm_equal(got, want, f"routing {backend} n={n} running={running_kind}")
+
+
+def test_routing_key_no_interned_ids():
+    got = P.routing_key_order(torch.full((5,), -1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                              torch.full((3,), -1, dtype=torch.int32))
+    assert_perm_equal(got, range(5), "routing with no ids")
+
+
+# ---- R-ORD-6 random ------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 2, 129, 5000])
+def test_random_order_is_seeded_permutation(n):
+    a = P.random_order(n, torch.Generator().manual_seed(11))
+    b = P.random_order(n, torch.Generator().manual_seed(11))
+    c = P.random_order(n, torch.Generator().manual_seed(12), backend="triton")
+    assert a.dtype == torch.int64 and a.shape == (n,)
+    assert torch.equal(a, b)
+    assert torch.equal(torch.sort(a).values, torch.arange(n))
+    assert torch.equal(torch.sort(c).values, torch.arange(n))
+    if n > 100:
+        assert not torch.equal(a, c)
+        # and the reference accepts it as a shuffle
+        queue = make_queue(n, random.Random(0), False)
+        cfg = SchedulerConfig(schedule_policy="random")
+        res = order_queue(queue, cfg, empty_cache(), [], lambda k: a.tolist())
+        assert_perm_equal(a, ref_perm(queue, res.queue), "random via reference")
+
+
+# ---- R-ORD-8/9 lpm and in-batch deprioritization ------------------------------------------------------
+def prefix_workload(n, rng, ns_list=NAMESPACES):
+    """A cache holding a few shared prefixes, and prompts that extend them (heavy sharing)."""
+    bases = [[rng.randrange(4) for _ in range(rng.choice([0, 1, 3, 8, 40]))] for _ in range(6)]
+    cache = RadixCache(KVPool(100_000), 1)
+    for b in bases[:4]:
+        for _ in range(2):
+            key = np.array(b + [rng.randrange(3) for _ in range(rng.randrange(6))], np.int32)
+            ns = rng.choice(ns_list)
+            if len(key):
+                cache.insert(key, lambda k: cache.pool.alloc(k), ns)
+    prompts = []
+    for _ in range(n):
+        b = rng.choice(bases)
+        tail = [rng.randrange(3) for _ in range(rng.choice([0, 1, 2, 5, 40]))]
+        p = b + tail
+        prompts.append(p if p else [rng.randrange(3)])
+    return cache, prompts
+
+
+def device_deprio_inputs(queue, T):
+    ns_ids = {}
+    ns = torch.tensor([ns_ids.setdefault(r.req.extra_key, len(ns_ids)) for r in queue], dtype=torch.int32)
+    fills = [r.fill() for r in queue]
+    toks = torch.zeros((len(queue), T), dtype=torch.int32)
+    for i, f in enumerate(fills):
+        k = min(T, len(f))
+        toks[i, :k] = torch.from_numpy(f[:k].astype(np.int32))
+    lengths = torch.tensor([len(f) for f in fills], dtype=torch.int64)
+    prefix = torch.tensor([r.prefix_len for r in queue], dtype=torch.int64)
+    return prefix, lengths, ns, P.head_hashes(toks, lengths)
+
+
+DEPRIO_CASES = [(-1, 32), (32, 32), (0, 3), (8, 0), (10**6, 1), (40, 8), (3, 45)]
+
+
+def threshold_cases(all_cases, triton_cases):
+    """(backend, n, check, T): every threshold pair on torch, a subset in the interpreter."""
+    out = []
+    for c in BACKEND_CASES:
+        backend, n = c.values
+        for check, T in (all_cases if backend == "torch" else triton_cases):
+            out.append(pytest.param(backend, n, check, T, id=f"{c.id}-check{check}-T{T}", marks=c.marks))
+    return out
+
+
+@pytest.mark.parametrize("backend,n,check,T",
+                         threshold_cases(DEPRIO_CASES, [(-1, 32), (0, 3), (8, 0), (40, 8)]))
+def test_in_batch_deprioritize_matches_reference(backend, n, check, T):
+    rng = random.Random(n * 7 + check + T)
+    cache, prompts = prefix_workload(n, rng)
+    queue = make_queue(n, rng, False, prompts=prompts)
+    for r in queue:
+        r.prefix_len, r.last_node = cache.match_prefix(r.fill(), r.req.extra_key)
+    want = in_batch_deprioritized(queue, check, T)
+    prefix, lengths, ns, hh = device_deprio_inputs(queue, T)
+    got = P.in_batch_deprioritize(prefix, lengths, ns, hh, check, T, **kw(backend))
+    assert got.dtype == torch.bool
+    assert_perm_equal(got.to(torch.int64), want, f"deprio {backend} n={n} check={check} T={T}")
+
+
+@pytest.mark.parametrize("backend,n,check,T",
+                         threshold_cases([(-1, 32), (32, 32), (40, 8), (8, 0)], [(-1, 32), (40, 8), (8, 0)]))
+def test_lpm_matches_reference(backend, n, check, T):
+    rng = random.Random(n * 11 + check + T)
+    cache, prompts = prefix_workload(n, rng)
+    queue = make_queue(n, rng, False, prompts=prompts)
+    for i, r in enumerate(queue):  # logprob caps (R-ORD-8)
+        if i % 5 == 0:
+            r.req.return_logprob = True
+            r.req.logprob_start_len = rng.choice([-1, 0, 2, 100])
+    cfg = SchedulerConfig(schedule_policy="lpm", in_batch_prefix_caching_check_threshold=check,
+                          in_batch_prefix_caching_deprioritize_threshold=T)
+    res = order_queue(queue, cfg, cache, [], no_shuffle)
+    want = ref_perm(queue, res.queue)
+    dep = set(res.deprioritized)
+    # the device path computes deprioritization itself from the match results
+    prefix, lengths, ns, hh = device_deprio_inputs(queue, T)
+    flags = P.in_batch_deprioritize(prefix, lengths, ns, hh, check, T, **kw(backend))
+    assert_perm_equal(flags.to(torch.int64), [r.rid in dep for r in queue], f"lpm deprio {backend} n={n}")
+    matched = torch.tensor([r.num_matched for r in queue], dtype=torch.int64)
+    got = P.lpm_order(matched, flags, **kw(backend))
+    assert_perm_equal(got, want, f"lpm {backend} n={n} check={check} T={T}")
+
+
+def test_head_hashes_ignore_padding_and_separate_prefixes():
+    toks = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 9], [1, 2, 0], [1, 2, 7], [0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([3, 5, 3, 2, 2, 3])
+    h = P.head_hashes(toks, lens).tolist()
+    assert h[0] == h[1] and h[0] != h[2]
+    assert h[3] == h[4]  # padding after the length does not count
+    assert h[5] != h[3]  # a real token 0 differs from padding
+    # the documented formula, in Python ints
+    g = torch.Generator().manual_seed(4)
+    toks = torch.randint(0, 2**31, (40, 150), generator=g, dtype=torch.int32)
+    toks[:, 0] = 2**31 - 1  # the largest token id
+    lens = torch.randint(0, 160, (40,), generator=g)
+
+    def model(row, k):
+        out = 0
+        for base in (1000003, 998244353):
+            p = 2**31 - 1
+            out = out * 2**31 + sum((row[t] + 1) * pow(base, t, p) for t in range(min(k, len(row)))) % p
+        return out
+
+    for T in (1, 37, 64, 65, 150):  # the float64 sums run in chunks of 64 positions
+        want = [model(toks[i, :T].tolist(), int(lens[i])) for i in range(40)]
+        assert_perm_equal(P.head_hashes(toks[:, :T], lens), want, f"head hash formula T={T}")
+    assert P.head_hashes(torch.zeros((0, 4), dtype=torch.int32), torch.zeros(0, dtype=torch.int64)).shape == (0,)
+    assert P.head_hashes(torch.zeros((3, 0), dtype=torch.int32), torch.ones(3, dtype=torch.int64)).tolist() == [0, 0, 0]
+
+
+# ---- R-ORD-10 dfs-weight ----------------------------------------------------------------------------
+def flatten_tree(root):
+    """BFS over `node.children` dict order: (parent, child_rank, depth) arrays, node 0 = root."""
+    order, index = [root], {id(root): 0}
+    parent, rank, depth = [-1], [0], [0]
+    head = 0
+    while head < len(order):
+        node = order[head]
+        for j, child in enumerate(node.children.values()):
+            index[id(child)] = len(order)
+            order.append(child)
+            parent.append(index[id(node)])
+            rank.append(j)
+            depth.append(depth[index[id(node)]] + 1)
+        head += 1
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return t(parent), t(rank), t(depth), index
+
+
+def random_tree_workload(n, rng, *, page_size=1, n_inserts=60):
+    cache = RadixCache(KVPool(1_000_000), page_size)
+    alphabet = rng.choice([2, 3, 5])
+    seqs = []
+    for _ in range(n_inserts):
+        if seqs and rng.random() < 0.7:
+            s = rng.choice(seqs)[: rng.randrange(1, 12)] + [rng.randrange(alphabet) for _ in range(rng.randrange(1, 10))]
+        else:
+            s = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 16))]
+        seqs.append(s)
+        key = np.array(s, np.int32)
+        ns = rng.choice(NAMESPACES)
+        cache.insert(key, lambda k: cache.pool.alloc(k), ns)
+    prompts = []
+    for _ in range(n):
+        if seqs and rng.random() < 0.85:
+            s = rng.choice(seqs)
+            s = s[: rng.randrange(1, len(s) + 1)] + [rng.randrange(alphabet) for _ in range(rng.randrange(0, 4))]
+        else:
+            s = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 8))]
+        prompts.append(s)
+    return cache, prompts
+
+
+@pytest.mark.parametrize("backend,n", BACKEND_CASES)
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_dfs_weight_matches_reference(backend, n, page_size):
+    rng = random.Random(n * 13 + page_size)
+    cache, prompts = random_tree_workload(n, rng, page_size=page_size)
+    queue = make_queue(n, rng, False, prompts=prompts)
+    cfg = SchedulerConfig(schedule_policy="dfs-weight", page_size=page_size)
+    res = order_queue(queue, cfg, cache, [], no_shuffle)  # matches (and splits) in queue order
+    want = ref_perm(queue, res.queue)
+    parent, rank, depth, index = flatten_tree(cache.root)
+    last = torch.tensor([index[id(r.last_node)] for r in queue], dtype=torch.int64)
+    got = P.dfs_weight_order(parent, rank, depth, last, **kw(backend))
+    assert_perm_equal(got, want, f"dfs {backend} n={n} P={page_size}")
+    # a correct depth bound gives the same order in fewer rounds
+    got2 = P.dfs_weight_order(parent, rank, None, last, max_depth=int(depth.max()), **kw(backend))
+    assert_perm_equal(got2, want, f"dfs {backend} n={n} with max_depth")
+
+
+def test_dfs_weight_shuffled_node_numbering_and_sibling_ties():
+    """Nodes numbered in a random order (not BFS), siblings of equal weight, int32 inputs."""
+    rng = random.Random(3)
+    cache, prompts = random_tree_workload(700, rng, n_inserts=150)
+    queue = make_queue(700, rng, False, prompts=prompts)
+    res = order_queue(queue, SchedulerConfig(schedule_policy="dfs-weight"), cache, [], no_shuffle)
+    want = ref_perm(queue, res.queue)
+    parent, rank, depth, index = flatten_tree(cache.root)
+    N = parent.numel()
+    relabel = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(N - 1, generator=torch.Generator().manual_seed(5))])
+    new_parent = torch.full((N,), -1, dtype=torch.int64)
+    new_parent[relabel[1:]] = relabel[parent[1:]]
+    new_rank = torch.zeros(N, dtype=torch.int64)
+    new_rank[relabel] = rank
+    last = relabel[torch.tensor([index[id(r.last_node)] for r in queue])]
+    for backend in ["torch"] + (["triton"] if HAVE_TRITON else []):
+        got = P.dfs_weight_order(new_parent.to(torch.int32), new_rank.to(torch.int32), None, last.to(torch.int32),
+                                 **kw(backend))
+        assert_perm_equal(got, want, f"dfs relabelled {backend}")
+
+
+def test_dfs_weight_100k_chain():
+    """A chain of 10^5 nodes: no recursion; 17 pointer-jumping rounds. Compared with the
+    reference walk over real TreeNodes and with the closed form (deepest node first)."""
+    N = 100_000
+    parent = torch.arange(-1, N - 1, dtype=torch.int64)
+    rank = torch.zeros(N, dtype=torch.int64)
+    g = torch.Generator().manual_seed(1)
+    n = 3000
+    last = torch.randint(0, N, (n,), generator=g)
+    last[:5] = torch.tensor([0, N - 1, N - 1, 0, 1])
+    got = P.dfs_weight_order(parent, rank, None, last)
+    closed = torch.sort(-last, stable=True).indices
+    assert_perm_equal(got, closed.tolist(), "chain closed form")
+    nodes = [TreeNode(np.zeros(0, np.int32), np.zeros(0, np.int64), None, 0, 0)]
+    for i in range(1, N):
+        node = TreeNode(np.zeros(1, np.int32), np.zeros(1, np.int64), nodes[-1], 0, i)
+        nodes[-1].children[0] = node
+        nodes.append(node)
+    queue = make_queue(n, random.Random(1), False)
+    for r, v in zip(queue, last.tolist()):
+        r.last_node = nodes[v] if v else None
+    want = ref_perm(queue, ref_dfs_weight_order(nodes[0], queue))
+    assert_perm_equal(got, want, "chain vs reference")
+
+
+def test_dfs_weight_edge_cases():
+    root_only = torch.tensor([-1])
+    for backend in ["torch"] + (["triton"] if HAVE_TRITON else []):
+        assert P.dfs_weight_order(root_only, torch.zeros(1, dtype=torch.int64), None,
+                                  torch.zeros(0, dtype=torch.int64), **kw(backend)).tolist() == []
+        # out-of-range and -1 last nodes count at the root
+        got = P.dfs_weight_order(torch.tensor([-1, 0]), torch.tensor([0, 0]), None,
+                                 torch.tensor([-1, 1, 5, 1, 0]), **kw(backend))
+        assert got.tolist() == [1, 3, 0, 2, 4]
+    with pytest.raises(ValueError, match="at least the root"):
+        P.dfs_weight_order(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), None,
+                           torch.zeros(0, dtype=torch.int64))
+
+
+# ---- API checks -------------------------------------------------------------------------------------
+def test_bad_arguments_raise_clear_errors():
+    x = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        P.lpm_order(x, torch.zeros(4, dtype=torch.bool), backend="cuda")
+    with pytest.raises(ValueError, match="sign must be"):
+        P.fcfs_priority_order(x, torch.zeros(4, dtype=torch.float64), 0)
+    with pytest.raises(TypeError, match="enqueue_time must have dtype"):
+        P.fcfs_priority_order(x, torch.zeros(4, dtype=torch.float32), 1)
+    with pytest.raises(ValueError, match="must have 4 elements"):
+        P.lpm_order(x, torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="deprioritized must have dtype bool"):
+        P.lpm_order(x, x)
+    with pytest.raises(ValueError, match="check_threshold"):
+        P.in_batch_deprioritize(x, x, x, x, -2, 1)
+    with pytest.raises(ValueError, match="max_depth"):
+        P.dfs_weight_order(torch.tensor([-1]), torch.zeros(1, dtype=torch.int64), None, x[:0], max_depth=-1)
+
+
+def test_non_contiguous_inputs():
+    rng = random.Random(2)
+    prio = torch.tensor([rng.choice([0, 1, 2]) for _ in range(400)])[::2]
+    t = torch.tensor([float(rng.choice([0, 1])) for _ in range(400)], dtype=torch.float64)[::2]
+    want = sorted(range(200), key=lambda i: (-int(prio[i]), float(t[i])))
+    for backend in ["torch"] + (["triton"] if HAVE_TRITON else []):
+        assert_perm_equal(P.fcfs_priority_order(prio, t, -1, **kw(backend)), want, f"strided {backend}")
+
+
+# ---- no host synchronization ----------------------------------------------------------------------
+def _compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)
+
+
+def test_torch_backend_compiles_without_graph_breaks():
+    """fullgraph=True fails on any host read (.item(), .tolist(), .cpu(), nonzero, data-dependent
+    shapes): every torch-backend function traces as one graph. (`random_order` is a single
+    torch.randperm; dynamo does not trace Generator arguments, so it is not compiled here.)"""
+    n = 257
+    g = torch.Generator().manual_seed(0)
+    prio = torch.randint(-2, 3, (n,), generator=g)
+    t = torch.randint(0, 4, (n,), generator=g).to(torch.float64)
+    max_new = torch.randint(0, 4, (n,), generator=g)
+    key_id = torch.randint(-1, 5, (n,), generator=g, dtype=torch.int32)
+    key_rank = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)
+    run = torch.randint(-1, 5, (9,), generator=g, dtype=torch.int32)
+    matched = torch.randint(0, 5, (n,), generator=g)
+    dep = torch.rand(n, generator=g) < 0.3
+    ns = torch.randint(0, 2, (n,), generator=g)
+    toks = torch.randint(0, 3, (n, 4), generator=g, dtype=torch.int32)
+    lengths = torch.randint(0, 6, (n,), generator=g)
+    parent = torch.tensor([-1, 0, 0, 1, 1, 2, 5, 5])
+    crank = torch.tensor([0, 0, 1, 0, 1, 0, 0, 1])
+    last = torch.randint(0, 8, (n,), generator=g)
+    cases = [
+        (lambda: P.fcfs_priority_order(prio, t, -1), ()),
+        (lambda: P.lof_order(max_new, prio, 1), ()),
+        (lambda: P.lof_order(max_new), ()),
+        (lambda: P.routing_key_order(key_id, key_rank, run), ()),
+        (lambda: P.lpm_order(matched, dep), ()),
+        (lambda: P.in_batch_deprioritize(matched, lengths, ns, P.head_hashes(toks, lengths), 3, 2), ()),
+        (lambda: P.dfs_weight_order(parent, crank, None, last), ()),
+    ]
+    for fn, _ in cases:
+        assert torch.equal(_compiled(fn)(), fn())
+
+
+def test_torch_backend_runs_on_meta_tensors():
+    """Shapes and dtypes propagate on `meta` tensors (no data at all, so no host read can
+    happen). torch.sort and cummax have meta kernels; every function runs on meta."""
+    n = 100
+    m = lambda dt=torch.int64, *s: torch.empty(s or (n,), dtype=dt, device="meta")  # noqa: E731
+    assert P.fcfs_priority_order(m(), m(torch.float64), -1).shape == (n,)
+    assert P.lof_order(m(torch.int32), m(), 1).shape == (n,)
+    assert P.routing_key_order(m(torch.int32), m(torch.int32, 7), m(torch.int32, 3)).shape == (n,)
+    assert P.lpm_order(m(), m(torch.bool)).shape == (n,)
+    hh = P.head_hashes(m(torch.int32, n, 8), m())
+    assert P.in_batch_deprioritize(m(), m(), m(torch.int32), hh, 32, 8).shape == (n,)
+    assert P.dfs_weight_order(m(torch.int64, 50), m(torch.int64, 50), None, m()).device.type == "meta"
