@@ -49,6 +49,7 @@ class GpuScheduler(ReferenceScheduler):
         self._torch_gen = torch.Generator(device=self.device)
         self._torch_gen.manual_seed(config.random_seed)
         self._custom_shuffle = shuffle is not None
+        self._hash_cache = {}
 
     def _make_cache(self):
         return DeviceRadixCache(self.pool, self.config.page_size, disable=self.config.disable_radix_cache,
@@ -66,6 +67,46 @@ class GpuScheduler(ReferenceScheduler):
             buf[i, :n] = r.fill()[:n]
         return torch.from_numpy(buf).to(self.device), self._col(lens, torch.int64)
 
+    def _fill_hashes(self, r: ReqState):
+        """(device fill tokens int32 [L], chunk hashes int64 [L // C]) of a request, computed once
+        per fill length: matching then costs O(log L) probes, not O(L) (issue: matching cost)."""
+        ent = self._hash_cache.get(r.rid)
+        if ent is None or ent[0] != r.fill_len:
+            tree = self.cache.tree
+            toks = torch.from_numpy(np.array(r.fill(), dtype=np.int32)).to(self.device)
+            ns = self._col([self.cache.ns_id(r.req.extra_key)], torch.int64)
+            ch = tree.prefix_hashes(toks[None], self._col([r.fill_len], torch.int64), ns, tree.C)[0]
+            ent = (r.fill_len, toks, ch)
+            self._hash_cache[r.rid] = ent
+            if len(self._hash_cache) > 2 * len(self.reqs) + 64:
+                self._hash_cache = {k: v for k, v in self._hash_cache.items() if k in self.reqs}
+        return ent[1], ent[2]
+
+    def _csr(self, queue: List[ReqState], caps: Optional[List[int]]):
+        """The queue's fills (capped) as CSR tensors for `FlatRadixTree.match_csr`/_find_csr."""
+        C = self.cache.tree.C
+        toks, chs, lens = [], [], []
+        for i, r in enumerate(queue):
+            t, ch = self._fill_hashes(r)
+            n = r.fill_len if caps is None else min(r.fill_len, caps[i])
+            toks.append(t)
+            chs.append(ch[: n // C])
+            lens.append(n)
+        lengths = self._col(lens, torch.int64)
+        tl = self._col([t.numel() for t in toks], torch.int64)
+        cl = self._col([c.numel() for c in chs], torch.int64)
+        tok = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.int32, device=self.device)
+        ch = torch.cat(chs) if chs else torch.zeros(0, dtype=torch.int64, device=self.device)
+        ns = self._col([self.cache.ns_id(r.req.extra_key) for r in queue], torch.int64)
+        return tok, torch.cumsum(tl, 0) - tl, lengths, ns, ch, torch.cumsum(cl, 0) - cl, cl
+
+    def find(self, queue: List[ReqState], caps: Optional[List[int]] = None):
+        """Matched lengths and last pool positions against the current tree, without splits or
+        stamps (splits never change what the tree holds)."""
+        tok, toff, lens, ns, ch, coff, cl = self._csr(queue, caps)
+        mc = int(cl.max()) if cl.numel() else 0
+        return self.cache.tree._find_csr(tok, toff, lens, lens, ns, ch, coff, cl, mc)
+
     def batch_match(self, queue: List[ReqState], caps: Optional[List[int]] = None):
         """Match every request of `queue` in order (R-RC-4 batched); sets prefix_len/last_node."""
         if not queue:
@@ -74,9 +115,8 @@ class GpuScheduler(ReferenceScheduler):
             for r in queue:
                 r.prefix_len, r.last_node = 0, self.cache.root
             return
-        toks, lens = self._padded_fills(queue, caps)
-        ns = self._col([self.cache.ns_id(r.req.extra_key) for r in queue], torch.int64)
-        m, last = self.cache.tree.match(toks, lens, ns)
+        tok, toff, lens, ns, ch, coff, _ = self._csr(queue, caps)
+        m, last = self.cache.tree.match_csr(tok, toff, lens, ns, ch, coff)
         for r, a, b in zip(queue, m.tolist(), last.tolist()):
             r.prefix_len, r.last_node = a, b
 
@@ -178,9 +218,7 @@ class GpuScheduler(ReferenceScheduler):
                 m = torch.zeros(len(win), dtype=torch.int64, device=self.device)
                 drop = torch.zeros_like(m)
             else:
-                toks, lens = self._padded_fills(win, caps)
-                ns = self._col([self.cache.ns_id(r.req.extra_key) for r in win], torch.int64)
-                m, pos = tree._find(toks, lens, ns)
+                m, pos = self.find(win, caps)
                 drop = path_drops(tree, m, pos)
             st = ScanState(
                 available=self.pool.available, evictable=self.cache.evictable_size, I=adder.I,

@@ -31,9 +31,8 @@ def requests(rows, tag, cut=None):
     return out
 
 
-@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
-@pytest.mark.parametrize("warm", [False, True])
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("policy,warm,page_size", [
+    ("lpm", False, 1), ("lpm", True, 1), ("lpm", True, 16), ("dfs-weight", True, 1), ("dfs-weight", False, 16)])
 def test_device_ordering_equals_reference_on_mooncake(trace, policy, warm, page_size):
     cfg = SchedulerConfig(schedule_policy=policy, page_size=page_size)
     kv = 6_000_000
