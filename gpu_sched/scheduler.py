@@ -13,6 +13,7 @@ The engine-facing bookkeeping (KV slots of running requests) stays on the host.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, List, Optional, Sequence
 
 import numpy as np
@@ -45,6 +46,10 @@ class GpuScheduler(ReferenceScheduler):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
         self.device = torch.device(device)
+        if backend == "triton" and self.device.type == "cpu":
+            # Triton kernels on CPU tensors run only in the interpreter; it must be chosen
+            # before triton is first imported (the kernel modules import it lazily)
+            os.environ.setdefault("TRITON_INTERPRET", "1")
         super().__init__(config, kv_pool_size, shuffle=shuffle)
         self._torch_gen = torch.Generator(device=self.device)
         self._torch_gen.manual_seed(config.random_seed)
@@ -53,7 +58,7 @@ class GpuScheduler(ReferenceScheduler):
 
     def _make_cache(self):
         return DeviceRadixCache(self.pool, self.config.page_size, disable=self.config.disable_radix_cache,
-                                device=self.device)
+                                device=self.device, backend=self.backend)
 
     # ---- ordering (R-ORD) on the device ------------------------------------------------------
     def _col(self, values, dtype) -> torch.Tensor:

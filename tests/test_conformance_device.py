@@ -1,0 +1,37 @@
+"""The conformance scenarios (../shared/conformance) through the device scheduler: every
+scenario with the torch backend, a spread sample with the Triton backend (interpreter on CPU)."""
+
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_sched.conformance import read_scenarios, run_file, run_scenario
+from gpu_sched.scheduler import GpuScheduler
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "scenarios.jsonl.gz"
+DEVICE = os.environ.get("GPU_SCHED_TEST_DEVICE", "cpu")
+
+pytestmark = pytest.mark.skipif(not SCENARIOS.exists(), reason="conformance scenarios not found")
+
+
+def test_torch_backend_passes_every_scenario():
+    lines = []
+    passed, failed = run_file(SCENARIOS, lambda c, k, s: GpuScheduler(c, k, shuffle=s, backend="torch", device=DEVICE),
+                              echo=lines.append)
+    assert failed == 0, "\n".join(lines[:10])
+    assert passed == 515
+
+
+def test_triton_backend_passes_a_sample():
+    if DEVICE == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sample = list(itertools.islice(read_scenarios(SCENARIOS), 0, None, 13))  # 40 spread over families
+    errors = []
+    for sc in sample:
+        out = run_scenario(sc, lambda c, k, s: GpuScheduler(c, k, shuffle=s, backend="triton", device=DEVICE))
+        if out.error:
+            errors.append(f"{out.id}: {out.error[:200]}")
+    assert not errors, "\n".join(errors[:10])
