@@ -1,12 +1,23 @@
-"""`gpu-sched` command line: conformance (more subcommands join as they land)."""
+"""`gpu-sched` command line: replay, trace-stats, conformance.
+
+  gpu-sched replay [--trace PATH] [--policy lpm] [--kv-tokens N] [--cost-model NAME] [--check]
+                   [--out DIR] [--compare-policies fcfs,lpm,dfs-weight] [SGLang scheduler flags]
+  gpu-sched trace-stats PATH
+  gpu-sched conformance FILE
+
+User errors (missing file, malformed trace row, bad config value) print one line
+`gpu-sched: error: ...` on stderr and exit 2; a replay that cannot go on (integrity violation
+under --check, a request that never fits) exits 1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import List, Optional
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "torch", "triton")  # the one list of scheduler backends
 
 
 class CliError(Exception):
@@ -14,12 +25,189 @@ class CliError(Exception):
 
 
 def make_scheduler_factory(backend: str, device: Optional[str] = None):
-    """`factory(config, kv_pool_size, shuffle)` for a backend name."""
+    """`factory(config, kv_pool_size, shuffle=None)` for a backend name (one of BACKENDS)."""
     if backend == "reference":
         from .reference import ReferenceScheduler
 
         return lambda cfg, kv, shuffle=None: ReferenceScheduler(cfg, kv, shuffle=shuffle)
+    if backend in ("torch", "triton"):
+        from .scheduler import GpuScheduler
+
+        dev = device or "cpu"
+        return lambda cfg, kv, shuffle=None: GpuScheduler(cfg, kv, shuffle=shuffle, backend=backend, device=dev)
     raise CliError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+# ---- SchedulerConfig knobs under SGLang's server-argument names ----------------------------
+def _none_if_le0(v: int) -> Optional[int]:
+    return None if v <= 0 else v
+
+
+def _none_if_neg(v: int) -> Optional[int]:
+    return None if v < 0 else v
+
+
+# (flag, SchedulerConfig field, kind, help); kind: int, float, flag, or a converter int -> value
+CONFIG_FLAGS = (
+    ("--page-size", "page_size", int, "KV page size P [tokens]"),
+    ("--max-prefill-tokens", "max_prefill_tokens", int, "prefill token budget per step"),
+    ("--chunked-prefill-size", "chunked_prefill_size", _none_if_le0, "chunk budget per step; 0 or negative = off"),
+    ("--max-running-requests", "max_running_requests", int, "cap on running requests"),
+    ("--enable-priority-scheduling", "enable_priority_scheduling", "flag", "order fcfs/lof by priority first"),
+    ("--schedule-low-priority-values-first", "schedule_low_priority_values_first", "flag",
+     "lower priority values are scheduled first"),
+    ("--priority-scheduling-preemption-threshold", "priority_scheduling_preemption_threshold", int,
+     "priority gap a preemption victim must exceed"),
+    ("--enable-priority-preemption", "enable_priority_preemption", "flag", "preempt lower-priority running requests"),
+    ("--schedule-conservativeness", "schedule_conservativeness", float, "scales the initial new-token ratio"),
+    ("--disable-radix-cache", "disable_radix_cache", "flag", "no prefix cache (cache-aware policies become fcfs)"),
+    ("--enable-mixed-chunk", "enable_mixed_chunk", "flag", "decode running requests inside prefill steps"),
+    ("--prefill-max-requests", "prefill_max_requests", int, "cap on requests admitted per step"),
+    ("--truncation-align-size", "truncation_align_size", int, "chunk length alignment [tokens]"),
+    ("--lpm-fallback-queue-len", "lpm_fallback_queue_len", _none_if_neg,
+     "lpm falls back to fcfs above this queue length; negative = never (the sglang preset uses 128)"),
+    ("--in-batch-prefix-caching-check-threshold", "in_batch_prefix_caching_check_threshold", int,
+     "in-batch deprioritization check threshold; -1 disables"),
+    ("--in-batch-prefix-caching-deprioritize-threshold", "in_batch_prefix_caching_deprioritize_threshold", int,
+     "in-batch deprioritization threshold [tokens]"),
+    ("--clip-max-new-tokens", "clip_max_new_tokens", int, "cap on the max-new-tokens estimate for budgeting"),
+    ("--random-seed", "random_seed", int, "seed of the random policy"),
+)
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduler (SGLang server-argument names; unset = the preset's value)")
+    g.add_argument("--preset", choices=("default", "sglang"), default="default",
+                   help="default: SchedulerConfig defaults; sglang: SGLang's exactly (lpm fallback at 128)")
+    g.add_argument("--policy", "--schedule-policy", dest="schedule_policy", default=None,
+                   help="lpm, dfs-weight, fcfs, lof, random or routing-key (default: the preset's, fcfs)")
+    for flag, field, kind, help_ in CONFIG_FLAGS:
+        if kind == "flag":
+            g.add_argument(flag, dest=field, action="store_true", default=None, help=help_)
+        else:
+            g.add_argument(flag, dest=field, type=float if kind is float else int, default=None,
+                           metavar="X" if kind is float else "N",
+                           help=help_)
+
+
+def config_from_args(args):
+    """The SchedulerConfig the flags describe (preset + the flags that were given)."""
+    from .config import PRESETS
+
+    overrides = {}
+    if args.schedule_policy is not None:
+        overrides["schedule_policy"] = args.schedule_policy
+    for _, field, kind, _ in CONFIG_FLAGS:
+        v = getattr(args, field)
+        if v is None:
+            continue
+        overrides[field] = kind(v) if callable(kind) and kind not in (int, float) else v
+    return PRESETS[args.preset](**overrides)
+
+
+# ---- replay --------------------------------------------------------------------------------
+def load_trace(args):
+    """The trace a replay/trace-stats command names (or the synthetic workload)."""
+    from .sim.traces import Trace, read_trace, synthetic_workload
+
+    if args.limit is not None and args.limit < 0:
+        raise ValueError(f"--limit must be >= 0, got {args.limit}")
+    if not args.rate_scale > 0 or args.rate_scale == float("inf"):
+        raise ValueError(f"--rate-scale must be a finite number > 0, got {args.rate_scale}")
+    if getattr(args, "trace", None):
+        return read_trace(args.trace, limit=args.limit, rate_scale=args.rate_scale,
+                          skip_bad_rows=args.skip_bad_rows)
+    if args.synthetic_requests < 0:
+        raise ValueError(f"--synthetic-requests must be >= 0, got {args.synthetic_requests}")
+    tr = synthetic_workload(args.synthetic_requests, seed=args.seed, request_rate=8.0 * args.rate_scale)
+    if args.limit is not None:
+        tr = Trace(name=tr.name, requests=tr.requests[: args.limit])
+    return tr
+
+
+def _run_info(args, trace, config, cost) -> dict:
+    return {"trace": trace.source or trace.name, "num_requests": len(trace), "bad_rows": trace.bad_rows,
+            "backend": args.backend, "device": args.device, "kv_tokens": args.kv_tokens,
+            "cost_model": dataclasses.asdict(cost), "check": args.check,
+            "scheduler": dataclasses.asdict(config)}
+
+
+def cmd_replay(args) -> int:
+    from .sim.engine import SimulationError, get_cost_model, replay
+    from .sim.metrics import format_comparison, format_summary, write_results
+
+    factory = make_scheduler_factory(args.backend, args.device)
+    try:
+        if args.kv_tokens < 1:
+            raise ValueError(f"--kv-tokens must be >= 1, got {args.kv_tokens}")
+        cost = get_cost_model(args.cost_model)
+        base = config_from_args(args)
+        policies = [p.strip() for p in args.compare_policies.split(",")] if args.compare_policies else None
+        if policies is not None and (not all(policies) or len(set(policies)) != len(policies)):
+            raise ValueError(f"--compare-policies needs distinct comma-separated names, got {args.compare_policies!r}")
+        configs = {p: base.replace(schedule_policy=p) for p in policies} if policies else {base.schedule_policy: base}
+        trace = load_trace(args)
+    except (FileNotFoundError, ValueError, TypeError) as e:  # TraceFormatError is a ValueError
+        raise CliError(str(e)) from None
+    progress = not args.no_progress and sys.stderr.isatty()
+    summaries, runs = {}, {}
+    for name, cfg in configs.items():
+        try:
+            summary, requests, steps = replay(trace, cfg, kv_tokens=args.kv_tokens,
+                                              make_scheduler=lambda c, kv: factory(c, kv),
+                                              cost_model=cost, check=args.check, progress=progress)
+        except SimulationError as e:
+            print(f"gpu-sched: error: replay ({name}) stopped at {e}", file=sys.stderr)
+            return 1
+        summaries[name] = summary
+        runs[name] = (requests, steps)
+    if args.out:
+        from pathlib import Path
+
+        from .sim.plots import plot_comparison, plot_run
+
+        try:
+            for name, (requests, steps) in runs.items():
+                d = Path(args.out) / name if policies else Path(args.out)
+                write_results(d, summaries[name], requests, steps,
+                              extra=_run_info(args, trace, configs[name], cost))
+                plot_run(d, requests, steps, title=f"{trace.name}, {name}")
+            if policies:
+                plot_comparison(args.out, summaries)
+        except OSError as e:
+            raise CliError(f"cannot write results to {args.out}: {e}") from None
+    if policies:
+        print(format_comparison(summaries))
+        for name, s in summaries.items():
+            print(f"decision digest [{name}]: {s['digest']}")
+    else:
+        (name, s), = summaries.items()
+        print(format_summary(s, title=f"Replay: {trace.name}, {name}, {args.backend}"))
+        print(f"decision digest: {s['digest']}")
+    if args.out:
+        print(f"results written to {args.out}")
+    return 0
+
+
+def cmd_trace_stats(args) -> int:
+    from .sim.traces import trace_stats
+
+    try:
+        trace = load_trace(args)
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        raise CliError(str(e)) from None
+    stats = trace_stats(trace)
+    print(f"trace {trace.name} ({trace.source}), {trace.bad_rows} bad rows skipped")
+    width = max(len(k) for k in stats) + 2
+    for k, v in stats.items():
+        if v is None:
+            s = "n/a"
+        elif isinstance(v, int):
+            s = str(v)
+        else:
+            s = f"{v:.4f}" if k == "repeat_block_frac" else f"{v:.2f}"
+        print(f"  {k:<{width}}{s:>16}")
+    return 0
 
 
 def cmd_conformance(args) -> int:
@@ -33,12 +221,47 @@ def cmd_conformance(args) -> int:
     return 1 if failed else 0
 
 
+def _add_trace_reading(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="keep the first N requests")
+    p.add_argument("--rate-scale", type=float, default=1.0, metavar="X", help="multiply the request rate by X")
+    p.add_argument("--skip-bad-rows", action="store_true", help="skip malformed trace rows instead of failing")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpu-sched", description=__doc__)
+    from .sim.engine import COST_MODELS, DEFAULT_COST_MODEL
+
+    p = argparse.ArgumentParser(prog="gpu-sched", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("replay", help="replay a trace through the scheduler and a simulated engine")
+    r.add_argument("--trace", default=None, metavar="PATH",
+                   help="Mooncake .jsonl or Azure .csv trace (default: the built-in synthetic workload)")
+    _add_trace_reading(r)
+    r.add_argument("--synthetic-requests", type=int, default=400, metavar="N",
+                   help="requests of the synthetic workload (default 400; without --trace)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    r.add_argument("--kv-tokens", type=int, default=1_000_000, metavar="N", help="KV pool size [tokens]")
+    r.add_argument("--backend", default="reference", help=f"scheduler backend: {', '.join(BACKENDS)}")
+    r.add_argument("--device", default=None, help="torch device for device backends")
+    r.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
+                   help=f"step-cost preset: {', '.join(COST_MODELS)} (default {DEFAULT_COST_MODEL})")
+    r.add_argument("--check", action="store_true", help="check scheduler integrity after every step")
+    r.add_argument("--out", default=None, metavar="DIR", help="write results.json and PNG plots here")
+    r.add_argument("--compare-policies", default=None, metavar="P1,P2,...",
+                   help="run each policy and print one comparison table")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is not a TTY)")
+    _add_config_flags(r)
+    r.set_defaults(func=cmd_replay)
+
+    t = sub.add_parser("trace-stats", help="print summary statistics of a trace")
+    t.add_argument("trace", metavar="PATH", help="Mooncake .jsonl or Azure .csv trace")
+    _add_trace_reading(t)
+    t.set_defaults(func=cmd_trace_stats)
+
     c = sub.add_parser("conformance", help="run conformance scenarios (FORMAT.md) and print 'N passed, M failed'")
     c.add_argument("file", help="scenario file (.jsonl or .jsonl.gz)")
-    c.add_argument("--backend", default="reference", help="scheduler backend (default: reference)")
+    c.add_argument("--backend", default="reference", help=f"scheduler backend: {', '.join(BACKENDS)}")
     c.add_argument("--device", default=None, help="torch device for device backends")
     c.set_defaults(func=cmd_conformance)
     return p

@@ -49,13 +49,25 @@ P1, P2 = 2**31 - 1, 2147483629
 EMPTY, TOMB = -1, -2
 ROOT = 0
 BACKENDS = ("torch", "triton")
+#: 2^64 / golden ratio as a signed int64: a key's home slot is bits 32.. of key * MIX (wrapping),
+#: so keys that differ only in low bits (siblings whose last tokens are close) spread out
+HASH_MIX = -7046029254386353131
+
+
+def home_slot(h: torch.Tensor, H: int) -> torch.Tensor:
+    """First table slot probed for key h (H a power of two <= 2^31)."""
+    return ((h * HASH_MIX) >> 32) & (H - 1)
 
 
 def _pow_table(base: int, p: int, n: int) -> torch.Tensor:
+    """base^i mod p for i = 0..n (int64; p < 2^31 so products fit), by doubling on the host."""
     out = np.empty(n + 1, dtype=np.int64)
     out[0] = 1
-    for i in range(1, n + 1):  # host, once per growth of the table
-        out[i] = out[i - 1] * base % p
+    k = 1
+    while k <= n:
+        m = min(k, n + 1 - k)
+        out[k : k + m] = out[:m] * pow(base, k, p) % p
+        k += m
     return torch.from_numpy(out)
 
 
@@ -198,16 +210,18 @@ class FlatRadixTree:
             return self._kernels().probe(h.contiguous(), self.hkeys, self.hvals, self.max_probe)[0]
         H = self.hkeys.numel()
         slot = torch.full_like(h, -1)
-        pos = h & (H - 1)
-        active = torch.ones_like(h, dtype=torch.bool)
+        # the keys still probing: their indices, current slots and hashes (compacted each step,
+        # so the work is the total probe length, not n * the longest probe)
+        idx = torch.arange(h.numel(), device=h.device)
+        pos, hh = home_slot(h, H), h
         for _ in range(self.max_probe):
             k = self.hkeys[pos]
-            hit = active & (k == h)
-            slot = torch.where(hit, pos, slot)
-            active = active & ~hit & (k != EMPTY)
-            pos = (pos + 1) & (H - 1)
-            if self.device.type == "cpu" and not bool(active.any()):
-                break  # nothing left to change; a free check on the host
+            hit = k == hh
+            slot[idx[hit]] = pos[hit]
+            more = ~hit & (k != EMPTY)
+            idx, pos, hh = idx[more], (pos[more] + 1) & (H - 1), hh[more]
+            if idx.numel() == 0:
+                break
         return slot
 
     def lookup(self, h: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
@@ -237,25 +251,25 @@ class FlatRadixTree:
                 raise RuntimeError("prefix hash table: probe limit reached (table too full)")
             self._h_used += n
             return
-        pos = h & (H - 1)
-        pending = torch.ones(n, dtype=torch.bool, device=h.device)
+        # the pending keys: their indices and current slots (compacted each round)
         idx = torch.arange(n, device=h.device)
+        pos = home_slot(h, H)
         for _ in range(self.max_probe):
-            free = pending & (self.hkeys[pos] < 0)
-            fp, fi = pos[free], idx[free]
-            o = torch.argsort(fp * n + fi)  # by slot, then index: the last of each slot wins
-            fp, fi = fp[o], fi[o]
-            last = torch.ones_like(fp, dtype=torch.bool)
-            last[:-1] = fp[1:] != fp[:-1]
-            won = torch.zeros(n, dtype=torch.bool, device=h.device)
-            won[fi[last]] = True
-            self.hkeys[pos[won]] = h[won]
-            self.hvals[pos[won]] = v[won]
-            pending = pending & ~won
-            pos = torch.where(pending, (pos + 1) & (H - 1), pos)
-            if not bool(pending.any()):
+            cand = torch.nonzero(self.hkeys[pos] < 0).flatten()  # pending keys at a free slot
+            o = torch.argsort(pos[cand] * n + idx[cand])  # by slot, then index: the last of each slot wins
+            cand = cand[o]
+            cp = pos[cand]
+            last = torch.ones_like(cp, dtype=torch.bool)
+            last[:-1] = cp[1:] != cp[:-1]
+            win = cand[last]
+            self.hkeys[pos[win]] = h[idx[win]]
+            self.hvals[pos[win]] = v[idx[win]]
+            lose = torch.ones_like(idx, dtype=torch.bool)
+            lose[win] = False
+            idx, pos = idx[lose], (pos[lose] + 1) & (H - 1)
+            if idx.numel() == 0:
                 break
-        if bool(pending.any()):
+        if idx.numel():
             raise RuntimeError("prefix hash table: probe limit reached (table too full)")
         self._h_used += n
 
@@ -384,6 +398,8 @@ class FlatRadixTree:
             d = torch.where(ok, d + self.P, d)
             pos_out = torch.where(ok, pos, pos_out)
             alive = ok & (d + self.P <= Lq)
+            if dev.type == "cpu" and not bool(alive.any()):
+                break  # nothing left to change; a free check on the host
         return d, pos_out
 
     def match(self, tokens: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
@@ -527,7 +543,8 @@ class FlatRadixTree:
         tokens = tokens[:n].to(self.device, torch.int32)
         values = values[:n].to(self.device, torch.int64)
         nsv = torch.tensor([ns], dtype=torch.int64, device=self.device)
-        h = self.prefix_hashes(tokens[None], torch.tensor([n], device=self.device), nsv, self.P)[0]
+        full_h = self.prefix_hashes(tokens[None], torch.tensor([n], device=self.device), nsv, 1)[0]
+        h = full_h[self.P - 1 :: self.P]  # page ends
         pos = self.lookup(h, backend=be)
         missing = torch.nonzero(pos < 0).flatten()
         k = int(missing[0]) if missing.numel() else h.numel()  # pages present (monotone)
@@ -546,7 +563,6 @@ class FlatRadixTree:
             sl = slice(off, off + n - m)
             self.tok[sl] = tokens[m:]
             self.val[sl] = values[m:]
-            full_h = self.prefix_hashes(tokens[None], torch.tensor([n], device=self.device), nsv, 1)[0]
             self.hsh[sl] = full_h[m:]
             self.owner[sl] = leaf
             p = last[0]

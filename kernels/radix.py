@@ -5,9 +5,9 @@ host-side bookkeeping (node allocation, round counts) and chooses between these 
 torch code with `backend="torch" | "triton"`. Results are identical to the torch code, bit for bit
 (tests/test_kernels_radix.py):
 
-- `probe`: hash-table lookup. One program per block of queries; linear probing from
-  `h & (H-1)` for at most `max_probe` slots, stopping at the key or at an EMPTY slot (a tombstone
-  does not stop it). Gives the slot (-1 if absent) and the stored value.
+- `probe`: hash-table lookup. One program per block of queries; linear probing from the home
+  slot (bits 32.. of `h * HASH_MIX`, masked to the power-of-two size H) for at most `max_probe`
+  slots, stopping at the key or at an EMPTY slot (a tombstone does not stop it). Gives the slot (-1 if absent) and the stored value.
 - `find`: the match search of `FlatRadixTree._find`. One program per block of requests: a binary
   search over the chunk-boundary hashes (presence is monotone in depth), then page-by-page
   extension inside the next chunk by rolling the two modular hashes from the chunk-boundary hash.
@@ -45,12 +45,21 @@ import triton.language as tl
 from ._utils import block_config, check_int, check_launch_device, check_tensor, grid_1d
 
 P1, P2 = 2**31 - 1, 2147483629
+#: home slot of key h = bits 32.. of h * HASH_MIX (int64, wrapping): `gpu_sched.radix.home_slot`
+HASH_MIX = -7046029254386353131
 EMPTY = -1
 INT_DTYPES = (torch.int32, torch.int64)
 #: requests per program of the per-request kernels (their lanes loop, so keep blocks small)
 REQUEST_BLOCK = 128
 #: owner positions written per iteration by a split program
 FILL_BLOCK = 1024
+
+
+# Reductions go through `tl.reduce` with Triton's own combine functions: the same code as
+# `tl.max` / `tl.sum` once compiled, and the interpreter maps them to numpy instead of
+# re-entering a jitted function on every loop test (which costs milliseconds each).
+_MAX = tl.standard._elementwise_max
+_SUM = tl.standard._sum_combine
 
 
 def _req_block(block: Optional[int]) -> Tuple[int, int]:
@@ -60,18 +69,19 @@ def _req_block(block: Optional[int]) -> Tuple[int, int]:
 # ---- shared device helpers ------------------------------------------------------------------------
 @triton.jit
 def _probe_slot(hkeys_ptr, h, active, H, max_probe):
-    """Slot of h in the table, -1 if absent or `active` is false (linear probing)."""
-    pos = h & (H - 1)
+    """Slot of h in the table, -1 if absent or `active` is false (linear probing from the
+    home slot, bits 32.. of h * HASH_MIX)."""
+    pos = ((h * -7046029254386353131) >> 32) & (H - 1)
     slot = tl.full(h.shape, -1, tl.int64)
     it = 0
-    go = (it < max_probe) & (tl.max(active.to(tl.int32), axis=0) > 0)
+    go = (it < max_probe) & (tl.reduce(active.to(tl.int32), 0, _MAX) > 0)
     while go:
         k = tl.load(hkeys_ptr + pos, mask=active, other=-1)
         slot = tl.where(active & (k == h), pos, slot)
         active = active & (k != h) & (k != -1)
         pos = (pos + 1) & (H - 1)
         it += 1
-        go = (it < max_probe) & (tl.max(active.to(tl.int32), axis=0) > 0)
+        go = (it < max_probe) & (tl.reduce(active.to(tl.int32), 0, _MAX) > 0)
     return slot
 
 
@@ -90,8 +100,8 @@ def _probe_kernel(h_ptr, hkeys_ptr, hvals_ptr, slot_ptr, val_ptr, n, H, max_prob
 def _check_table(where: str, hkeys: torch.Tensor, hvals: torch.Tensor, dev) -> int:
     check_tensor(where, "hkeys", hkeys, (torch.int64,), device=dev)
     H = hkeys.numel()
-    if H < 1 or H & (H - 1):
-        raise ValueError(f"{where}: hkeys size must be a power of two, got {H}")
+    if H < 1 or H & (H - 1) or H > 2**31:
+        raise ValueError(f"{where}: hkeys size must be a power of two <= 2^31, got {H}")
     check_tensor(where, "hvals", hvals, (torch.int64,), numel=H, device=dev)
     return H
 
@@ -130,7 +140,7 @@ def _find_kernel(tok_ptr, tok_start_ptr, tok_span_ptr, len_ptr, ns_ptr, ch_ptr, 
     lo_pos = tl.full([BLOCK], -1, tl.int64)
     hi = Lq // C
     go = mask & (lo < hi)
-    while tl.max(go.to(tl.int32), axis=0) > 0:
+    while tl.reduce(go.to(tl.int32), 0, _MAX) > 0:
         mid = (lo + hi + 1) // 2
         idx = tl.minimum(tl.maximum(mid - 1, 0), cmax)
         h = tl.load(ch_ptr + cstart + idx, mask=go & (ccnt > 0), other=0)
@@ -151,21 +161,20 @@ def _find_kernel(tok_ptr, tok_start_ptr, tok_span_ptr, len_ptr, ns_ptr, ch_ptr, 
     r2 = seed % 2147483629
     s1 = tl.where(lo > 0, seed_h >> 31, tl.where(r1 < 0, r1 + 2147483647, r1))
     s2 = tl.where(lo > 0, seed_h & 2147483647, tl.where(r2 < 0, r2 + 2147483629, r2))
-    tstart = tl.load(tok_start_ptr + offs, mask=mask, other=0)
+    tbase = tok_ptr + tl.load(tok_start_ptr + offs, mask=mask, other=0)
     tspan = tl.load(tok_span_ptr + offs, mask=mask, other=0)
     tlast = tl.maximum(tspan - 1, 0)
+    has_tok = tspan > 0
     alive = mask & (d + P <= Lq)
     pos_out = lo_pos
     it = 0
-    go2 = (it < chunk_pages - 1) & (tl.max(alive.to(tl.int32), axis=0) > 0)
+    go2 = (it < chunk_pages - 1) & (tl.reduce(alive.to(tl.int32), 0, _MAX) > 0)
     while go2:
         for j in range(P):
-            col = tl.minimum(d + j, tlast)
-            t = tl.load(tok_ptr + tstart + col, mask=alive & (tspan > 0), other=-1).to(tl.int64) + 1
-            s1 = (s1 * B1 + t) % 2147483647
-            s2 = (s2 * B2 + t) % 2147483629
-            s1 = tl.where(s1 < 0, s1 + 2147483647, s1)  # Python's modulo: t may be negative
-            s2 = tl.where(s2 < 0, s2 + 2147483629, s2)
+            t = tl.load(tbase + tl.minimum(d + j, tlast), mask=alive & has_tok, other=-1).to(tl.int64) + 1
+            # Python's modulo for t >= -2^31: adding 2p keeps the dividend non-negative
+            s1 = (s1 * B1 + t + 4294967294) % 2147483647
+            s2 = (s2 * B2 + t + 4294967258) % 2147483629
         slot = _probe_slot(hkeys_ptr, (s1 << 31) | s2, alive, H, max_probe)
         pos = tl.load(hvals_ptr + slot, mask=slot >= 0, other=-1)
         ok = alive & (pos >= 0)
@@ -173,7 +182,7 @@ def _find_kernel(tok_ptr, tok_start_ptr, tok_span_ptr, len_ptr, ns_ptr, ch_ptr, 
         pos_out = tl.where(ok, pos, pos_out)
         alive = ok & (d + P <= Lq)
         it += 1
-        go2 = (it < chunk_pages - 1) & (tl.max(alive.to(tl.int32), axis=0) > 0)
+        go2 = (it < chunk_pages - 1) & (tl.reduce(alive.to(tl.int32), 0, _MAX) > 0)
     tl.store(d_ptr + offs, d, mask=mask)
     tl.store(pos_ptr + offs, pos_out, mask=mask)
 
@@ -246,7 +255,7 @@ def _commit_kernel(h_ptr, v_ptr, pos_ptr, pend_ptr, hkeys_ptr, hvals_ptr, claim_
     still = pend & ~won
     tl.store(pend_ptr + offs, still.to(tl.int8), mask=mask)
     tl.store(pos_ptr + offs, tl.where(still, (p + 1) & (H - 1), p), mask=mask)
-    tl.atomic_add(left_ptr, tl.sum(still.to(tl.int64), axis=0))
+    tl.atomic_add(left_ptr, tl.reduce(still.to(tl.int64), 0, _SUM))
 
 
 def table_insert(h: torch.Tensor, v: torch.Tensor, hkeys: torch.Tensor, hvals: torch.Tensor,
@@ -269,7 +278,7 @@ def table_insert(h: torch.Tensor, v: torch.Tensor, hkeys: torch.Tensor, hvals: t
         return True, tag_base
     BLOCK, warps = block_config(block)
     grid = grid_1d(n, BLOCK)
-    pos = h & (H - 1)
+    pos = ((h * HASH_MIX) >> 32) & (H - 1)  # home slots, as gpu_sched.radix.home_slot
     pend = torch.ones(n, dtype=torch.int8, device=dev)
     left = torch.zeros(1, dtype=torch.int64, device=dev)
     tag = tag_base
@@ -358,7 +367,7 @@ def _stamp_paths_kernel(nodes_ptr, stamp_ptr, parent_ptr, last_ptr, n, BLOCK: tl
     cur = tl.load(nodes_ptr + offs, mask=mask, other=-1)
     s = tl.load(stamp_ptr + offs, mask=mask, other=0)
     active = mask & (cur >= 0)
-    while tl.max(active.to(tl.int32), axis=0) > 0:
+    while tl.reduce(active.to(tl.int32), 0, _MAX) > 0:
         tl.atomic_max(last_ptr + cur, s, mask=active)
         cur = tl.load(parent_ptr + cur, mask=active, other=-1)
         active = active & (cur >= 0)
@@ -387,7 +396,7 @@ def _path_counts_kernel(nodes_ptr, parent_ptr, cnt_ptr, n, BLOCK: tl.constexpr):
     cur = tl.load(nodes_ptr + offs, mask=mask, other=0)
     active = mask & (cur > 0)
     one = tl.full([BLOCK], 1, tl.int64)
-    while tl.max(active.to(tl.int32), axis=0) > 0:
+    while tl.reduce(active.to(tl.int32), 0, _MAX) > 0:
         tl.atomic_add(cnt_ptr + cur, one, mask=active)
         cur = tl.load(parent_ptr + cur, mask=active, other=0)
         active = active & (cur > 0)

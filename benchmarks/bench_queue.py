@@ -1,0 +1,514 @@
+"""Large-queue benchmark: one scheduling step of the reference scheduler against `GpuScheduler`,
+per policy, stage and queue length N = 2^min_exp .. 2^max_exp.
+
+Rows are data (STYLE practice 9), one per (policy, stage, n, backend, device): median_s, p90_s,
+us_per_req, ratio_to_ref (this median / the reference's median for the same policy, stage and
+n measured in the same run; None where the reference was not run), reps, plus what the run
+was (queue kind, warm-cache size, prompt cap, threads, torch version, run id, command). They are
+appended to `--out` (a JSON list) and printed as a table; `plot_bench.py` draws them.
+
+Setup (not timed)
+  One scheduler per backend, holding
+    * a warm prefix cache: the prompts of the first `--warm` trace requests, inserted with
+      `seed_cache` (Mooncake, 2000 requests: 19.4M tokens, the size of the SGLang figures);
+    * a running batch of `--running` short requests (seed_running) whose routing keys are
+      drawn from the first half of `--routing-keys` keys (routing-key ordering reads them);
+    * a waiting queue of N requests: the trace rows after the warm ones, cycled when N is
+      larger than the trace (a cycled copy shares its prompt array with the original, so a 2^20
+      queue fits in memory); priority uniform in 0..4, routing key uniform over the keys (one
+      in eight none), enqueue time = queue position, max_new_tokens = the row's output length.
+  The policy is switched by replacing `sched.config` (the warm cache is built once per backend;
+  nothing in the schedulers caches config values besides the `random` policy's seed). Queued
+  requests are entered the way `submit` does, without re-validating every prompt (they are
+  validated once, when built): submit's copy of each prompt would not fit at 2^20.
+
+What is timed (a warm-up call first, untimed; then at least `--reps` timed calls, more while
+the row is under `--budget-s`)
+  order  `sched._order()`: the policy's ordering of the whole queue, including the prefix
+         match of every request for lpm/dfs-weight (as SGLang's calc_priority). It does not
+         change the queue list; lpm/dfs-weight matching splits and stamps tree nodes, and the
+         splits happen in the warm-up, so timed calls see the same tree.
+  admit  `sched._admission_loop(ordered, adder)` with a fresh `PrefillAdder` over the queue
+         ordered once beforehand (untimed): R-STEP-3 alone.
+  step   `sched.step(ratio)`: budgets, ordering, admission and the plan.
+  After every admit/step call the state is restored, untimed (`Restorer`): the admitted
+  requests' prefix locks are released, the queue list is put back, `prefilling`, `chunked` and
+  `batch_is_full` are cleared. Admission allocates no KV (that happens in `complete_prefill`)
+  and the KV pool is sized so that nothing is evicted, so this restores every count the next
+  call reads; `check_integrity` runs after the restores at the smallest n to confirm it.
+
+Timing: `time.perf_counter` on CPU; on CUDA, CUDA events around the call after a synchronize
+(the step reads results back to the host, so it cannot be captured in a CUDA graph; the events
+bracket the whole call). A warm-up over `--slow-s` gets `--slow-reps` timed calls only. A backend
+stops for a policy once one call exceeds `--max-seconds`, or when GpuScheduler's padded
+[n, longest fill] buffers would not fit in memory; the reference runs only up to 2^ref_max_exp.
+Loop order: n outermost, then backend, then policy, so `--deadline-s` cuts the largest sizes of
+every policy, never whole policies; rows are saved after every n.
+
+Sanity check: for n <= 2^check_max_exp the warm-up step's plan of every device backend is
+compared field by field with the reference's (rows get plan_equal_ref; a mismatch is printed
+with its first differing field).
+
+Usage:
+  python benchmarks/bench_queue.py [--queue mooncake|synthetic] [--min-exp 7] [--max-exp 20]
+      [--ref-max-exp 15] [--max-seconds 60] [--policies fcfs,lof,routing-key,lpm,dfs-weight]
+      [--stages order,admit,step] [--backends reference,torch-cpu[,torch-cuda,triton-cuda]]
+      [--warm 2000] [--max-prompt-len N] [--out benchmarks/results/bench_queue_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from gpu_sched.config import SchedulerConfig
+from gpu_sched.reference.adder import PrefillAdder
+from gpu_sched.reference.scheduler import ReferenceScheduler
+from gpu_sched.request import Request
+from gpu_sched.scheduler import GpuScheduler
+from gpu_sched.sim.traces import TraceRequest, read_mooncake, synthetic_workload
+
+DEFAULT_TRACE = "/work/shared/traces/mooncake/conversation_trace.jsonl"
+POLICIES = {  # name -> SchedulerConfig overrides (the plain constructor: no lpm fallback, D3)
+    "fcfs": dict(schedule_policy="fcfs", enable_priority_scheduling=True),
+    "lof": dict(schedule_policy="lof"),
+    "routing-key": dict(schedule_policy="routing-key"),
+    "lpm": dict(schedule_policy="lpm"),
+    "dfs-weight": dict(schedule_policy="dfs-weight"),
+}
+STAGES = ("order", "admit", "step")
+RATIO = 0.7  # new-token ratio passed to step (SGLang's initial value)
+
+
+# ---- workload --------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    """Everything the schedulers are built from (host data only)."""
+
+    name: str
+    warm_prompts: List[np.ndarray]
+    queue: List[Request]  # length 2^max_exp; a size-n run takes the first n
+    running: List[Request]
+    distinct: int  # distinct queue prompts before cycling
+
+
+def _cap(p: np.ndarray, cap: Optional[int]) -> np.ndarray:
+    return p if cap is None or len(p) <= cap else p[:cap]
+
+
+def build_workload(args, n_max: int) -> Workload:
+    rng = np.random.default_rng(args.seed)
+    if args.queue == "mooncake":
+        rows = read_mooncake(args.trace).requests
+        if len(rows) <= args.warm:
+            raise SystemExit(f"--warm {args.warm} leaves no queue rows in {args.trace} ({len(rows)} rows)")
+    else:
+        n_syn = args.warm + (args.distinct or 8192)
+        rows = synthetic_workload(n_syn, seed=args.seed, num_groups=args.synthetic_groups).requests
+    warm = [_cap(r.prompt_ids(), args.max_prompt_len) for r in rows[: args.warm]]
+    qrows = rows[args.warm :]
+    if args.distinct:
+        qrows = qrows[: args.distinct]
+    qrows = qrows[:n_max]
+    protos = []
+    for j, row in enumerate(qrows):  # validated once here; cycled copies share the prompt array
+        protos.append(Request(rid=f"q{j}", prompt_ids=_cap(row.prompt_ids(), args.max_prompt_len),
+                              max_new_tokens=max(1, row.output_len)))
+    K = args.routing_keys
+    keys = [f"key{k:03d}" for k in range(K)]
+    prio = rng.integers(0, 5, n_max)
+    kid = rng.integers(0, K, n_max)
+    nokey = rng.random(n_max) < 0.125
+    queue = []
+    for i in range(n_max):
+        r = copy.copy(protos[i % len(protos)])  # no __post_init__: the prompt is not copied
+        r.rid, r.output_ids = f"q{i}", []
+        r.priority, r.enqueue_time = int(prio[i]), float(i)
+        r.routing_key = None if nokey[i] else keys[kid[i]]
+        queue.append(r)
+    running = []
+    for j in range(args.running):
+        toks = TraceRequest(index=10**9 + j, arrival_s=0.0, input_len=128, output_len=0).prompt_ids()
+        running.append(Request(rid=f"run{j}", prompt_ids=toks, max_new_tokens=256,
+                               routing_key=keys[j % max(1, K // 2)], priority=2, enqueue_time=-1.0))
+    return Workload(args.queue, warm, queue, running, len(protos))
+
+
+# ---- schedulers ------------------------------------------------------------------------------
+def parse_backend(spec: str):
+    """'reference' | 'torch-cpu' | 'torch-cuda' | 'triton-cuda' -> (backend, device)."""
+    if spec == "reference":
+        return "reference", "cpu"
+    be, _, dev = spec.partition("-")
+    if be not in ("torch", "triton") or dev not in ("cpu", "cuda"):
+        raise SystemExit(f"unknown backend {spec!r} (reference, torch-cpu, torch-cuda, triton-cuda)")
+    if be == "triton" and dev == "cpu":
+        raise SystemExit("triton-cpu would time Triton's interpreter, which measures nothing")
+    return be, dev
+
+
+def make_scheduler(backend: str, device: str, wl: Workload, pool: int):
+    cfg = SchedulerConfig(**POLICIES["fcfs"])
+    if backend == "reference":
+        s = ReferenceScheduler(cfg, pool)
+    else:
+        s = GpuScheduler(cfg, pool, backend=backend, device=device)
+    cached = sum(s.seed_cache(p) for p in wl.warm_prompts)
+    for r in wl.running:
+        s.seed_running(copy.deepcopy(r))
+    return s, cached
+
+
+def set_queue(s, reqs: List[Request]) -> None:
+    """`submit(reqs)` without its per-request validation (done once in build_workload)."""
+    if type(s).submit is not ReferenceScheduler.submit:
+        raise RuntimeError("the scheduler overrides submit(); set_queue would bypass it")
+    for st in s.queue:
+        del s.reqs[st.rid]
+    s.queue = []
+    for r in reqs:
+        st = s._state(r, None)
+        s.reqs[r.rid] = st
+        s.queue.append(st)
+
+
+class Restorer:
+    """Undo an admit/step call (untimed): release the admitted requests' prefix locks, clear
+    prefilling/chunked/batch_is_full, put the queue list back (step).
+
+    On a GpuScheduler the first undo unlocks through the cache like the engine would; it then
+    snapshots the tree's lock counts, and later undos copy that snapshot back (one memcpy instead
+    of O(tree capacity) work per unlock). This is exact because the warm-up call already made
+    every split the call makes (matching is deterministic and splits are idempotent), so the
+    later calls lock and unlock the same node ids."""
+
+    def __init__(self, s, queue0=None):
+        self.s, self.queue0, self.snap = s, queue0, None
+        self.adder = None  # set by the admit stage
+
+    def _admitted(self):
+        return self.adder.can_run if self.adder is not None else self.s.prefilling
+
+    def __call__(self):
+        s = self.s
+        admitted = self._admitted()
+        if self.snap is None:
+            nodes = [r.lock_node for r in admitted if r.lock_node is not None]
+            if isinstance(s, GpuScheduler) and not s.cache.disable:
+                t = s.cache.tree
+                if nodes:  # one batched unlock (each unlock is O(tree capacity))
+                    t.unlock(torch.tensor(nodes, dtype=torch.int64, device=s.device))
+                self.snap = (t.lock_ref.clone(), t.evictable_size.clone(), t.protected_size.clone())
+            else:
+                for node in nodes:
+                    s.cache.dec_lock_ref(node)
+        else:
+            t = s.cache.tree
+            t.lock_ref.copy_(self.snap[0])
+            t.evictable_size.copy_(self.snap[1])
+            t.protected_size.copy_(self.snap[2])
+        for r in admitted:
+            r.lock_node = None
+        s.prefilling = []
+        s.chunked = None
+        s.batch_is_full = False
+        if self.queue0 is not None:
+            s.queue = list(self.queue0)
+
+
+def stage_fns(s, stage: str):
+    """(call, restore) for one stage on scheduler s in its current state."""
+    if stage == "order":
+        return s._order, None
+    if stage == "step":
+        return (lambda: s.step(RATIO)), Restorer(s, list(s.queue))
+    ordered = s._order().queue
+    restore = Restorer(s)
+
+    def admit():
+        restore.adder = adder = PrefillAdder(s.config, s.cache, s.pool, s.running, RATIO, 0)
+        return s._admission_loop(ordered, adder)
+
+    return admit, restore
+
+
+# ---- timing ----------------------------------------------------------------------------------
+class Clock:
+    """Seconds of one call: perf_counter on CPU, CUDA events (after a synchronize) on CUDA."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def __call__(self, fn: Callable):
+        if not self.cuda:
+            t0 = time.perf_counter()
+            out = fn()
+            return time.perf_counter() - t0, out
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3, out
+
+
+def measure(clock: Clock, fn, restore, reps: int, max_reps: int, budget_s: float, max_s: float,
+            slow_s: float, slow_reps: int):
+    """(times, warm-up result, warm-up seconds). The warm-up alone when it exceeds max_s;
+    slow_reps timed calls when it exceeds slow_s."""
+    t, first = clock(fn)
+    if restore:
+        restore()
+    if t > max_s:
+        return [t], first, t
+    if t > slow_s:
+        reps, budget_s = slow_reps, 0.0
+    times = []
+    start = time.perf_counter()
+    while len(times) < reps or (time.perf_counter() - start < budget_s and len(times) < max_reps):
+        dt, _ = clock(fn)
+        if restore:
+            restore()
+        times.append(dt)
+        if dt > max_s:
+            break
+    return times, first, t
+
+
+def p90(xs: List[float]) -> float:
+    return float(np.percentile(np.asarray(xs), 90)) if len(xs) > 1 else xs[0]
+
+
+def first_diff(a: dict, b: dict) -> Optional[str]:
+    for k in a:
+        if a[k] != b.get(k):
+            va, vb = a[k], b.get(k)
+            if isinstance(va, list) and isinstance(vb, list):
+                i = next((i for i, (x, y) in enumerate(zip(va, vb)) if x != y), min(len(va), len(vb)))
+                return (f"{k}[{i}]: reference {va[i] if i < len(va) else '<end>'!r} vs "
+                        f"{vb[i] if i < len(vb) else '<end>'!r} (lengths {len(va)}, {len(vb)})")
+            return f"{k}: reference {va!r} vs {vb!r}"
+    return None
+
+
+def mem_ok(s, n: int, device: str, frac: float = 0.5) -> Optional[str]:
+    """GpuScheduler pads every fill to the queue's longest one ([n, L] int32, then int64 hashes
+    and temporaries, ~24 bytes per cell): refuse sizes that would not fit."""
+    if not isinstance(s, GpuScheduler):
+        return None
+    L = max((st.fill_len for st in s.queue), default=0)
+    need = 24 * n * L
+    if device == "cuda":
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        with open("/proc/meminfo") as f:
+            info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f}
+        free = info.get("MemAvailable", 0)
+    if need > frac * free:
+        return f"padded fills [n={n}, L={L}] need ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+    return None
+
+
+# ---- main ------------------------------------------------------------------------------------
+def default_backends() -> str:
+    b = ["reference", "torch-cpu"]
+    if torch.cuda.is_available():
+        b += ["torch-cuda", "triton-cuda"]
+    return ",".join(b)
+
+
+def print_row(r: dict) -> None:
+    ratio = "" if r["ratio_to_ref"] is None else f"{r['ratio_to_ref']:.3g}x"
+    med = "-" if r["median_s"] is None else f"{r['median_s']:.4g}"
+    p = "-" if r["p90_s"] is None else f"{r['p90_s']:.4g}"
+    us = "-" if r["us_per_req"] is None else f"{r['us_per_req']:.3g}"
+    chk = {True: "ok", False: "DIFF", None: ""}[r.get("plan_equal_ref")]
+    print(f"{r['policy']:11} {r['stage']:5} {r['n']:>8} {r['backend']:9} {r['device']:5} {med:>10} {p:>10} "
+          f"{us:>9} {ratio:>9} {r['reps']:>4} {chk:>4} {r.get('note') or ''}", flush=True)
+
+
+HEADER = (f"{'policy':11} {'stage':5} {'n':>8} {'backend':9} {'dev':5} {'median s':>10} {'p90 s':>10} "
+          f"{'us/req':>9} {'vs ref':>9} {'reps':>4} {'plan':>4}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--queue", choices=("mooncake", "synthetic"), default="mooncake")
+    ap.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    ap.add_argument("--warm", type=int, default=2000, help="leading trace requests whose prompts seed the cache")
+    ap.add_argument("--max-prompt-len", type=int, default=None, help="cap prompts [tokens] (default: real)")
+    ap.add_argument("--distinct", type=int, default=0,
+                    help="distinct queue prompts before cycling (0: every trace row after the warm ones; "
+                         "synthetic: 8192)")
+    ap.add_argument("--synthetic-groups", type=int, default=16, help="shared system prompts (synthetic queue)")
+    ap.add_argument("--min-exp", type=int, default=7)
+    ap.add_argument("--max-exp", type=int, default=20)
+    ap.add_argument("--ref-max-exp", type=int, default=15, help="largest 2^k the reference runs at")
+    ap.add_argument("--max-seconds", type=float, default=60.0, help="stop a backend/policy past this per call")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--stages", default=",".join(STAGES))
+    ap.add_argument("--backends", default=default_backends())
+    ap.add_argument("--reps", type=int, default=3, help="timed calls per row at least")
+    ap.add_argument("--max-reps", type=int, default=15)
+    ap.add_argument("--budget-s", type=float, default=1.0, help="keep timing a row while under this")
+    ap.add_argument("--slow-s", type=float, default=2.0, help="a warm-up call over this gets --slow-reps calls")
+    ap.add_argument("--slow-reps", type=int, default=2)
+    ap.add_argument("--running", type=int, default=64, help="running-batch size")
+    ap.add_argument("--routing-keys", type=int, default=32)
+    ap.add_argument("--kv-headroom", type=int, default=1_000_000,
+                    help="KV pool = warm-cache tokens + this (free slots; nothing is evicted)")
+    ap.add_argument("--check-max-exp", type=int, default=9, help="compare plans with the reference up to 2^k")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no new row after this many seconds from launch (rows so far are kept)")
+    ap.add_argument("--out", default=None, help="append rows to this JSON list (saved after every n)")
+    ap.add_argument("--run-id", default=None,
+                    help="the rows' `run` field (default: the start time); reuse one to continue a run "
+                         "in a second invocation (plot_bench keeps the last row of each key)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    policies = args.policies.split(",")
+    for p in policies:
+        if p not in POLICIES:
+            ap.error(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+    stages = args.stages.split(",")
+    for st in stages:
+        if st not in STAGES:
+            ap.error(f"unknown stage {st!r}; choose from {', '.join(STAGES)}")
+    backends = [parse_backend(b) for b in args.backends.split(",")]
+    if any(d == "cuda" for _, d in backends) and not torch.cuda.is_available():
+        ap.error("a cuda backend was asked for but torch.cuda.is_available() is False")
+    exps = list(range(args.min_exp, args.max_exp + 1))
+    n_max = 2 ** args.max_exp
+
+    t_start = time.perf_counter()
+    run_id = args.run_id or time.strftime("%Y%m%dT%H%M%S")
+    meta = dict(queue=args.queue, warm=args.warm, max_prompt_len=args.max_prompt_len,
+                running=args.running, threads=torch.get_num_threads(), torch=torch.__version__,
+                python=sys.version.split()[0], host=platform.node(),
+                cpu=platform.processor() or platform.machine(), run=run_id,
+                command="python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]))
+    if torch.cuda.is_available():
+        meta["gpu"] = torch.cuda.get_device_name()
+    t0 = time.perf_counter()
+    wl = build_workload(args, n_max)
+    print(f"# {args.queue} queue: {wl.distinct} distinct prompts, warm cache from {args.warm} requests, "
+          f"prompt cap {args.max_prompt_len}, {torch.get_num_threads()} torch threads; "
+          f"workload built in {time.perf_counter() - t0:.1f} s", flush=True)
+    probe = ReferenceScheduler(SchedulerConfig(), sum(len(p) for p in wl.warm_prompts) + 1)
+    unique = sum(probe.seed_cache(p) for p in wl.warm_prompts)
+    del probe
+    pool = unique + args.running * 400 + args.kv_headroom  # cache + running requests' KV + free
+
+    rows: List[dict] = []
+    ref_med: Dict[tuple, float] = {}
+    ref_plan: Dict[tuple, dict] = {}
+    problems: List[str] = []
+    out = Path(args.out) if args.out else None
+    old = json.loads(out.read_text()) if out and out.exists() and out.stat().st_size else []
+
+    def save():
+        if out is None:
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps(old + rows, indent=1))
+        os.replace(tmp, out)
+
+    scheds = []
+    for backend, device in backends:
+        t0 = time.perf_counter()
+        s, cached = make_scheduler(backend, device, wl, pool)
+        scheds.append((backend, device, s, cached, Clock(device)))
+        print(f"# {backend}/{device}: warm cache {cached} tokens, KV pool {pool}, built in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    print(HEADER)
+    print("-" * len(HEADER), flush=True)
+    stopped = set()  # (backend, device, policy) past --max-seconds or out of memory
+    out_of_time = False
+    for e in exps:
+        n = 2 ** e
+        for backend, device, s, cached, clock in scheds:
+            if backend == "reference" and e > args.ref_max_exp:
+                continue
+            if all((backend, device, p) in stopped for p in policies):
+                continue
+            set_queue(s, wl.queue[:n])
+            for pol in policies:
+                if (backend, device, pol) in stopped:
+                    continue
+                if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
+                    out_of_time = True
+                    break
+                why = mem_ok(s, n, device) if pol in ("lpm", "dfs-weight") else None
+                if why:
+                    print(f"# {backend}/{device} {pol} stops at n={n}: {why}", flush=True)
+                    stopped.add((backend, device, pol))
+                    continue
+                s.config = SchedulerConfig(**POLICIES[pol])
+                for st in stages:
+                    fn, restore = stage_fns(s, st)
+                    times, first, warm_t = measure(clock, fn, restore, args.reps, args.max_reps, args.budget_s,
+                                                   args.max_seconds, args.slow_s, args.slow_reps)
+                    med = statistics.median(times)
+                    key = (pol, st, n)
+                    row = dict(policy=pol, stage=st, n=n, backend=backend, device=device, median_s=med,
+                               p90_s=p90(times), us_per_req=med * 1e6 / n, reps=len(times), warmup_s=warm_t,
+                               ratio_to_ref=None, plan_equal_ref=None, cache_tokens=cached, **meta)
+                    if backend == "reference":
+                        ref_med[key] = med
+                        row["ratio_to_ref"] = 1.0
+                        if st == "step" and e <= args.check_max_exp:
+                            ref_plan[(pol, n)] = dict(vars(first))
+                    elif key in ref_med:
+                        row["ratio_to_ref"] = med / ref_med[key]
+                    if st == "step" and backend != "reference" and (pol, n) in ref_plan:
+                        d = first_diff(ref_plan[(pol, n)], dict(vars(first)))
+                        row["plan_equal_ref"] = d is None
+                        if d:
+                            problems.append(f"{backend}/{device} {pol} n={n}: step plan differs from the "
+                                            f"reference: {d}")
+                            row["note"] = d[:80]
+                    if e == exps[0] and st == "step":
+                        s.check_integrity()  # the restores left a consistent state
+                    rows.append(row)
+                    print_row(row)
+                    if max(times) > args.max_seconds or warm_t > args.max_seconds:
+                        stopped.add((backend, device, pol))
+                if (backend, device, pol) in stopped:
+                    print(f"# {backend}/{device} {pol}: a call took over {args.max_seconds} s at n={n}; "
+                          f"larger n skipped", flush=True)
+            set_queue(s, [])
+            if out_of_time:
+                break
+        save()
+        if out_of_time:
+            print(f"# --deadline-s {args.deadline_s} reached after n={n}; stopping", flush=True)
+            break
+
+    for p in problems:
+        print("PROBLEM:", p)
+    if out is not None:
+        save()
+        print(f"# {len(rows)} rows appended to {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# One check for a lent GPU, under 8 minutes: what the device is, the kernel and differential
+# tests on CUDA, and the large-queue benchmark on CUDA up to 2^20 waiting requests.
+#
+# Usage: benchmarks/gpu_check.sh OUTDIR
+#   OUTDIR gets: status.tsv (section, exit status, seconds), env.txt, pytest_<group>.log/.xml,
+#   bench_queue.log, bench_queue_cuda.json, bench_queue_cuda.png, plot.log.
+#   GPU_CHECK_DRY_RUN=1: the same flow on a CPU machine (tiny sizes, cpu backends), to check
+#   the script itself.
+#
+# Every section runs under `timeout`; a failing or timed-out section is recorded in
+# status.tsv and the next one still runs. The script exits non-zero if any section failed.
+# Section limits (s): env 20, kernel tests 120, differential tests 80, interpreter-only tests 45,
+# bench 160 (the benchmark starts no row after 130), plot 20: at most 445 s plus kill grace.
+set -euo pipefail
+
+OUT="${1:?usage: benchmarks/gpu_check.sh OUTDIR}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$(dirname "$0")/.."
+if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
+    # shellcheck disable=SC1091
+    . .venv/bin/activate
+fi
+PY="${PYTHON:-python}"
+DRY="${GPU_CHECK_DRY_RUN:-0}"
+STATUS="$OUT/status.tsv"
+printf 'section\tstatus\tseconds\n' > "$STATUS"
+FAILED=0
+
+# section NAME LIMIT_S LOG CMD...: run CMD under timeout with stdout+stderr into LOG, record status
+section() {
+    local name="$1" limit="$2" log="$3"
+    shift 3
+    local t0 rc=0
+    t0=$(date +%s)
+    echo "== $name (limit ${limit}s) -> $log"
+    timeout --kill-after=15 "$limit" "$@" > "$log" 2>&1 || rc=$?
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$STATUS"
+    if [[ "$rc" != 0 ]]; then
+        FAILED=1
+        echo "   $name failed with status $rc (124: timed out); last lines:"
+        tail -n 5 "$log" | sed 's/^/   | /'
+    fi
+    return 0
+}
+
+env_info() {
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    git rev-parse HEAD 2>/dev/null || true
+    git status --short 2>/dev/null | head -20 || true
+    if command -v nvidia-smi > /dev/null; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,utilization.gpu,clocks.sm \
+            --format=csv,noheader
+    elif [[ "$DRY" == 1 ]]; then
+        echo "nvidia-smi: not found (dry run)"
+    else
+        echo "nvidia-smi: not found"
+        return 1
+    fi
+    "$PY" - <<'EOF'
+import platform, torch, triton
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "triton", triton.__version__)
+print("cuda available:", torch.cuda.is_available(),
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+EOF
+}
+
+# Test files, in three pytest processes. test_kernels_sort_keys.py and test_policy_device.py set
+# TRITON_INTERPRET=1 at import whatever the device (so on a GPU their kernels still run in the
+# interpreter); they run in their own process, last, so that the setting cannot leak into the
+# files that compile the kernels on CUDA (kernels are decorated, interpreted or compiled, when
+# their module is first imported).
+pick() { local f; for f in "$@"; do [[ -f "$f" ]] && printf '%s\n' "$f"; done; return 0; }
+mapfile -t T_KERNELS < <(pick tests/test_kernels_radix.py tests/test_radix_device.py tests/test_state.py \
+    tests/test_conformance_device.py)
+mapfile -t T_DIFF < <(pick tests/test_scheduler_differential.py tests/test_ordering_mooncake.py \
+    tests/test_radix_mooncake.py tests/test_replay_backends.py)
+mapfile -t T_INTERP < <(pick tests/test_kernels_sort_keys.py tests/test_policy_device.py)
+
+# The Mooncake trace: $GPU_SCHED_TRACE, else the usual places; without it the benchmark uses
+# the synthetic shared-prefix queue.
+TRACE=""
+for c in "${GPU_SCHED_TRACE:-}" shared/traces/mooncake/conversation_trace.jsonl \
+         ../shared/traces/mooncake/conversation_trace.jsonl /work/shared/traces/mooncake/conversation_trace.jsonl; do
+    if [[ -n "$c" && -f "$c" ]]; then TRACE="$c"; break; fi
+done
+if [[ -n "$TRACE" ]]; then
+    QUEUE_ARGS=(--queue mooncake --trace "$TRACE")
+else
+    QUEUE_ARGS=(--queue synthetic --distinct 8192)
+fi
+echo "== benchmark queue: ${QUEUE_ARGS[*]}"
+
+if [[ "$DRY" == 1 ]]; then
+    TEST_DEV=cpu
+    # the full files take ~12 min in Triton's interpreter: a dry run only collects them
+    PYTEST_ARGS=(-q --collect-only)
+    BENCH_ARGS=(--backends reference,torch-cpu --min-exp 6 --max-exp 8 --ref-max-exp 7 --warm 50
+                --max-prompt-len 1024 --reps 2 --budget-s 0.1 --max-seconds 5 --deadline-s 100)
+else
+    unset TRITON_INTERPRET
+    TEST_DEV=cuda
+    PYTEST_ARGS=(-q -rfE)
+    # torch and triton on CUDA to 2^20, the reference to 2^12 for ratios; Mooncake prefixes
+    # capped at 2048 tokens so that the padded [2^20, L] fills fit; a call over 10 s ends a
+    # backend/policy; no new row after 130 s
+    BENCH_ARGS=(--backends reference,torch-cuda,triton-cuda --min-exp 7 --max-exp 20 --ref-max-exp 12
+                --warm 500 --max-prompt-len 2048 --reps 3 --budget-s 0.3 --max-seconds 10
+                --slow-s 1 --slow-reps 1 --deadline-s 130)
+fi
+
+run_pytest() {  # run_pytest NAME LIMIT FILES...
+    local name="$1" limit="$2"
+    shift 2
+    if [[ $# == 0 ]]; then
+        printf '%s\tskipped (no files)\t0\n' "$name" >> "$STATUS"
+        return 0
+    fi
+    section "$name" "$limit" "$OUT/$name.log" env GPU_SCHED_TEST_DEVICE="$TEST_DEV" \
+        "$PY" -m pytest "${PYTEST_ARGS[@]}" --junitxml="$OUT/$name.xml" "$@"
+}
+
+export -f env_info
+export DRY PY
+section env 20 "$OUT/env.txt" bash -c env_info
+run_pytest pytest_kernels 120 "${T_KERNELS[@]}"
+run_pytest pytest_differential 80 "${T_DIFF[@]}"
+run_pytest pytest_interpreted 45 "${T_INTERP[@]}"
+rm -f "$OUT/bench_queue_cuda.json"
+section bench 160 "$OUT/bench_queue.log" "$PY" benchmarks/bench_queue.py "${QUEUE_ARGS[@]}" "${BENCH_ARGS[@]}" \
+    --threads 1 --out "$OUT/bench_queue_cuda.json"
+if [[ -s "$OUT/bench_queue_cuda.json" ]]; then
+    section plot 20 "$OUT/plot.log" "$PY" benchmarks/plot_bench.py "$OUT/bench_queue_cuda.json" \
+        --out "$OUT/bench_queue_cuda.png"
+else
+    printf 'plot\tskipped (no rows)\t0\n' >> "$STATUS"
+fi
+
+echo "== status ($STATUS)"
+column -t -s $'\t' "$STATUS" 2>/dev/null || cat "$STATUS"
+exit "$FAILED"

@@ -1,0 +1,164 @@
+"""Plot `bench_queue.py` rows: median time per call against queue length, log-log, one line per
+backend/device, one panel per (policy, stage); p10..p90 is not stored, so the band drawn is
+median..p90.
+
+Usage: python benchmarks/plot_bench.py benchmarks/results/bench_queue_cpu.json
+           [--out benchmarks/results/bench_queue_cpu.png] [--run RUN_ID | --all-runs]
+           [--queue mooncake] [--per-request] [--markdown table.md | --markdown -]
+By default only the latest run in the file (the `run` field) is drawn; rows from several runs
+with the same (policy, stage, n, backend, device) would otherwise overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+STAGE_ORDER = ("order", "admit", "step")
+POLICY_ORDER = ("fcfs", "lof", "routing-key", "lpm", "dfs-weight")
+STYLE = {  # (backend, device) -> matplotlib style
+    ("reference", "cpu"): dict(color="black", marker="o"),
+    ("torch", "cpu"): dict(color="tab:blue", marker="s"),
+    ("torch", "cuda"): dict(color="tab:green", marker="^"),
+    ("triton", "cuda"): dict(color="tab:red", marker="v"),
+}
+
+
+def load_rows(path, run=None, all_runs=False, queue=None):
+    rows = json.loads(Path(path).read_text())
+    rows = [r for r in rows if r.get("median_s") is not None]
+    if queue:
+        rows = [r for r in rows if r.get("queue") == queue]
+    if not rows:
+        return []
+    if not all_runs:
+        run = run or max(r.get("run", "") for r in rows)
+        rows = [r for r in rows if r.get("run", "") == run]
+    last = {}  # a run continued by a second invocation: the later row of a key wins
+    for r in rows:
+        last[(r["policy"], r["stage"], r["n"], r["backend"], r["device"], r.get("run"))] = r
+    return list(last.values())
+
+
+def plot(rows, out, per_request=False, title=None):
+    policies = [p for p in POLICY_ORDER if any(r["policy"] == p for r in rows)]
+    policies += sorted({r["policy"] for r in rows} - set(policies))
+    stages = [s for s in STAGE_ORDER if any(r["stage"] == s for r in rows)]
+    fig, axes = plt.subplots(len(policies), len(stages), figsize=(4.2 * len(stages), 3.0 * len(policies)),
+                             squeeze=False, sharex=True)
+    series = defaultdict(list)
+    for r in rows:
+        series[(r["policy"], r["stage"], r["backend"], r["device"])].append(r)
+    ykey = "us_per_req" if per_request else "median_s"
+    for i, pol in enumerate(policies):
+        for j, st in enumerate(stages):
+            ax = axes[i][j]
+            for (p, s, be, dev), rs in sorted(series.items()):
+                if (p, s) != (pol, st):
+                    continue
+                rs = sorted(rs, key=lambda r: r["n"])
+                xs = [r["n"] for r in rs]
+                ys = [r[ykey] for r in rs]
+                style = STYLE.get((be, dev), dict(marker="x"))
+                ax.plot(xs, ys, label=f"{be} ({dev})", linewidth=1.4, markersize=4, **style)
+                if not per_request:
+                    ax.fill_between(xs, ys, [r["p90_s"] for r in rs], alpha=0.15, color=style.get("color"))
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.set_title(f"{pol} / {st}", fontsize=10)
+            if i == len(policies) - 1:
+                ax.set_xlabel("waiting requests n")
+            if j == 0:
+                ax.set_ylabel("us per request" if per_request else "seconds per call")
+    handles, labels = {}, {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", ncol=len(handles),
+               bbox_to_anchor=(0.5, 1.0))
+    if title:
+        fig.suptitle(title, y=1.02, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def fmt_s(x):
+    """Seconds in a short human unit."""
+    if x is None:
+        return ""
+    if x >= 1:
+        return f"{x:.2f} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.3g} ms"
+    return f"{x * 1e6:.3g} us"
+
+
+def markdown_table(rows):
+    """Median per call, one line per (policy, stage, backend/device), one column per n; a
+    `/ ref` line under each device backend gives its median over the reference's."""
+    ns = sorted({r["n"] for r in rows})
+    policies = [p for p in POLICY_ORDER if any(r["policy"] == p for r in rows)]
+    policies += sorted({r["policy"] for r in rows} - set(policies))
+    stages = [s for s in STAGE_ORDER if any(r["stage"] == s for r in rows)]
+    backs = sorted({(r["backend"], r["device"]) for r in rows},
+                   key=lambda b: list(STYLE).index(b) if b in STYLE else 99)
+    cell = {(r["policy"], r["stage"], r["backend"], r["device"], r["n"]): r for r in rows}
+    head = "| policy | stage | backend | " + " | ".join(f"2^{n.bit_length() - 1}" for n in ns) + " |"
+    lines = [head, "|" + "---|" * (3 + len(ns))]
+    for pol in policies:
+        for st in stages:
+            for be, dev in backs:
+                got = [cell.get((pol, st, be, dev, n)) for n in ns]
+                if not any(got):
+                    continue
+                lines.append(f"| {pol} | {st} | {be} ({dev}) | "
+                             + " | ".join(fmt_s(g["median_s"]) if g else "" for g in got) + " |")
+                if be != "reference":
+                    rat = [g.get("ratio_to_ref") if g else None for g in got]
+                    if any(x is not None for x in rat):
+                        lines.append(f"| {pol} | {st} | {be} ({dev}) / ref | "
+                                     + " | ".join("" if x is None else f"{x:.3g}x" for x in rat) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json")
+    ap.add_argument("--out", default=None, help="PNG path (default: the JSON's name with .png)")
+    ap.add_argument("--run", default=None, help="draw this run id (default: the latest)")
+    ap.add_argument("--all-runs", action="store_true")
+    ap.add_argument("--queue", default=None, help="only rows of this queue kind")
+    ap.add_argument("--per-request", action="store_true", help="plot us per request instead of seconds")
+    ap.add_argument("--markdown", default=None, help="also write the rows as a markdown table here ('-': stdout)")
+    args = ap.parse_args(argv)
+    rows = load_rows(args.json, args.run, args.all_runs, args.queue)
+    if not rows:
+        raise SystemExit(f"no timed rows in {args.json}")
+    out = args.out or str(Path(args.json).with_suffix(".png"))
+    r0 = rows[0]
+    title = (f"{r0.get('queue')} queue, warm cache {r0.get('cache_tokens')} tokens, prompt cap "
+             f"{r0.get('max_prompt_len')}, {r0.get('threads')} thread(s), run {r0.get('run')}")
+    plot(rows, out, args.per_request, title)
+    print(out)
+    if args.markdown:
+        table = markdown_table(rows)
+        if args.markdown == "-":
+            print(table)
+        else:
+            Path(args.markdown).write_text(table + "\n")
+            print(args.markdown)
+
+
+if __name__ == "__main__":
+    main()

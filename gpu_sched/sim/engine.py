@@ -1,0 +1,430 @@
+"""Discrete-event serving simulator: a trace, a scheduler and a step-cost model.
+
+How a replay works (read this first):
+  * Requests arrive by their trace timestamps: request `i` of the trace becomes
+    `Request(rid=f"r{i}", prompt=TraceRequest.prompt_ids(), max_new_tokens=max(output_len, 1),
+    enqueue_time=arrival)` and is submitted when simulated time reaches its arrival. When
+    nothing is running or waiting the clock jumps to the next arrival (an "idle" step).
+  * Each iteration is one engine step, as in SGLang's event loop: `plan = sched.step(ratio,
+    now=t)` (its wall-clock time is the scheduler's own time per step). If the plan admitted
+    requests, the engine runs a prefill step and calls `complete_prefill`; requests whose extend
+    range reaches the end of their fill get their next output token. Otherwise, if requests are
+    running, it runs a decode step: `decode_fits()` or else `retract_decode()` (R-DEC-2), then
+    `decode(tokens)`. Requests that reach their planned output length finish (R-DEC-3); a
+    request with one output token finishes right after its prefill.
+  * With `enable_mixed_chunk` (and chunked prefill on) the running requests also decode one
+    token inside each prefill step, as SGLang mixes them in; the scheduler's budgets already
+    reserve those tokens (R-ADM `mixed`).
+  * The new-token ratio follows R-DEC-1 (`NewTokenRatio`); "idle" (back to init) is an iteration
+    that runs no batch: nothing running and nothing admitted (empty queue, or a queue that must
+    wait for the next arrival), as in SGLang's event loop.
+  * Simulated step time comes from a `CostModel`: fixed + per prefill token + per decode
+    request + per KV token read. Generated tokens are `output_token_ids(output_key, k, 1)` for
+    output position k, so runs are deterministic.
+  * Every plan that admitted or preempted something updates a `DecisionDigest`; equal digests
+    mean equal scheduling decisions (to compare runs and backends).
+
+`replay()` is the entry point; `make_scheduler(config, kv_pool_size)` builds any scheduler with
+the `ReferenceScheduler` API (submit/step/complete_prefill/decode_fits/retract_decode/decode/
+finish/check_integrity, property kv_used).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+from ..config import SchedulerConfig
+from ..plan import DecisionDigest
+from ..request import Request
+from .metrics import RequestRecord, StepRecord, summarize
+from .traces import Trace, output_token_ids
+
+__all__ = ["CostModel", "COST_MODELS", "DEFAULT_COST_MODEL", "get_cost_model", "NewTokenRatio",
+           "SimulationError", "replay"]
+
+RETRACT_DECODE_STEPS = 20  # R-DEC-1: reserve per remaining request after a retraction
+RATIO_DECAY_STEPS = 600  # R-DEC-1: decode steps from init to min_ratio
+
+
+class SimulationError(RuntimeError):
+    """The replay cannot go on: an integrity violation (`check=True`), a request that can never
+    be admitted, or a request that outgrows the KV pool. The message names step, time, request."""
+
+
+# ---- cost model ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CostModel:
+    """Simulated duration of one engine step (all times in seconds).
+
+    prefill step = fixed_s + prefill_token_s * extend tokens + kv_token_s * cached prefix tokens
+                   of the batch (extend_start summed: KV the prefill attention reads back)
+    decode step  = fixed_s + decode_request_s * batch size + kv_token_s * KV tokens of the
+                   running requests (their fill lengths: what decode attention reads)
+    mixed step   = the prefill step + decode_request_s * batch + kv_token_s * their KV tokens.
+    """
+
+    name: str
+    description: str
+    fixed_s: float
+    prefill_token_s: float
+    decode_request_s: float
+    kv_token_s: float
+
+    def prefill_s(self, extend_tokens: int, cached_tokens: int) -> float:
+        return self.fixed_s + self.prefill_token_s * extend_tokens + self.kv_token_s * cached_tokens
+
+    def decode_s(self, batch: int, kv_tokens: int) -> float:
+        return self.fixed_s + self.decode_request_s * batch + self.kv_token_s * kv_tokens
+
+
+COST_MODELS: Dict[str, CostModel] = {
+    "llama3-8b-h200": CostModel(
+        name="llama3-8b-h200",
+        description="Llama-3-8B, BF16, one H200 (141 GB HBM3e, ~4.8 TB/s)",
+        fixed_s=4.0e-3,  # weights (16 GB) read once per step + launch overhead
+        prefill_token_s=25e-6,  # ~16 GFLOP/token at ~650 TFLOP/s effective: ~40k prefill tok/s
+        decode_request_s=20e-6,  # marginal GEMM/sampling cost per decoding request
+        kv_token_s=33e-9,  # 128 KiB KV per token (32 layers x 8 KV heads x 128 x K,V x 2 B) at ~4 TB/s
+    ),
+    "qwen2.5-7b-a100": CostModel(
+        name="qwen2.5-7b-a100",
+        description="Qwen2.5-7B-Instruct, BF16, one A100-80GB (~2.0 TB/s)",
+        fixed_s=8.5e-3,  # weights (15 GB) read once per step + launch overhead
+        prefill_token_s=65e-6,  # ~15 GFLOP/token at ~230 TFLOP/s effective: ~15k prefill tok/s
+        decode_request_s=40e-6,
+        kv_token_s=36e-9,  # 56 KiB KV per token (28 layers x 4 KV heads x 128 x K,V x 2 B) at ~1.6 TB/s
+    ),
+}
+"""Step-cost presets by name (`--cost-model`).
+
+The numbers are rough engineering estimates from public peak figures (FLOP/s, memory bandwidth,
+model size) with round efficiency factors, NOT measurements of any engine: use them to compare
+scheduling policies under a plausible load, not to predict an engine's latency. The linear
+model ignores attention's growth with context length in prefill and the memory-bound flat
+region of small decode batches.
+"""
+
+DEFAULT_COST_MODEL = "llama3-8b-h200"
+
+
+def get_cost_model(model: Union[str, CostModel]) -> CostModel:
+    """A `CostModel` by preset name (or the model itself); ValueError naming the choices."""
+    if isinstance(model, CostModel):
+        return model
+    if model not in COST_MODELS:
+        raise ValueError(f"unknown cost model {model!r}; choose from {', '.join(COST_MODELS)}")
+    return COST_MODELS[model]
+
+
+# ---- new-token ratio (R-DEC-1) ------------------------------------------------------------
+class NewTokenRatio:
+    """R-DEC-1: init = min(0.7 * conservativeness, 1), floor 0.14 * init, linear decay to the
+    floor over 600 decode steps without retraction, reset after a retraction, init when idle."""
+
+    def __init__(self, conservativeness: float = 1.0):
+        self.init = min(0.7 * float(conservativeness), 1.0)
+        self.min_ratio = 0.14 * self.init
+        self.decay_step = (self.init - self.min_ratio) / RATIO_DECAY_STEPS
+        self.value = self.init
+
+    def decay(self) -> None:
+        self.value = max(self.value - self.decay_step, self.min_ratio)
+
+    def after_retraction(self, out_tokens: int, n_running: int, max_new_tokens: int) -> None:
+        """`out_tokens`, `max_new_tokens`: sums over the requests still running."""
+        self.value = min(1.0, (out_tokens + RETRACT_DECODE_STEPS * n_running) / (max_new_tokens + 1))
+
+    def reset(self) -> None:
+        self.value = self.init
+
+
+# ---- the simulator ------------------------------------------------------------------------
+def _progress_bar(enabled: bool, total: float, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=round(total, 1), unit="s", desc=desc, file=sys.stderr, dynamic_ncols=True,
+                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} sim s [{elapsed}<{remaining}{postfix}]")
+
+
+class _Replay:
+    """One replay's state. Per-request arrays are indexed by trace position i (rid f"r{i}")."""
+
+    def __init__(self, trace: Trace, config: SchedulerConfig, kv_tokens: int, make_scheduler,
+                 cost: CostModel, check: bool, progress: bool):
+        self.trace = trace
+        self.config = config
+        self.kv_tokens = kv_tokens
+        self.cost = cost
+        self.check = check
+        self.progress = progress
+        self.sched = make_scheduler(config, kv_tokens)
+        reqs = trace.requests
+        n = len(reqs)
+        self.rids = [f"r{i}" for i in range(n)]
+        self.index = {rid: i for i, rid in enumerate(self.rids)}
+        self.target = [max(int(r.output_len), 1) for r in reqs]
+        self.prompt_len = [int(r.input_len) for r in reqs]
+        self.gen = [0] * n  # output tokens generated so far
+        self.tokens: List[Optional[list]] = [None] * n  # planned output tokens, made on first use
+        self.admitted_once = [False] * n
+        self.records = [RequestRecord(rid=self.rids[i], arrival_s=float(r.arrival_s), input_len=int(r.input_len),
+                                      output_len=0, cached_tokens=0, first_token_s=None, finish_s=None)
+                        for i, r in enumerate(reqs)]
+        self.steps: List[StepRecord] = []
+        self.running: Dict[str, int] = {}  # rid -> i, engine-side view of the running batch
+        self.kv_running = 0  # sum of fill lengths of running requests [tokens]
+        self.outstanding = 0  # submitted and not finished
+        self.ratio = NewTokenRatio(config.schedule_conservativeness)
+        self.digest = DecisionDigest()
+        self.mixed = bool(config.enable_mixed_chunk and config.chunked_prefill_size is not None)
+        self.t = 0.0
+        self.sched_wall = 0.0
+        self.check_wall = 0.0
+
+    # ---- per-request helpers ---------------------------------------------------------------
+    def _request(self, i: int) -> Request:
+        tr = self.trace.requests[i]
+        return Request(rid=self.rids[i], prompt_ids=tr.prompt_ids(), max_new_tokens=self.target[i],
+                       enqueue_time=float(tr.arrival_s))
+
+    def _next_token(self, i: int) -> int:
+        toks = self.tokens[i]
+        if toks is None:
+            toks = output_token_ids(self.trace.requests[i].output_key, 0, self.target[i]).tolist()
+            self.tokens[i] = toks
+        return toks[self.gen[i]]
+
+    def _emit(self, i: int, t: float) -> None:
+        """Request i produced its next token at time t."""
+        self.gen[i] += 1
+        rec = self.records[i]
+        rec.token_times.append(t)
+        if rec.first_token_s is None:
+            rec.first_token_s = t
+
+    def _leave_running(self, rid: str) -> int:
+        i = self.running.pop(rid)
+        self.kv_running -= self.prompt_len[i] + self.gen[i]
+        return i
+
+    def _finish_done(self, rids) -> None:
+        done = [rid for rid in rids if self.gen[self.running[rid]] >= self.target[self.running[rid]]]
+        if not done:
+            return
+        self.sched.finish(done)
+        for rid in done:
+            i = self._leave_running(rid)
+            rec = self.records[i]
+            rec.finish_s = self.t
+            rec.output_len = self.gen[i]
+            self.tokens[i] = None
+            self.outstanding -= 1
+
+    def _fail(self, what: str) -> SimulationError:
+        return SimulationError(f"engine step {len(self.steps)} (t={self.t:.3f} s): {what}")
+
+    # ---- step kinds ------------------------------------------------------------------------
+    def _decode_running(self) -> Tuple[int, int]:
+        """Append one token to every running request; returns (batch, KV tokens read)."""
+        batch, kv = len(self.running), self.kv_running
+        gen, toks = self.gen, self.tokens
+        tokens = {rid: toks[i][gen[i]] for rid, i in self.running.items()}  # made at prefill
+        self.sched.decode(tokens)
+        return batch, kv
+
+    def _after_decode(self) -> None:
+        t = self.t
+        for i in self.running.values():
+            self._emit(i, t)
+        self.kv_running += len(self.running)
+
+    def _prefill(self, plan) -> float:
+        extend = cached = 0
+        first_tokens: Dict[str, int] = {}
+        completing: List[str] = []
+        for rid, s, e in plan.admitted:
+            i = self.index[rid]
+            extend += e - s
+            cached += s
+            if not self.admitted_once[i]:
+                self.admitted_once[i] = True
+                self.records[i].cached_tokens = s
+            if e == self.prompt_len[i] + self.gen[i]:
+                first_tokens[rid] = self._next_token(i)
+                completing.append(rid)
+        duration = self.cost.prefill_s(extend, cached)
+        decoded = []
+        if self.mixed and self.running and self.sched.decode_fits():
+            batch, kv = self._decode_running()
+            duration += self.cost.decode_request_s * batch + self.cost.kv_token_s * kv
+            decoded = list(self.running)
+        self.sched.complete_prefill(first_tokens)
+        self.t += duration
+        if decoded:
+            self._after_decode()
+        for rid in completing:
+            i = self.index[rid]
+            self._emit(i, self.t)
+            self.running[rid] = i
+            self.kv_running += self.prompt_len[i] + self.gen[i]
+        self._finish_done(decoded + completing)
+        return duration
+
+    def _decode(self) -> float:
+        if self.sched.decode_fits():
+            self.ratio.decay()
+        else:
+            for rid in self.sched.retract_decode():
+                self._leave_running(rid)
+                self.records[self.index[rid]].retractions += 1
+            out = sum(self.gen[i] for i in self.running.values())
+            max_new = sum(self.target[i] for i in self.running.values())
+            self.ratio.after_retraction(out, len(self.running), max_new)
+            if not self.sched.decode_fits():
+                rid = next(iter(self.running))
+                i = self.running[rid]
+                raise self._fail(f"request {rid} alone ({self.prompt_len[i]} prompt + {self.gen[i]} output tokens) "
+                                 f"outgrows the KV pool of {self.kv_tokens} tokens")
+        batch, kv = self._decode_running()
+        duration = self.cost.decode_s(batch, kv)
+        self.t += duration
+        self._after_decode()
+        self._finish_done(list(self.running))
+        return duration
+
+    def _stalled(self, plan, next_arrival: Optional[float]) -> float:
+        """Nothing admitted, nothing running: wait for the next arrival or give up. No batch ran,
+        so the ratio goes back to init (SGLang resets it on every iteration without a batch)."""
+        self.ratio.reset()
+        if next_arrival is not None:
+            gap = max(next_arrival - self.t, 0.0)
+            self.t = next_arrival
+            return gap
+        waiting = plan.chunked_rid_after or (plan.queue_order[0] if plan.queue_order else None)
+        if waiting is None:
+            raise self._fail(f"{self.outstanding} requests are neither running nor admitted and none will arrive")
+        i = self.index[waiting]
+        raise self._fail(
+            f"request {waiting} ({self.prompt_len[i]} prompt + {self.gen[i]} output tokens, max_new_tokens "
+            f"{self.target[i]}) can never be admitted: nothing is running, no request will arrive, and the "
+            f"KV pool holds {self.kv_tokens} tokens (scheduler stop: {plan.stop})")
+
+    # ---- main loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        reqs = self.trace.requests
+        n = len(reqs)
+        arrivals = [float(r.arrival_s) for r in reqs]
+        sched = self.sched
+        nxt = 0
+        last_arrival = arrivals[-1] if n else 0.0
+        bar = _progress_bar(self.progress, last_arrival, f"replay {self.config.schedule_policy}")
+        shown_t, shown_steps = 0.0, 0
+        perf = time.perf_counter
+        try:
+            while True:
+                if nxt < n and arrivals[nxt] <= self.t:
+                    batch = []
+                    while nxt < n and arrivals[nxt] <= self.t:
+                        batch.append(self._request(nxt))
+                        nxt += 1
+                    sched.submit(batch, now=self.t)
+                    self.outstanding += len(batch)
+                if self.outstanding == 0:
+                    self.ratio.reset()
+                    if nxt >= n:
+                        break
+                    gap = arrivals[nxt] - self.t
+                    self.t = arrivals[nxt]
+                    self.steps.append(StepRecord(self.t, "idle", gap, 0, 0, sched.kv_used, self.kv_tokens, 0, 0, 0.0))
+                    continue
+                t0 = perf()
+                plan = sched.step(self.ratio.value, now=self.t)
+                wall = perf() - t0
+                self.sched_wall += wall
+                if plan.admitted or plan.preempted:
+                    self.digest.update(plan)
+                for rid in plan.preempted:
+                    self._leave_running(rid)
+                    self.records[self.index[rid]].retractions += 1
+                if plan.admitted:
+                    kind, duration = "prefill", self._prefill(plan)
+                elif self.running:
+                    kind, duration = "decode", self._decode()
+                else:
+                    kind = "idle"
+                    duration = self._stalled(plan, arrivals[nxt] if nxt < n else None)
+                if self.check:
+                    t1 = perf()
+                    try:
+                        sched.check_integrity()
+                    except AssertionError as e:
+                        raise self._fail(f"integrity check failed after a {kind} step: {e}") from None
+                    self.check_wall += perf() - t1
+                self.steps.append(StepRecord(self.t, kind, duration, len(plan.queue_order), len(self.running),
+                                             sched.kv_used, self.kv_tokens, plan.log_input_tokens,
+                                             plan.log_hit_tokens, wall))
+                if not self.running and self.outstanding == 0:
+                    self.ratio.reset()
+                if bar is not None and len(self.steps) - shown_steps >= 200:
+                    bar.update(round(min(self.t, last_arrival) - shown_t, 1))
+                    shown_t = round(min(self.t, last_arrival), 1)
+                    shown_steps = len(self.steps)
+                    bar.set_postfix_str(f"done {nxt - self.outstanding}/{n}, run {len(self.running)}, "
+                                        f"queue {len(plan.queue_order)}", refresh=False)
+        finally:
+            if bar is not None:
+                bar.update(max(round(min(self.t, last_arrival) - shown_t, 1), 0))
+                bar.close()
+
+
+def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
+           make_scheduler: Callable[[SchedulerConfig, int], object],
+           cost_model: Union[str, CostModel] = DEFAULT_COST_MODEL, check: bool = False,
+           progress: bool = False) -> Tuple[dict, List[RequestRecord], List[StepRecord]]:
+    """Replay `trace` through `make_scheduler(config, kv_tokens)` and a simulated engine.
+
+    Args:
+        trace: requests sorted by arrival (`gpu_sched.sim.traces`).
+        config: the scheduler configuration.
+        kv_tokens: KV pool size [tokens], >= 1.
+        make_scheduler: `(config, kv_pool_size) -> scheduler` with the ReferenceScheduler API.
+        cost_model: a `COST_MODELS` name or a `CostModel`.
+        check: call `check_integrity()` after every step; the first AssertionError stops the
+            replay with a `SimulationError` naming the step and the simulated time.
+        progress: show a tqdm bar over simulated time on stderr.
+
+    Returns:
+        (summary, requests, steps): `metrics.summarize` plus "digest" (SHA-256 hex of every
+        admitting or preempting plan), "digest_steps", "wall_s", "sched_wall_s" (real seconds in
+        `step()`), "check_wall_s", "kv_tokens", "cost_model", "policy"; one `RequestRecord` per
+        trace request in trace order (rid f"r{i}"; `output_len` = tokens generated, planned
+        max(output_len, 1); `cached_tokens` = extend_start of the request's first admission,
+        i.e. its prefix-cache hit when first prefilled; later chunks and re-prefills after a
+        retraction are not counted); one `StepRecord` per engine step.
+
+    Raises:
+        ValueError/TypeError for bad arguments; SimulationError when the replay cannot go on.
+    """
+    if isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int):
+        raise TypeError(f"kv_tokens must be an int, got {kv_tokens!r}")
+    if kv_tokens < 1:
+        raise ValueError(f"kv_tokens must be >= 1, got {kv_tokens}")
+    if not isinstance(config, SchedulerConfig):
+        raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+    cost = get_cost_model(cost_model)
+    wall0 = time.perf_counter()
+    sim = _Replay(trace, config, kv_tokens, make_scheduler, cost, check, progress)
+    sim.run()
+    for rec, g in zip(sim.records, sim.gen):
+        rec.output_len = g
+    summary = summarize(sim.records, sim.steps)
+    summary.update({"digest": sim.digest.hexdigest(), "digest_steps": sim.digest.steps,
+                    "wall_s": time.perf_counter() - wall0, "sched_wall_s": sim.sched_wall,
+                    "check_wall_s": sim.check_wall if check else None, "kv_tokens": kv_tokens,
+                    "cost_model": cost.name, "policy": config.schedule_policy})
+    return summary, sim.records, sim.steps

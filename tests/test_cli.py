@@ -1,0 +1,148 @@
+"""Tests for the `gpu-sched` command line (replay, trace-stats, error handling)."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from gpu_sched.cli import BACKENDS, build_parser, config_from_args, main
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
+AZURE = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_code.csv"
+DIGEST = re.compile(r"^decision digest: ([0-9a-f]{64})$", re.M)
+
+
+def test_replay_synthetic_prints_summary_and_digest(capsys):
+    assert main(["replay", "--synthetic-requests", "40", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "Successful requests:" in out and "Mean TTFT (ms):" in out
+    assert re.search(r"Successful requests:\s+40\n", out)
+    assert len(DIGEST.findall(out)) == 1
+
+
+def test_replay_is_deterministic(capsys):
+    argv = ["replay", "--synthetic-requests", "30", "--no-progress", "--policy", "lpm"]
+    main(argv)
+    first = DIGEST.findall(capsys.readouterr().out)
+    main(argv)
+    assert DIGEST.findall(capsys.readouterr().out) == first
+
+
+def test_replay_out_writes_results_and_plots(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--out", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["summary"]["completed"] == 20
+    assert len(doc["summary"]["digest"]) == 64
+    assert doc["config"]["scheduler"]["schedule_policy"] == "fcfs"
+    assert doc["config"]["cost_model"]["name"] == "llama3-8b-h200"
+    assert len(doc["requests"]) == 20
+    for png in ("queue_len.png", "kv_usage.png", "ttft_cdf.png", "sched_time.png"):
+        assert (out / png).stat().st_size > 0
+    assert str(out) in capsys.readouterr().out
+
+
+def test_compare_policies_prints_one_table(tmp_path, capsys):
+    argv = ["replay", "--synthetic-requests", "30", "--no-progress", "--compare-policies", "fcfs,lpm",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("Metric") == 1 and "fcfs" in out and "lpm" in out
+    assert "Successful requests:" not in out  # one table, not one summary per policy
+    assert len(re.findall(r"^decision digest \[(fcfs|lpm)\]: [0-9a-f]{64}$", out, re.M)) == 2
+    for p in ("fcfs", "lpm"):
+        assert (tmp_path / p / "results.json").exists()
+        assert (tmp_path / p / "ttft_cdf.png").exists()
+    assert (tmp_path / "comparison.png").exists()
+
+
+def test_config_flags_map_to_scheduler_config():
+    args = build_parser().parse_args([
+        "replay", "--policy", "dfs-weight", "--page-size", "16", "--chunked-prefill-size", "0",
+        "--max-running-requests", "64", "--enable-priority-scheduling", "--enable-priority-preemption",
+        "--schedule-low-priority-values-first", "--priority-scheduling-preemption-threshold", "3",
+        "--schedule-conservativeness", "0.5", "--disable-radix-cache", "--enable-mixed-chunk",
+        "--prefill-max-requests", "8", "--truncation-align-size", "32", "--lpm-fallback-queue-len", "-1",
+        "--in-batch-prefix-caching-check-threshold", "-1", "--in-batch-prefix-caching-deprioritize-threshold", "5",
+        "--clip-max-new-tokens", "512", "--random-seed", "9", "--max-prefill-tokens", "4096"])
+    c = config_from_args(args)
+    assert (c.schedule_policy, c.page_size, c.chunked_prefill_size, c.max_running_requests) == ("dfs-weight", 16, None, 64)
+    assert c.enable_priority_scheduling and c.enable_priority_preemption and c.schedule_low_priority_values_first
+    assert c.priority_scheduling_preemption_threshold == 3 and c.schedule_conservativeness == 0.5
+    assert c.disable_radix_cache and c.enable_mixed_chunk
+    assert (c.prefill_max_requests, c.truncation_align_size, c.lpm_fallback_queue_len) == (8, 32, None)
+    assert (c.in_batch_prefix_caching_check_threshold, c.in_batch_prefix_caching_deprioritize_threshold) == (-1, 5)
+    assert (c.clip_max_new_tokens, c.random_seed, c.max_prefill_tokens) == (512, 9, 4096)
+    sg = config_from_args(build_parser().parse_args(["replay", "--preset", "sglang", "--policy", "lpm"]))
+    assert sg.lpm_fallback_queue_len == 128 and sg.schedule_policy == "lpm"
+    assert config_from_args(build_parser().parse_args(["replay"])).lpm_fallback_queue_len is None
+    assert "reference" in BACKENDS
+
+
+@pytest.mark.slow  # ~1000 steps x check_integrity over a 1M-slot pool (~15 ms each on a 2-core CPU)
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="Mooncake trace not present")
+def test_replay_mooncake_head_with_check(capsys):
+    argv = ["replay", "--trace", str(MOONCAKE), "--limit", "50", "--check", "--no-progress", "--policy", "lpm"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"Successful requests:\s+50\n", out)
+    assert len(DIGEST.findall(out)) == 1
+
+
+@pytest.mark.skipif(not AZURE.exists(), reason="Azure trace not present")
+def test_trace_stats_azure(capsys):
+    assert main(["trace-stats", str(AZURE)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"num_requests\s+8819\n", out)
+    assert re.search(r"repeat_block_frac\s+n/a\n", out)
+    assert "total_output_tokens" in out
+
+
+def _bad_rows(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\nnot json\n')
+    return p
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["replay", "--trace", "/no/such/trace.jsonl"], "not found"),
+    (["replay", "--policy", "bogus"], "schedule_policy"),
+    (["replay", "--compare-policies", "fcfs,bogus"], "schedule_policy"),
+    (["replay", "--kv-tokens", "-5"], "kv-tokens"),
+    (["replay", "--page-size", "0"], "page_size"),
+    (["replay", "--schedule-conservativeness", "nan"], "schedule_conservativeness"),
+    (["replay", "--cost-model", "gpt-17"], "cost model"),
+    (["replay", "--backend", "cuda-magic"], "backend"),
+    (["replay", "--rate-scale", "0"], "rate-scale"),
+    (["replay", "--trace", "BAD", "--no-progress"], "line 2"),
+    (["trace-stats", "BAD"], "line 2"),
+    (["trace-stats", "/no/such/file.csv"], "not found"),
+])
+def test_bad_input_is_one_line_without_traceback(argv, message, tmp_path, capsys):
+    argv = [str(_bad_rows(tmp_path)) if a == "BAD" else a for a in argv]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-sched: error: ") and message in lines[0]
+
+
+def test_skip_bad_rows(tmp_path, capsys):
+    assert main(["replay", "--trace", str(_bad_rows(tmp_path)), "--skip-bad-rows", "--no-progress"]) == 0
+    assert re.search(r"Successful requests:\s+1\n", capsys.readouterr().out)
+
+
+def test_request_that_never_fits_exits_nonzero(capsys):
+    rc = main(["replay", "--synthetic-requests", "3", "--kv-tokens", "500", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and "can never be admitted" in err
+
+
+def test_argparse_errors_exit_2():
+    with pytest.raises(SystemExit) as e:
+        main(["replay", "--kv-tokens", "many"])
+    assert e.value.code == 2

@@ -1,0 +1,174 @@
+"""Tests for gpu_sched.sim.engine: the serving simulator on small synthetic traces."""
+
+import numpy as np
+import pytest
+
+from gpu_sched.config import SchedulerConfig
+from gpu_sched.reference import ReferenceScheduler
+from gpu_sched.sim.engine import (COST_MODELS, CostModel, NewTokenRatio, SimulationError, get_cost_model,
+                                  replay)
+from gpu_sched.sim.traces import Trace, TraceRequest, output_token_ids, synthetic_workload
+
+
+def _run(trace, check=True, kv=20_000, make=ReferenceScheduler, cost="llama3-8b-h200", **cfg):
+    return replay(trace, SchedulerConfig(**cfg), kv_tokens=kv, make_scheduler=make, cost_model=cost, check=check)
+
+
+def _burst(n=30, **kw):
+    """Requests that arrive together and share system prompts: ordering matters."""
+    args = dict(request_rate=1000.0, turns=(1, 1), num_groups=3, system_prompt_len=256, user_len=(16, 64),
+                output_len=(20, 60), seed=1)
+    args.update(kw)
+    return synthetic_workload(n, **args)
+
+
+def _planned(trace):
+    return sum(max(r.output_len, 1) for r in trace)
+
+
+def test_small_trace_completes_with_integrity_checks():
+    tr = synthetic_workload(30, seed=3)
+    summary, reqs, steps = _run(tr, schedule_policy="lpm")
+    assert summary["completed"] == len(tr) and summary["unfinished"] == 0
+    assert summary["total_output_tokens"] == _planned(tr)  # conservation
+    assert summary["check_wall_s"] is not None
+    for r, t in zip(reqs, tr):
+        assert r.rid == f"r{t.index}"
+        assert r.first_token_s is not None and r.first_token_s > r.arrival_s  # TTFT > 0
+        assert r.output_len == max(t.output_len, 1) == len(r.token_times)
+        assert r.finish_s == r.token_times[-1]
+        assert np.all(np.diff(r.token_times) > 0)
+        assert 0 <= r.cached_tokens < r.input_len
+    assert summary["mean_ttft_ms"] > 0
+    assert {s.kind for s in steps} <= {"prefill", "decode", "idle"}
+    assert all(b.t_s >= a.t_s for a, b in zip(steps, steps[1:]))
+    assert steps[-1].running == 0
+    assert len(summary["digest"]) == 64
+
+
+def test_shared_prefixes_hit_the_cache():
+    summary, reqs, _ = _run(synthetic_workload(30, seed=3), check=False, schedule_policy="lpm")
+    assert summary["prefix_cache_hit_rate"] > 0.3
+    assert sum(r.cached_tokens for r in reqs) == summary["cached_tokens"]
+
+
+def test_retraction_with_a_tiny_kv_pool_still_completes():
+    # clipping the max-new-tokens estimate makes admission under-reserve, so decode runs out
+    tr = _burst(30, output_len=(100, 200))
+    summary, reqs, steps = _run(tr, kv=2000, schedule_policy="lpm", clip_max_new_tokens=8)
+    assert summary["retractions"] > 0
+    assert summary["completed"] == len(tr)
+    assert summary["total_output_tokens"] == _planned(tr)
+    assert all(s.kv_used_tokens <= 2000 for s in steps)
+    # a retracted request keeps its output: its tokens are still the planned stream, no repeats
+    assert all(len(r.token_times) == r.output_len for r in reqs)
+
+
+def test_same_run_same_digest():
+    tr = _burst()
+    a, _, _ = _run(tr, check=False, schedule_policy="lpm")
+    b, _, _ = _run(tr, check=False, schedule_policy="lpm")
+    assert a["digest"] == b["digest"] and a["digest_steps"] == b["digest_steps"] > 0
+    assert a["mean_ttft_ms"] == b["mean_ttft_ms"]
+
+
+def test_lpm_and_fcfs_decide_differently_on_shared_prefixes():
+    tr = _burst(40)
+    lpm, _, _ = _run(tr, check=False, schedule_policy="lpm", max_prefill_tokens=1024)
+    fcfs, _, _ = _run(tr, check=False, schedule_policy="fcfs", max_prefill_tokens=1024)
+    assert lpm["digest"] != fcfs["digest"]
+    assert lpm["completed"] == fcfs["completed"] == len(tr)
+
+
+def test_chunked_prefill_and_mixed_chunk():
+    tr = _burst(20, system_prompt_len=1500)
+    s1, r1, _ = _run(tr, schedule_policy="fcfs", chunked_prefill_size=256, max_prefill_tokens=256)
+    s2, r2, _ = _run(tr, schedule_policy="fcfs", chunked_prefill_size=256, max_prefill_tokens=256,
+                     enable_mixed_chunk=True)
+    for s in (s1, s2):
+        assert s["completed"] == len(tr) and s["total_output_tokens"] == _planned(tr)
+    assert s1["digest"] != s2["digest"]  # mixed decode tokens change the budgets
+
+
+def test_output_len_zero_finishes_after_prefill():
+    tr = Trace("t", [TraceRequest(index=0, arrival_s=0.5, input_len=10, output_len=0, output_key=7),
+                     TraceRequest(index=1, arrival_s=0.5, input_len=10, output_len=3, output_key=8)])
+    summary, reqs, steps = _run(tr)
+    assert [r.output_len for r in reqs] == [1, 3]
+    assert reqs[0].finish_s == reqs[0].first_token_s
+    assert steps[0].kind == "idle" and steps[0].t_s == 0.5  # the clock jumped to the first arrival
+    assert summary["completed"] == 2
+
+
+def test_generated_tokens_follow_the_output_stream():
+    tr = Trace("t", [TraceRequest(index=0, arrival_s=0.0, input_len=20, output_len=5, output_key=11)])
+    seen = {}
+
+    class Spy(ReferenceScheduler):
+        def finish(self, rids):
+            for rid in rids:
+                seen[rid] = list(self.reqs[rid].req.output_ids)
+            super().finish(rids)
+
+    _run(tr, make=Spy)
+    assert seen["r0"] == output_token_ids(11, 0, 5).tolist()
+
+
+def test_cost_model_drives_simulated_time():
+    unit = CostModel("unit", "test", fixed_s=1.0, prefill_token_s=0.0, decode_request_s=0.0, kv_token_s=0.0)
+    tr = Trace("t", [TraceRequest(index=0, arrival_s=0.0, input_len=8, output_len=4, output_key=1)])
+    summary, reqs, steps = _run(tr, cost=unit)
+    assert reqs[0].token_times == [1.0, 2.0, 3.0, 4.0]  # one prefill step then three decode steps
+    assert [s.kind for s in steps] == ["prefill", "decode", "decode", "decode"]
+    m = COST_MODELS["llama3-8b-h200"]
+    assert m.prefill_s(1000, 500) == pytest.approx(m.fixed_s + 1000 * m.prefill_token_s + 500 * m.kv_token_s)
+    assert m.decode_s(8, 4000) == pytest.approx(m.fixed_s + 8 * m.decode_request_s + 4000 * m.kv_token_s)
+    assert get_cost_model(m) is m
+    with pytest.raises(ValueError, match="unknown cost model"):
+        get_cost_model("nope")
+
+
+def test_new_token_ratio_rule():
+    r = NewTokenRatio(1.0)
+    assert r.value == pytest.approx(0.7) and r.min_ratio == pytest.approx(0.098)
+    for _ in range(600):
+        r.decay()
+    assert r.value == pytest.approx(r.min_ratio)
+    r.decay()
+    assert r.value == r.min_ratio
+    r.after_retraction(out_tokens=100, n_running=3, max_new_tokens=999)
+    assert r.value == pytest.approx((100 + 60) / 1000)
+    r.after_retraction(out_tokens=5000, n_running=3, max_new_tokens=10)
+    assert r.value == 1.0
+    r.reset()
+    assert r.value == pytest.approx(0.7)
+    assert NewTokenRatio(2.0).init == 1.0
+
+
+def test_request_that_never_fits_is_named():
+    tr = Trace("t", [TraceRequest(index=0, arrival_s=0.0, input_len=50, output_len=5, output_key=1),
+                     TraceRequest(index=1, arrival_s=1.0, input_len=900, output_len=5, output_key=2)])
+    with pytest.raises(SimulationError, match=r"request r1 .*can never be admitted"):
+        _run(tr, kv=500)
+
+
+def test_check_reports_the_first_violation():
+    class Broken(ReferenceScheduler):
+        calls = 0
+
+        def check_integrity(self):
+            Broken.calls += 1
+            if Broken.calls == 3:
+                raise AssertionError("pool accounting: a KV slot is owned twice or lost")
+            super().check_integrity()
+
+    with pytest.raises(SimulationError, match=r"engine step \d+ \(t=[0-9.]+ s\): integrity check failed.*owned twice"):
+        _run(synthetic_workload(5), make=Broken)
+    s, _, _ = _run(synthetic_workload(5), make=Broken, check=False)  # not called without check
+    assert s["check_wall_s"] is None
+
+
+@pytest.mark.parametrize("kv", [0, -1])
+def test_bad_kv_tokens(kv):
+    with pytest.raises(ValueError, match="kv_tokens"):
+        _run(synthetic_workload(2), kv=kv)

@@ -1,0 +1,394 @@
+"""Kernel tests of `gpu_sched.kernels.radix`: every checked launcher against the torch code of
+`FlatRadixTree` that it replaces, at sizes 0, 1, BLOCK-1, BLOCK, BLOCK+1 and a larger batch;
+exact integer equality with the first differing index in the message. Then the operation-sequence
+differential test of tests/test_radix_device.py with backend="triton", holding the triton tree
+equal to the reference cache and, array by array, to a torch-backend twin.
+
+Without CUDA the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is
+imported); with CUDA they are compiled and run on the GPU.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import copy  # noqa: E402
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from gpu_sched.kernels import radix as K  # noqa: E402
+from gpu_sched.radix import FlatRadixTree, home_slot  # noqa: E402
+
+from test_radix_device import NS_NAMES, Pair, flat_prefix, pad, random_seq, ref_prefix  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# (n, block): 0, 1, BLOCK-1, BLOCK, BLOCK+1 at the smallest block, and a larger batch at the default
+SIZES = [(0, 16), (1, 16), (15, 16), (16, 16), (17, 16), (300, None)]
+SIZE_IDS = [f"n{n}-b{b or 'default'}" for n, b in SIZES]
+#: operation sequences (x 50 operations) per page size in the triton differential run
+N_SEQ = 6
+STATE = ("parent", "key_off", "key_len", "start", "lock_ref", "last_access", "cid", "order", "ns", "nchild",
+         "alive", "tok", "val", "hsh", "owner", "hkeys", "hvals", "evictable_size", "protected_size")
+
+
+def assert_equal(got, want, what):
+    if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.shape == want.shape:
+        if torch.equal(got.cpu().to(torch.int64), want.cpu().to(torch.int64)):
+            return
+    got = [int(x) for x in (got.flatten().tolist() if isinstance(got, torch.Tensor) else got)]
+    want = [int(x) for x in (want.flatten().tolist() if isinstance(want, torch.Tensor) else want)]
+    assert len(got) == len(want), f"{what}: length {len(got)} != {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            raise AssertionError(f"{what}: first difference at index {i}: got {g}, want {w}")
+
+
+def assert_same_state(a: FlatRadixTree, b: FlatRadixTree, what=""):
+    for name in STATE:
+        assert_equal(getattr(a, name), getattr(b, name), f"{what}{name}")
+    assert (a.clock, a.next_cid, a.next_order, a.top, a._h_used) == (b.clock, b.next_cid, b.next_order, b.top, b._h_used)
+    assert a._free_nodes == b._free_nodes
+
+
+def build_tree(page_size, n_seq, rng, chunk_pages=None, vocab=4, max_len=60, max_nodes=4096):
+    tree = FlatRadixTree(page_size, max_nodes=max_nodes, token_capacity=1 << 14, device=DEV,
+                         chunk_pages=chunk_pages, seed=rng.randrange(100))
+    bases = [[rng.randrange(vocab) for _ in range(rng.randrange(1, max_len))] for _ in range(6)]
+    slot = 0
+    for _ in range(n_seq):
+        q = random_seq(rng, bases, vocab)
+        tree.insert(torch.tensor(q, dtype=torch.int32), torch.arange(slot, slot + len(q)), rng.randrange(2))
+        slot += len(q)
+    return tree, bases
+
+
+def test_kernels_run_where_expected():
+    from gpu_sched.kernels._utils import is_interpreted
+
+    assert is_interpreted(K._probe_kernel) == (not torch.cuda.is_available())
+
+
+# ---- probe ------------------------------------------------------------------------------------------
+def keys_with_homes(rng, n, H, homes):
+    """n distinct random keys whose home slots all lie in `homes` (contested slots)."""
+    cand = torch.tensor(rng.sample(range(1, 1 << 62), 64 * H), dtype=torch.int64)
+    ok = torch.isin(home_slot(cand, H), torch.tensor(sorted(set(homes))))
+    pool = cand[ok].tolist()
+    assert len(pool) >= n
+    return rng.sample(pool, n)
+
+
+def small_table(rng, H=256, n_live=120, n_dead=30):
+    """A table of power-of-two size with clustered keys (many share a home slot) and tombstones."""
+    tree = FlatRadixTree(1, max_nodes=4, token_capacity=H // 2, device=DEV)
+    assert tree.hkeys.numel() == H
+    keys = keys_with_homes(rng, n_live + n_dead, H, [rng.randrange(H) for _ in range(12)])
+    h = torch.tensor(keys, dtype=torch.int64, device=DEV)
+    tree.max_probe = H  # long probe runs are the point here
+    tree._table_insert(h, torch.arange(len(keys), device=DEV) * 7, "torch")
+    tree._table_delete(h[:n_dead], "torch")
+    return tree, keys
+
+
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+@pytest.mark.parametrize("max_probe", [3, 64])
+def test_probe(n, block, max_probe):
+    rng = random.Random(n * 7 + max_probe)
+    tree, keys = small_table(rng)
+    tree.max_probe = max_probe
+    pool = keys + [rng.randrange(1 << 40) for _ in range(40)] + [0]
+    h = torch.tensor([rng.choice(pool) for _ in range(n)], dtype=torch.int64, device=DEV)
+    slot, val = K.probe(h, tree.hkeys, tree.hvals, max_probe, block=block)
+    assert_equal(slot, tree._probe(h, "torch"), "slot")
+    assert_equal(val, tree.lookup(h, backend="torch"), "value")
+    assert_equal(tree.lookup(h, backend="triton"), tree.lookup(h, backend="torch"), "lookup")
+
+
+# ---- table insert -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+def test_table_insert(n, block):
+    rng = random.Random(n + 11)
+    H = 2048
+    a = FlatRadixTree(1, max_nodes=4, token_capacity=H // 2, device=DEV)
+    live = [rng.randrange(1 << 40) for _ in range(200)]
+    a._table_insert(torch.tensor(live, device=DEV), torch.arange(200, device=DEV), "torch")
+    a._table_delete(torch.tensor(live[:50], device=DEV), "torch")
+    b = copy.deepcopy(a)
+    keys = keys_with_homes(rng, n, H, [rng.randrange(H) for _ in range(max(1, n // 3))])
+    h = torch.tensor(keys, dtype=torch.int64, device=DEV)
+    v = torch.arange(len(keys), dtype=torch.int64, device=DEV) + 1000
+    a._table_insert(h, v, "torch")
+    claim = torch.full((H,), -1, dtype=torch.int64, device=DEV)
+    ok, tag = K.table_insert(h, v, b.hkeys, b.hvals, claim, 5, b.max_probe, block=block)
+    assert ok and tag >= 5 + len(keys) * (len(keys) > 0)
+    assert_equal(b.hkeys, a.hkeys, "hkeys")
+    assert_equal(b.hvals, a.hvals, "hvals")
+    # the same through the tree, and every key is found afterwards
+    c = copy.deepcopy(b)
+    c.hkeys, c.hvals = a.hkeys.clone(), a.hvals.clone()
+    assert_equal(c.lookup(h, backend="triton"), v, "lookup after insert")
+
+
+def test_table_insert_contested_slot_goes_to_largest_index():
+    tree = FlatRadixTree(1, max_nodes=4, token_capacity=64, device=DEV)
+    H = tree.hkeys.numel()
+    rng = random.Random(0)
+    k5, k6 = keys_with_homes(rng, 3, H, [5]), keys_with_homes(rng, 1, H, [6])
+    h = torch.tensor(k5 + k6, dtype=torch.int64, device=DEV)
+    for be in ("torch", "triton"):
+        t = copy.deepcopy(tree)
+        t._table_insert(h, torch.arange(4, device=DEV), be)
+        # round 1: slot 5 <- key 2 (largest of 0, 1, 2), slot 6 <- key 3;
+        # round 2: slot 7 <- key 1 (largest of 0, 1); round 3: slot 8 <- key 0
+        assert t.hkeys[5:9].tolist() == [k5[2], k6[0], k5[1], k5[0]], be
+
+
+def test_table_insert_probe_limit():
+    tree = FlatRadixTree(1, max_nodes=4, token_capacity=64, device=DEV, max_probe=2)
+    h = torch.tensor(keys_with_homes(random.Random(1), 3, tree.hkeys.numel(), [3]), dtype=torch.int64, device=DEV)
+    for be in ("torch", "triton"):
+        with pytest.raises(RuntimeError, match="probe limit"):
+            copy.deepcopy(tree)._table_insert(h, torch.arange(3, device=DEV), be)
+
+
+# ---- find -------------------------------------------------------------------------------------------
+def csr_args(tokens, lengths, ch):
+    B, L = tokens.shape
+    rows = torch.arange(B, dtype=torch.int64, device=DEV)
+    return (tokens.reshape(-1), rows * L, torch.full((B,), L, device=DEV), lengths, ch.reshape(-1),
+            rows * ch.shape[1], torch.full((B,), ch.shape[1], device=DEV))
+
+
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+@pytest.mark.parametrize("page_size,chunk_pages", [(1, 3), (4, 2)])
+def test_find(n, block, page_size, chunk_pages):
+    rng = random.Random(n * 13 + page_size)
+    tree, bases = build_tree(page_size, 25, rng, chunk_pages=chunk_pages, vocab=3)
+    qs = [random_seq(rng, bases, 3) for _ in range(n)]
+    tokens, lengths = pad(qs) if n else (torch.zeros((0, 1), dtype=torch.int32), torch.zeros(0, dtype=torch.int64))
+    tokens, lengths = tokens.to(DEV), lengths.to(DEV)
+    ns = torch.tensor([rng.randrange(2) for _ in range(n)], dtype=torch.int64, device=DEV)
+    ch = tree.prefix_hashes(tokens, lengths, ns, tree.C)
+    want_m, want_pos = tree._find(tokens, lengths, ns, ch, "torch")
+    tok, ts, tspan, lens, chf, cs, cc = csr_args(tokens, lengths, ch)
+    got_m, got_pos = K.find(tok, ts, tspan, lens, ns, chf, cs, cc, tree.hkeys, tree.hvals,
+                            page_size=tree.P, chunk_pages=tree.chunk_pages, B1=tree.B1, B2=tree.B2,
+                            max_probe=tree.max_probe, block=block)
+    assert_equal(got_m, want_m, "matched")
+    assert_equal(got_pos, want_pos, "position")
+    # the reference agrees on the matched lengths (the tree was not changed by _find)
+    if n:
+        assert int(want_m.max()) > 0 or n < 5
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_match_csr_equals_padded(backend):
+    """CSR rows (sharing storage, no padding) match exactly like the padded batch."""
+    rng = random.Random(5)
+    a, bases = build_tree(1, 30, rng, chunk_pages=4, vocab=3)
+    b = copy.deepcopy(a)
+    uniq = [random_seq(rng, bases, 3) for _ in range(6)]
+    pick = [rng.randrange(len(uniq)) for _ in range(20)]
+    qs = [uniq[i] for i in pick]
+    nss = [0] * len(qs)
+    tokens, lengths = pad(qs)
+    ma, la = a.match(tokens.to(DEV), lengths.to(DEV), torch.tensor(nss, device=DEV), backend=backend)
+    # CSR: one copy of each distinct prompt, rows point into it
+    pool = torch.tensor([t for q in uniq for t in q], dtype=torch.int32, device=DEV)
+    starts = np.cumsum([0] + [len(q) for q in uniq])
+    chs = [b.prefix_hashes(torch.tensor(q, dtype=torch.int32, device=DEV)[None],
+                           torch.tensor([len(q)], device=DEV), torch.zeros(1, dtype=torch.int64, device=DEV),
+                           b.C)[0] for q in uniq]
+    cstarts = np.cumsum([0] + [c.numel() for c in chs])
+    ch_pool = torch.cat(chs)
+    mb, lb = b.match_csr(pool, torch.tensor(starts[pick], device=DEV), lengths.to(DEV),
+                         torch.tensor(nss, device=DEV), ch_pool, torch.tensor(cstarts[pick], device=DEV),
+                         backend=backend)
+    assert_equal(mb, ma, "matched")
+    assert_equal(lb, la, "last node")
+    assert_same_state(b, a)
+
+
+# ---- split round -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+def test_split_apply(n, block):
+    """n leaves cut at covers around the fill block (BLOCK-1, BLOCK, BLOCK+1 tokens and others)."""
+    rng = random.Random(n + 3)
+    fill = block or K.FILL_BLOCK
+    a = FlatRadixTree(1, max_nodes=2 * n + 2, token_capacity=64 + n * (max(fill, 40) + 2), device=DEV)
+    for i in range(n):
+        L = rng.choice([fill + 2, 3, 40]) if i < 20 else rng.choice([3, 40])  # a few long ones
+        a.insert(torch.tensor([i] + [rng.randrange(5) for _ in range(L - 1)], dtype=torch.int32),
+                 torch.arange(L) + 10 * i, 0)
+    a.lock(torch.tensor([i + 1 for i in range(n) if i % 3 == 0], dtype=torch.int64))
+    b = copy.deepcopy(a)
+    piece = torch.tensor(rng.sample(range(1, n + 1), n), dtype=torch.int64, device=DEV)
+    kl = a.key_len[piece].tolist()
+    cover = torch.tensor([rng.choice([c for c in (1, fill - 1, fill, fill + 1, k // 2, k - 1) if 0 < c < k])
+                          for k in kl], dtype=torch.int64, device=DEV)
+    stamp = torch.tensor([rng.randrange(3) + a.clock for _ in range(n)], dtype=torch.int64, device=DEV)
+    cid = torch.arange(n, dtype=torch.int64, device=DEV) + a.next_cid
+    head = a._alloc_nodes(n)
+    b._alloc_nodes(n)
+    a._split_writes(piece, cover, stamp, cid, head, "torch")
+    K.split_apply(piece, cover, stamp, cid, head, b._node_arrays(), b.alive, b.owner, block=block)
+    assert_same_state(b, a)
+    a._stamp_paths(head, stamp, "torch")  # what _apply does next; then the tree is consistent
+    a.check_integrity()
+
+
+# ---- stamps and lock counts ----------------------------------------------------------------------------
+def deep_tree(rng, n_seq=40):
+    tree, _ = build_tree(1, n_seq, rng, chunk_pages=2, vocab=3, max_len=50)
+    return tree, torch.nonzero(tree.alive).flatten().tolist()
+
+
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+def test_stamp_paths(n, block):
+    rng = random.Random(n + 17)
+    a, alive = deep_tree(rng)
+    b = copy.deepcopy(a)
+    nodes = torch.tensor([rng.choice(alive) for _ in range(n)], dtype=torch.int64, device=DEV)
+    stamp = torch.tensor([a.clock + rng.randrange(1, 6) for _ in range(n)], dtype=torch.int64, device=DEV)  # ties
+    a._stamp_paths(nodes, stamp, "torch")
+    K.stamp_paths(nodes, stamp, b.parent, b.last_access, block=block)
+    assert_equal(b.last_access, a.last_access, "last_access")
+
+
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+def test_path_counts(n, block):
+    rng = random.Random(n + 19)
+    tree, alive = deep_tree(rng)
+    nodes = torch.tensor([rng.choice(alive) for _ in range(n)], dtype=torch.int64, device=DEV)  # root included
+    assert_equal(K.path_counts(nodes, tree.parent, block=block), tree._path_counts(nodes, "torch"), "count")
+
+
+# ---- eviction ranking ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+def test_evict_rank(n, block):
+    rng = random.Random(n + 23)
+    tree = FlatRadixTree(1, max_nodes=64, token_capacity=64, device=DEV)
+    par = torch.tensor([rng.choice([0, 1, 5, 63, rng.randrange(64)]) for _ in range(n)], dtype=torch.int64, device=DEV)
+    cnt, last = K.evict_rank(par, tree.max_nodes, block=block)
+    want_cnt, want_last = tree._evict_rank(par, "torch")
+    assert_equal(cnt, want_cnt, "count")
+    assert_equal(last, want_last, "last position")
+
+
+# ---- launcher checks ---------------------------------------------------------------------------------------
+def test_launchers_check_arguments():
+    t = FlatRadixTree(1, max_nodes=8, token_capacity=64, device=DEV)
+    with pytest.raises(TypeError, match="probe: h must have dtype int64"):
+        K.probe(torch.zeros(3, dtype=torch.int32, device=DEV), t.hkeys, t.hvals, 4)
+    with pytest.raises(ValueError, match="power of two"):
+        K.probe(torch.zeros(3, dtype=torch.int64, device=DEV), t.hkeys[:3], t.hvals[:3], 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.path_counts(torch.zeros(6, dtype=torch.int64, device=DEV)[::2], t.parent)
+    with pytest.raises(ValueError, match="stamp must have 2 elements"):
+        K.stamp_paths(torch.zeros(2, dtype=torch.int64, device=DEV), torch.zeros(3, dtype=torch.int64, device=DEV),
+                      t.parent, t.last_access)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        FlatRadixTree(1, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        t.evict(1, backend="numpy")
+
+
+# ---- whole-tree differential run with backend="triton" -------------------------------------------------------
+class TwinPair(Pair):
+    """Pair (reference cache + flat tree) with the flat tree on the triton backend (on DEV), plus
+    a torch-backend twin that receives the same operations and must stay equal array by array."""
+
+    def __init__(self, page_size, chunk_pages=None, seed=0):
+        super().__init__(page_size, chunk_pages, seed)
+        self.flat = FlatRadixTree(page_size, max_nodes=4096, token_capacity=1 << 14, device=DEV,
+                                  chunk_pages=chunk_pages, seed=seed, backend="triton")
+        self.twin = FlatRadixTree(page_size, max_nodes=4096, token_capacity=1 << 14, device=DEV,
+                                  chunk_pages=chunk_pages, seed=seed, backend="torch")
+
+    def check(self):
+        super().check()
+        assert_same_state(self.flat, self.twin, "triton vs torch: ")
+
+    def match(self, queries, nss):
+        want = []
+        for q, ns in zip(queries, nss):
+            m, node = self.ref.match_prefix(np.array(q, np.int32), NS_NAMES[ns])
+            want.append((m, ref_prefix(self.ref, node)))
+        t, lens = pad(queries)
+        args = (t.to(DEV), lens.to(DEV), torch.tensor(nss, device=DEV))
+        m, last = self.flat.match(*args)
+        m2, last2 = self.twin.match(*args)
+        assert_equal(m, m2, "matched (triton vs torch)")
+        assert_equal(last, last2, "last node (triton vs torch)")
+        got = [(int(a), flat_prefix(self.flat, b)) for a, b in zip(m, last)]
+        for i, (w, g) in enumerate(zip(want, got)):
+            assert w == g, f"query {i}: reference {w[0]} {w[1][1][:8]}.. != flat {g[0]} {g[1][1][:8]}.."
+        return last.tolist()
+
+    def insert(self, q, ns):
+        slots = self.pool.alloc(len(q) // self.P * self.P)
+        a = self.ref.insert(np.array(q, np.int32), slots, NS_NAMES[ns])
+        self.pool.free(slots[:a])
+        b = self.flat.insert(torch.tensor(q, dtype=torch.int32), torch.from_numpy(slots), ns)
+        c = self.twin.insert(torch.tensor(q, dtype=torch.int32), torch.from_numpy(slots), ns)
+        assert a == b == c
+
+    def lock(self, q, ns):
+        m, node = self.ref.match_prefix(np.array(q, np.int32), NS_NAMES[ns])
+        (last,) = self.match([q], [ns])
+        self.ref.inc_lock_ref(node)
+        self.flat.lock(torch.tensor([last], device=DEV))
+        self.twin.lock(torch.tensor([last], device=DEV))
+        self.ref_locks.append(node)
+        self.flat_locks.append(last)
+
+    def unlock(self, k):
+        self.ref.dec_lock_ref(self.ref_locks.pop(k))
+        node = torch.tensor([self.flat_locks.pop(k)], device=DEV)
+        self.flat.unlock(node)
+        self.twin.unlock(node)
+
+    def evict(self, n):
+        ref_names = {id(x): ref_prefix(self.ref, x) for x in self.ref._nodes()}
+        flat_names = {i: flat_prefix(self.flat, i) for i in torch.nonzero(self.flat.alive).flatten().tolist()}
+        ev = self.ref.evict(n)
+        res = self.flat.evict(n)
+        res2 = self.twin.evict(n)
+        assert [ref_names[id(x)] for x in ev] == [flat_names[i] for i in res.nodes.tolist()]
+        assert_equal(res.nodes, res2.nodes, "evicted nodes (triton vs torch)")
+        assert res.num_tokens == res2.num_tokens == sum(len(x.key) for x in ev)
+        want_vals = np.concatenate([x.value for x in ev]) if ev else np.zeros(0, np.int64)
+        assert_equal(res.values, want_vals, "evicted values")
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_random_operation_sequences_triton(page_size):
+    """tests/test_radix_device.py's operation mix, fewer sequences (the interpreter is slow)."""
+    for s in range(N_SEQ):
+        rng = random.Random(1000 * page_size + s)
+        vocab = rng.choice([2, 3, 5])
+        bases = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(4)]
+        pr = TwinPair(page_size, None, seed=s)
+        for _ in range(50):
+            op = rng.random()
+            if op < 0.35:
+                qs = [random_seq(rng, bases, vocab) for _ in range(rng.randrange(1, 7))]
+                nss = [rng.randrange(2) for _ in qs]
+                pr.match(qs, nss)
+                if rng.random() < 0.5:
+                    k = rng.randrange(len(qs))
+                    pr.lock(qs[k], nss[k])
+            elif op < 0.7:
+                pr.insert(random_seq(rng, bases, vocab), rng.randrange(2))
+            elif op < 0.8 and pr.ref_locks:
+                pr.unlock(rng.randrange(len(pr.ref_locks)))
+            else:
+                pr.evict(rng.randrange(1, 40))
+            pr.check()
