@@ -27,7 +27,10 @@ the row is under `--budget-s`)
   order  `sched._order()`: the policy's ordering of the whole queue, including the prefix
          match of every request for lpm/dfs-weight (as SGLang's calc_priority). It does not
          change the queue list; lpm/dfs-weight matching splits and stamps tree nodes, and the
-         splits happen in the warm-up, so timed calls see the same tree.
+         splits happen in the warm-up, so timed calls see the same tree. GpuScheduler hashes
+         each request's fill once (`_fill_hashes`, kept per rid, as a request's hashes are
+         computed once in its lifetime): that happens in the warm-up too, whose time every
+         row keeps as `warmup_s`.
   admit  `sched._admission_loop(ordered, adder)` with a fresh `PrefillAdder` over the queue
          ordered once beforehand (untimed): R-STEP-3 alone.
   step   `sched.step(ratio)`: budgets, ordering, admission and the plan.
@@ -40,8 +43,9 @@ the row is under `--budget-s`)
 Timing: `time.perf_counter` on CPU; on CUDA, CUDA events around the call after a synchronize
 (the step reads results back to the host, so it cannot be captured in a CUDA graph; the events
 bracket the whole call). A warm-up over `--slow-s` gets `--slow-reps` timed calls only. A backend
-stops for a policy once one call exceeds `--max-seconds`, or when GpuScheduler's padded
-[n, longest fill] buffers would not fit in memory; the reference runs only up to 2^ref_max_exp.
+stops for a policy once one call exceeds `--max-seconds`, or when GpuScheduler's per-request
+device copies of the queue's fills would not fit in memory (`mem_ok`); the reference runs only
+up to 2^ref_max_exp.
 Loop order: n outermost, then backend, then policy, so `--deadline-s` cuts the largest sizes of
 every policy, never whole policies; rows are saved after every n.
 
@@ -306,12 +310,13 @@ def first_diff(a: dict, b: dict) -> Optional[str]:
 
 
 def mem_ok(s, n: int, device: str, frac: float = 0.5) -> Optional[str]:
-    """GpuScheduler pads every fill to the queue's longest one ([n, L] int32, then int64 hashes
-    and temporaries, ~24 bytes per cell): refuse sizes that would not fit."""
+    """Refuse a size whose match buffers would not fit: GpuScheduler keeps each queued request's
+    fill and chunk hashes on the device and concatenates the queue's fills (CSR) for a batched
+    match, ~16 bytes per queued token in all (its host copies share the prompt arrays)."""
     if not isinstance(s, GpuScheduler):
         return None
-    L = max((st.fill_len for st in s.queue), default=0)
-    need = 24 * n * L
+    tokens = sum(st.fill_len for st in s.queue)
+    need = 16 * tokens
     if device == "cuda":
         free = torch.cuda.mem_get_info()[0]
     else:
@@ -319,7 +324,7 @@ def mem_ok(s, n: int, device: str, frac: float = 0.5) -> Optional[str]:
             info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f}
         free = info.get("MemAvailable", 0)
     if need > frac * free:
-        return f"padded fills [n={n}, L={L}] need ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+        return f"{tokens} queued tokens need ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
     return None
 
 
