@@ -28,10 +28,30 @@ Hash and collision bound
 Sequential equivalence of a batched match (SPEC section 8)
   Splits never change which prefixes the tree holds, so every matched length is computed against
   the tree as it was before the batch. The splits are then applied in rounds: round r applies,
-  for every original node, the r-th request (in batch order) that ends strictly inside it; splits
-  in different nodes commute, so the result equals matching one by one. Request i carries stamp
+  for every original node, the r-th request (in batch order) that ends strictly inside it at a
+  position no earlier request of the batch ends at (a repeat finds that cut made: a no-op);
+  splits in different nodes commute, so the result equals matching one by one. Request i carries stamp
   `clock + 1 + i`; every node on its final root path is stamped with the maximum stamp that
   touches it (scatter-max), and a split tail gets the splitting request's stamp, as in R-RC-4.
+
+Hash table
+  Open addressing with linear probing; a key's home slot is bits 32.. of `key * HASH_MIX`
+  (so siblings whose last tokens are close do not pile up in one run). A batched insert runs in
+  rounds: every pending key claims its current slot if free (EMPTY or a tombstone), the largest
+  batch index wins a contested slot, the others move one slot on. Deletion leaves tombstones;
+  a rebuild drops them when the table passes 3/4.
+
+Queries in CSR form
+  `match_csr` takes the queries as one flat token pool with per-request offsets (as the request
+  table stores them) and their chunk hashes likewise, so a large queue needs no [B, max L]
+  padding; `match` (padded) is the same search with row i starting at i * L.
+
+Backends
+  backend="torch" runs everything as vectorised torch ops (any device). backend="triton" routes
+  the per-request work to the kernels of `gpu_sched.kernels.radix` (hash probes, the match
+  search, table-insert claims, split writes, path stamps and lock counts, eviction ranking);
+  the bookkeeping between them (node allocation, round counts) stays here. Both give identical
+  results, bit for bit (tests/test_kernels_radix.py).
 
 Host syncs: the operations here are vectorised over the batch but read a few scalars back
 (round counts, allocation sizes); the graph-captured step uses bounded variants (DESIGN.md).
@@ -52,6 +72,8 @@ BACKENDS = ("torch", "triton")
 #: 2^64 / golden ratio as a signed int64: a key's home slot is bits 32.. of key * MIX (wrapping),
 #: so keys that differ only in low bits (siblings whose last tokens are close) spread out
 HASH_MIX = -7046029254386353131
+#: slots read per probe step of the torch backend (8 int64 = one 64-byte cache line)
+PROBE_WINDOW = 8
 
 
 def home_slot(h: torch.Tensor, H: int) -> torch.Tensor:
@@ -97,7 +119,8 @@ class FlatRadixTree:
             `gpu_sched.kernels.radix` for probes, match search, table inserts, split writes, path
             stamps and lock counts, eviction ranking; CUDA tensors, or any device under
             `TRITON_INTERPRET=1`). Results are identical; the public operations also take
-            `backend=` per call.
+            `backend=` per call. The triton table insert keeps one more int64 array of the hash
+            table's size (its claim buffer), allocated on first use.
     """
 
     def __init__(self, page_size: int = 1, max_nodes: int = 1 << 14, token_capacity: int = 1 << 18,
@@ -210,18 +233,26 @@ class FlatRadixTree:
             return self._kernels().probe(h.contiguous(), self.hkeys, self.hvals, self.max_probe)[0]
         H = self.hkeys.numel()
         slot = torch.full_like(h, -1)
-        # the keys still probing: their indices, current slots and hashes (compacted each step,
-        # so the work is the total probe length, not n * the longest probe)
+        # Probe the home slot first (most keys stop there), then PROBE_WINDOW consecutive slots
+        # per step (one cache line): a key stops at its first slot holding it or EMPTY, as in
+        # one-slot-at-a-time probing. The keys still probing are compacted each step, so the
+        # tail of long probe runs costs few steps.
         idx = torch.arange(h.numel(), device=h.device)
         pos, hh = home_slot(h, H), h
-        for _ in range(self.max_probe):
-            k = self.hkeys[pos]
-            hit = k == hh
-            slot[idx[hit]] = pos[hit]
-            more = ~hit & (k != EMPTY)
-            idx, pos, hh = idx[more], (pos[more] + 1) & (H - 1), hh[more]
-            if idx.numel() == 0:
-                break
+        done = 0
+        while idx.numel() and done < self.max_probe:
+            w = min(PROBE_WINDOW if done else 1, self.max_probe - done)
+            cols = (pos[:, None] + torch.arange(w, device=h.device)) & (H - 1)
+            k = self.hkeys[cols]
+            hit = k == hh[:, None]
+            stop = hit | (k == EMPTY)
+            first = stop.to(torch.int8).argmax(1)  # first stop in the window (0 if none)
+            rows = torch.arange(idx.numel(), device=h.device)
+            found = hit[rows, first]  # a stop that is a hit (False where the window has no stop)
+            slot[idx[found]] = cols[rows[found], first[found]]
+            more = ~stop.any(1)
+            idx, pos, hh = idx[more], (pos[more] + w) & (H - 1), hh[more]
+            done += w
         return slot
 
     def lookup(self, h: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
@@ -386,10 +417,11 @@ class FlatRadixTree:
         alive = d + self.P <= Lq
         pos_out = lo_pos
         last_col = (tok_span - 1).clamp(min=0)
+        last_tok = max(tok.numel() - 1, 0)
         for _ in range(self.chunk_pages - 1):
             for j in range(self.P):
                 col = torch.minimum(d + j, last_col)
-                t = tok[(tok_start + col).clamp(0, max(tok.numel() - 1, 0))].to(torch.int64) + 1 if tok.numel() else zero
+                t = tok[(tok_start + col).clamp(0, last_tok)].to(torch.int64) + 1 if tok.numel() else zero
                 t = torch.where(tok_span > 0, t, zero)
                 s1 = (s1 * self.B1 + t) % P1
                 s2 = (s2 * self.B2 + t) % P2
@@ -460,16 +492,26 @@ class FlatRadixTree:
         interior = has & (cover < self.key_len[X])
         idx = torch.nonzero(interior).flatten()
         if idx.numel():
-            # rank of each interior request among those ending inside the same original node
-            order = torch.argsort(X[idx] * (B + 1) + idx)
-            idx = idx[order]
+            # A request ending where an earlier one of the batch ends finds that cut made: drop it.
+            p = pos[idx]
+            o = torch.argsort(p * (B + 1) + idx)  # positions are unique across nodes
+            idx, p = idx[o], p[o]
+            keep = torch.ones_like(idx, dtype=torch.bool)
+            keep[1:] = p[1:] != p[:-1]
+            idx = idx[keep]
+            # rank of each request among those ending inside the same original node
+            idx = idx[torch.argsort(X[idx] * (B + 1) + idx)]
             Xs = X[idx]
             first = torch.ones_like(Xs, dtype=torch.bool)
             first[1:] = Xs[1:] != Xs[:-1]
-            grp_start = torch.cummax(torch.where(first, torch.arange(idx.numel(), device=dev), torch.zeros_like(idx)), 0).values
-            rank = torch.arange(idx.numel(), device=dev) - grp_start
-            for r in range(int(rank.max()) + 1):
-                sel = idx[rank == r]
+            ar = torch.arange(idx.numel(), device=dev)
+            rank = ar - torch.cummax(torch.where(first, ar, torch.zeros_like(ar)), 0).values
+            # round r applies every rank-r split (in node order): one stable sort, then slices
+            idx = idx[torch.sort(rank, stable=True).indices]
+            start = 0
+            for size in torch.bincount(rank).tolist():
+                sel = idx[start : start + size]
+                start += size
                 self._split_round(sel, pos[sel], stamp[sel], base_cid + sel, be)
         last = torch.where(has, self.owner[pos.clamp(min=0)], torch.zeros_like(m))
         self._stamp_paths(last, stamp, be)
@@ -509,10 +551,15 @@ class FlatRadixTree:
         self.ns[head] = self.ns[piece]
         self.nchild[head] = 1
         self.alive[head] = True
-        rng = torch.repeat_interleave(self.key_off[piece], cover) + (
-            torch.arange(int(cover.sum()), device=self.device)
-            - torch.repeat_interleave(torch.cumsum(cover, 0) - cover, cover))
-        self.owner[rng] = torch.repeat_interleave(head, cover)
+        total = int(cover.sum())
+        if self.device.type == "cpu" and total >= 64 * piece.numel():
+            # long heads: one slice fill each beats building `total`-long index arrays
+            for o, c, hd in zip(self.key_off[piece].tolist(), cover.tolist(), head.tolist()):
+                self.owner[o : o + c] = hd
+        else:
+            rep = lambda x: torch.repeat_interleave(x, cover, output_size=total)  # noqa: E731
+            rng = torch.arange(total, device=self.device) + rep(self.key_off[piece] - (torch.cumsum(cover, 0) - cover))
+            self.owner[rng] = rep(head)
         self.key_off[piece] += cover
         self.key_len[piece] -= cover
         self.start[piece] += cover
@@ -520,11 +567,19 @@ class FlatRadixTree:
         self.last_access[piece] = torch.maximum(self.last_access[piece], stamp)
 
     def _stamp_paths(self, nodes: torch.Tensor, stamp: torch.Tensor, be: str = "torch") -> None:
+        """last_access = max(last_access, stamp[i]) on the path nodes[i]..root, for every i.
+
+        A walk stops at a node already holding a larger stamp: that stamp is this batch's (older
+        stamps are smaller than every stamp of the batch) and whoever wrote it walks on to the
+        root, or wrote it at a split under its own path (the head's creator starts at the head),
+        so the nodes above end with the same maxima. Stamps of one batch are distinct."""
         if be == "triton":
             self._kernels().stamp_paths(nodes.contiguous(), stamp.contiguous(), self.parent, self.last_access)
             return
         cur = nodes.clone()
         while cur.numel():
+            go = self.last_access[cur] <= stamp
+            cur, stamp = cur[go], stamp[go]
             self.last_access.scatter_reduce_(0, cur, stamp, reduce="amax")
             nxt = self.parent[cur]
             keep = nxt >= 0

@@ -7,7 +7,8 @@ torch code with `backend="torch" | "triton"`. Results are identical to the torch
 
 - `probe`: hash-table lookup. One program per block of queries; linear probing from the home
   slot (bits 32.. of `h * HASH_MIX`, masked to the power-of-two size H) for at most `max_probe`
-  slots, stopping at the key or at an EMPTY slot (a tombstone does not stop it). Gives the slot (-1 if absent) and the stored value.
+  slots, stopping at the key or at an EMPTY slot (a tombstone does not stop it). Gives the slot
+  (-1 if absent) and the stored value.
 - `find`: the match search of `FlatRadixTree._find`. One program per block of requests: a binary
   search over the chunk-boundary hashes (presence is monotone in depth), then page-by-page
   extension inside the next chunk by rolling the two modular hashes from the chunk-boundary hash.
@@ -25,13 +26,15 @@ torch code with `backend="torch" | "triton"`. Results are identical to the torch
   the head's token range is written to `owner` a block at a time. Requests of one round cut
   different original nodes, so programs touch disjoint nodes and ranges.
 - `stamp_paths`: R-RC-4 / SPEC section 8 stamping. One program per block of requests walks each
-  node up to the root with `atomic_max` on `last_access`.
+  node up to the root with `atomic_max` on `last_access`, stopping where a larger stamp of the
+  batch already stands (its writer walks on; the final maxima are the same).
 - `path_counts`: lock counts (R-RC-6). Same walk with `atomic_add` of 1 per node, root excluded.
 - `evict_rank`: per-parent candidate count and largest candidate position of one eviction round
   (R-RC-7), with `atomic_add` / `atomic_max`.
 
-Integer hashes use Python's modulo (Triton's `%` truncates like C, so a negative remainder is
-shifted by the modulus). Offsets are int64 throughout.
+Integer hashes use Python's modulo: Triton's `%` truncates like C, so the kernels keep every
+dividend non-negative (adding 2p before a token step) or shift a negative remainder by p.
+Offsets are int64 throughout.
 """
 
 from __future__ import annotations
@@ -368,7 +371,10 @@ def _stamp_paths_kernel(nodes_ptr, stamp_ptr, parent_ptr, last_ptr, n, BLOCK: tl
     s = tl.load(stamp_ptr + offs, mask=mask, other=0)
     active = mask & (cur >= 0)
     while tl.reduce(active.to(tl.int32), 0, _MAX) > 0:
-        tl.atomic_max(last_ptr + cur, s, mask=active)
+        old = tl.atomic_max(last_ptr + cur, s, mask=active)
+        # a larger stamp there was written by a walk that goes on to the root (see
+        # FlatRadixTree._stamp_paths): stop, leaving the root's atomics uncontended
+        active = active & (old <= s)
         cur = tl.load(parent_ptr + cur, mask=active, other=-1)
         active = active & (cur >= 0)
 
@@ -376,7 +382,12 @@ def _stamp_paths_kernel(nodes_ptr, stamp_ptr, parent_ptr, last_ptr, n, BLOCK: tl
 def stamp_paths(nodes: torch.Tensor, stamp: torch.Tensor, parent: torch.Tensor, last_access: torch.Tensor,
                 *, block: Optional[int] = None) -> None:
     """last_access[v] = max(last_access[v], stamp[i]) for every node v on the path from
-    nodes[i] (>= 0) up to the root, in place (int64 throughout)."""
+    nodes[i] (>= 0) up to the root, in place (int64 throughout).
+
+    A walk stops at a node already holding a larger stamp, so the precondition is that of a
+    batched match: wherever last_access[v] > last_access[parent[v]], some walk starts at v with a
+    stamp >= last_access[v] (a split head and its creator; elsewhere stamps do not decrease
+    towards the root)."""
     where = "stamp_paths"
     check_tensor(where, "nodes", nodes, (torch.int64,))
     dev = check_launch_device(where, _stamp_paths_kernel, nodes)

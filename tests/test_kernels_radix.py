@@ -53,7 +53,8 @@ def assert_equal(got, want, what):
 def assert_same_state(a: FlatRadixTree, b: FlatRadixTree, what=""):
     for name in STATE:
         assert_equal(getattr(a, name), getattr(b, name), f"{what}{name}")
-    assert (a.clock, a.next_cid, a.next_order, a.top, a._h_used) == (b.clock, b.next_cid, b.next_order, b.top, b._h_used)
+    scalars = ("clock", "next_cid", "next_order", "top", "_h_used")
+    assert [getattr(a, k) for k in scalars] == [getattr(b, k) for k in scalars], f"{what}counters"
     assert a._free_nodes == b._free_nodes
 
 
@@ -127,13 +128,10 @@ def test_table_insert(n, block):
     a._table_insert(h, v, "torch")
     claim = torch.full((H,), -1, dtype=torch.int64, device=DEV)
     ok, tag = K.table_insert(h, v, b.hkeys, b.hvals, claim, 5, b.max_probe, block=block)
-    assert ok and tag >= 5 + len(keys) * (len(keys) > 0)
+    assert ok and tag >= 5 + len(keys)
     assert_equal(b.hkeys, a.hkeys, "hkeys")
     assert_equal(b.hvals, a.hvals, "hvals")
-    # the same through the tree, and every key is found afterwards
-    c = copy.deepcopy(b)
-    c.hkeys, c.hvals = a.hkeys.clone(), a.hvals.clone()
-    assert_equal(c.lookup(h, backend="triton"), v, "lookup after insert")
+    assert_equal(b.lookup(h, backend="triton"), v, "lookup after insert")
 
 
 def test_table_insert_contested_slot_goes_to_largest_index():
@@ -183,9 +181,8 @@ def test_find(n, block, page_size, chunk_pages):
                             max_probe=tree.max_probe, block=block)
     assert_equal(got_m, want_m, "matched")
     assert_equal(got_pos, want_pos, "position")
-    # the reference agrees on the matched lengths (the tree was not changed by _find)
-    if n:
-        assert int(want_m.max()) > 0 or n < 5
+    if n >= 5:
+        assert int(want_m.max()) > 0  # sanity: the queries reach into the tree
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -257,9 +254,17 @@ def test_stamp_paths(n, block):
     b = copy.deepcopy(a)
     nodes = torch.tensor([rng.choice(alive) for _ in range(n)], dtype=torch.int64, device=DEV)
     stamp = torch.tensor([a.clock + rng.randrange(1, 6) for _ in range(n)], dtype=torch.int64, device=DEV)  # ties
+    # the plain definition: every node on every path takes the largest stamp through it
+    want = a.last_access.tolist()
+    parent = a.parent.tolist()
+    for v, s in zip(nodes.tolist(), stamp.tolist()):
+        while v >= 0:
+            want[v] = max(want[v], s)
+            v = parent[v]
     a._stamp_paths(nodes, stamp, "torch")
     K.stamp_paths(nodes, stamp, b.parent, b.last_access, block=block)
-    assert_equal(b.last_access, a.last_access, "last_access")
+    assert_equal(a.last_access, want, "last_access (torch, early stops)")
+    assert_equal(b.last_access, want, "last_access (triton)")
 
 
 @pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
