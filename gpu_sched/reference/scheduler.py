@@ -447,7 +447,7 @@ class ReferenceScheduler:
         for r in holders:
             if r.lock_node is not None and r.kv_len:
                 path = self.cache.path_values(r.lock_node)
-                if r.cached_len != len(path) or not np.array_equal(r.kv[: r.cached_len], path):
+                if r.cached_len != len(path) or (path != r.kv[: r.cached_len]).any():
                     raise AssertionError(f"request {r.rid!r}: cached slots differ from its locked path")
             parts.append(r.private_slots())
         slots = np.concatenate(parts) if parts else np.zeros(0, np.int64)
@@ -457,5 +457,11 @@ class ReferenceScheduler:
                 f" + private {len(slots) - self.pool.available - self.cache.evictable_size - self.cache.protected_size}"
                 f" != pool size {self.pool.size}"
             )
-        if len(slots) and not np.array_equal(np.bincount(slots, minlength=self.pool.size), np.ones(self.pool.size, np.int64)):
-            raise AssertionError("pool accounting: a KV slot is owned twice or lost")
+        if len(slots):
+            # as many slots as the pool and every slot seen: each is owned exactly once
+            seen = np.zeros(self.pool.size, dtype=bool)
+            if slots.min() < 0 or slots.max() >= self.pool.size:
+                raise AssertionError("pool accounting: a KV slot outside the pool")
+            seen[slots] = True
+            if not seen.all():
+                raise AssertionError("pool accounting: a KV slot is owned twice or lost")
