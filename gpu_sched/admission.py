@@ -1,151 +1,613 @@
-"""Admission as prefix sums (SPEC.md section 4 and section 8, R-ADM-1..4, R-STEP-3).
+"""The admission decision of one step as a static-shaped, host-sync-free tensor computation
+(SPEC.md sections 4-5: R-ADM-1..7, R-STEP-3; section 8's parallel forms).
 
-The sequential loop admits the ordered queue one request at a time; every admission lowers the
-budgets for the next one. For a run of requests that are each admitted whole and leave the
-budget at CONTINUE (the common case), request j sees, exactly:
+How it works (read this first)
+  The sequential loop (R-STEP-3) admits a prefix of the ordered queue and stops at the first
+  request that is refused or leaves a non-CONTINUE budget. Every request before the stop point
+  was admitted, so what request j sees is fixed by prefix sums over the queue:
 
-  I_j       = I + sum_{i<j} (ceilP(ext_i) + min(max_new_i, CLIP) + P)        (R-ADM-2)
-  cur_off_j = cur_off + sum_{i<j} (ceilP(ext_i) + P)
-  rem_input_j, rem_chunk_j = their start values - sum_{i<j} ceilP(ext_i)
-  evictable_j = evictable - sum_{i<j} drop_i,
+    I_j       = I + sum_{i<j} (ceilP(ext_i) + min(max_new_i, CLIP) + P)     (R-ADM-2)
+    cur_off_j = cur_off + sum_{i<j} (ceilP(ext_i) + P)
+    rem_input_j, rem_chunk_j = start - sum_{i<j} ceilP(ext_i)
+    evictable_j = evictable - sum_{i<j} drop_i                               (`lock_drops`)
+    |can_run|_j = can_run + j
 
-where drop_i, what locking request i's prefix moves from evictable to protected (R-RC-6), counts
-the tokens of its path that were unlocked before and are not on the path of an earlier request
-of the run (per tree node: its cover beyond the running maximum cover of earlier requests, a
-segmented exclusive cummax). `rem_total_j = float64(A + evictable_j - I_j) - float64(ratio*N)`
-(D7). `scan` evaluates every check of R-STEP-3 / R-ADM-3 for all requests at once and returns
-the first index where anything else happens (a refusal, a chunk, a full batch, preemption,
-ignore-EOS, a stop after admission); the caller applies the run before it in one batch and hands
-that one request to the sequential rules, then scans on.
+  except that a chunked admission (R-ADM-3 step 7) commits less than a whole one and the loop
+  may go on after it. So `admit_step` runs a fixed number of rounds: each round evaluates every
+  check of R-STEP-3 / R-ADM-3 for the whole queue at once under the prefix sums (corrected by
+  the chunks of earlier rounds), finds the first index where anything but "admit whole, budget
+  still CONTINUE" happens (a masked min, no host read), and applies that event with
+  `torch.where`. Only a chunk that leaves the budget at CONTINUE lets the next round go on.
+  Three rounds always suffice. Prefix lengths are multiples of P, so a chunk cut from rem_chunk
+  `rc` leaves `floorP(rc') = ceilP(floorP(rc) mod a)` (a = truncation_align_size; without it
+  `rc' < P` and no second chunk fits), and whole admissions only lower it. A second chunk thus
+  needs `ceilP(m) >= a > m` and leaves `floorP(rc'') <= P`, too little for a third (with
+  `a <= P` the second one already truncates to nothing: OTHER); an ignore-EOS chunk spends all
+  of rem_chunk. So at most two chunks let the loop go on. `decided` reports the end was reached
+  (tests also show two rounds are not enough with an align size).
+
+  Ignore-EOS requests with the cache disabled (R-ADM-6) use `ignore_eos_fail`: every candidate
+  j against the states of the held requests and the queue entries up to j, all sorted once by
+  `left` (D1), with masked prefix sums along the sorted order and an any-reduction per row.
+
+  Priority preemption (R-ADM-7) is a host event here (`STOP_PREEMPT` names the request that
+  needs it); `preempt_select` decides one attempt on the device.
+
+Static shapes: the queue has a fixed capacity Q with a device count `n`; budgets are 0-d
+tensors; config values are Python ints. No `.item()`, no `nonzero`, no boolean-mask indexing,
+no data-dependent shape (tests run it on `meta` tensors and under `torch.compile(fullgraph)`).
+Floats: float64 exactly where D7 / R-ADM-6 / R-ADM-7 say; everything else int64.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import NamedTuple, Optional
 
 import torch
 
-from .radix import ROOT, FlatRadixTree
+STOP_NONE = 0
+STOP_QUEUE_END = 1
+STOP_BUDGET_OTHER = 2
+STOP_BATCH_FULL = 3
+STOP_NO_TOKEN = 4
+STOP_OTHER = 5
+STOP_PREEMPT = 6
+#: stop codes as the reference scheduler names them ("needs_preempt": the host runs R-ADM-7)
+STOP_NAMES = {STOP_QUEUE_END: "queue_end", STOP_BUDGET_OTHER: "budget_other", STOP_BATCH_FULL: "batch_full",
+              STOP_NO_TOKEN: "add_no_token", STOP_OTHER: "add_other", STOP_PREEMPT: "needs_preempt"}
+
+KIND_NONE, KIND_WHOLE, KIND_CHUNK = 0, 1, 2
+_CONT, _NT, _OTH = 0, 1, 2
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
 
 
-@dataclass
-class ScanState:
-    """Budget state when the scan starts (all int64 except ratio_n)."""
+@dataclass(frozen=True)
+class StepConfig:
+    """Host-side knobs of `admit_step` (they fix the computation's structure).
 
-    available: int
-    evictable: int
-    I: int
-    cur_off: int
-    rem_input: int
-    rem_chunk: int | None
-    ratio_n: float  # float64(ratio * N)
-    can_run: int  # requests already in can_run
-    running_bs: int
-    cap: int | None
-    prefill_max_requests: int | None
-    batch_is_full: bool
-    page_size: int
-    clip: int
+    page_size, clip: P and CLIP. chunking: chunked_prefill_size is set. align:
+    truncation_align_size or None. max_running / prefill_max: caps or None. ignore_eos_path:
+    the cache is disabled, so ignore-EOS requests take R-ADM-6. preemption: priority preemption
+    is on (a full batch becomes `STOP_PREEMPT`). rounds: see the module doc (3 is always exact,
+    2 without truncation_align_size; `from_config` picks the smaller).
+    grid_rows: candidate rows per block of the ignore-EOS grid (memory bound only).
+    """
+
+    page_size: int = 1
+    clip: int = 4096
+    chunking: bool = False
+    align: Optional[int] = None
+    max_running: Optional[int] = None
+    prefill_max: Optional[int] = None
+    ignore_eos_path: bool = False
+    preemption: bool = False
+    rounds: int = 3
+    grid_rows: int = 512
+
+    @classmethod
+    def from_config(cls, cfg, **over) -> "StepConfig":
+        kw = dict(page_size=cfg.page_size, clip=cfg.clip_max_new_tokens,
+                  chunking=cfg.chunked_prefill_size is not None, align=cfg.truncation_align_size,
+                  max_running=cfg.max_running_requests, prefill_max=cfg.prefill_max_requests,
+                  ignore_eos_path=cfg.disable_radix_cache, preemption=cfg.enable_priority_preemption,
+                  rounds=2 if cfg.truncation_align_size is None else 3)
+        kw.update(over)
+        return cls(**kw)
 
 
-def path_drops(tree: FlatRadixTree, m: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """drop_j [B] int64: tokens of path_j[0, m_j) in unlocked nodes not covered by an earlier
-    j' < j (batch order). `pos` is the pool position of the last matched token (-1 if m == 0)."""
-    B = m.numel()
-    dev = m.device
-    has = m > 0
-    req = torch.nonzero(has).flatten()
-    if req.numel() == 0:
-        return torch.zeros(B, dtype=torch.int64, device=dev)
-    node = tree.owner[pos[req]]
-    cover = pos[req] - tree.key_off[node] + 1
-    reqs, nodes, covers = [], [], []
-    while req.numel():
-        reqs.append(req)
-        nodes.append(node)
-        covers.append(cover)
-        up = tree.parent[node]
-        keep = up > ROOT
-        req, node = req[keep], up[keep]
-        cover = tree.key_len[node]
-    req, node, cover = torch.cat(reqs), torch.cat(nodes), torch.cat(covers)
-    unlocked = tree.lock_ref[node] == 0
-    req, node, cover = req[unlocked], node[unlocked], cover[unlocked]
-    if req.numel() == 0:
-        return torch.zeros(B, dtype=torch.int64, device=dev)
-    # group pairs by node, requests in batch order inside each group
-    o = torch.argsort(req, stable=True)
-    o = o[torch.argsort(node[o], stable=True)]
-    req, node, cover = req[o], node[o], cover[o]
-    n = req.numel()
-    first = torch.ones(n, dtype=torch.bool, device=dev)
-    first[1:] = node[1:] != node[:-1]
+class QueueCols(NamedTuple):
+    """The ordered queue, capacity Q (entries at index >= n are ignored). int64 [Q] unless said."""
+
+    n: torch.Tensor  # 0-d int64: valid entries
+    fill_len: torch.Tensor
+    out_len: torch.Tensor
+    prompt_len: torch.Tensor
+    max_new: torch.Tensor
+    prefix_len: torch.Tensor  # re-matched, capped at max_prefix_len (R-STEP-3.4)
+    drop: torch.Tensor  # `lock_drops` (zeros with the cache disabled)
+    ignore_eos: torch.Tensor  # bool [Q]
+
+
+class HeldCols(NamedTuple):
+    """Requests that count as ignore-EOS states besides the queue (R-ADM-6, D6): the running batch
+    and what `can_run` already holds. int64 [R] unless said."""
+
+    valid: torch.Tensor  # bool [R]
+    max_new: torch.Tensor
+    out_len: torch.Tensor
+    prompt_len: torch.Tensor
+    ignore_eos: torch.Tensor  # bool [R]
+
+
+class ChunkedCols(NamedTuple):
+    """The in-flight chunked request (R-ADM-5); 0-d tensors."""
+
+    present: torch.Tensor  # bool
+    fill_len: torch.Tensor
+    prefix_len: torch.Tensor
+    max_new: torch.Tensor
+    out_len: torch.Tensor
+    prompt_len: torch.Tensor
+    ignore_eos: torch.Tensor  # bool
+
+
+class StepState(NamedTuple):
+    """Budgets when the loop starts (0-d tensors; R-ADM state). `rem_chunk` is ignored when
+    chunking is off. `N` is the int64 running reservation count, `ratio` float64."""
+
+    available: torch.Tensor
+    evictable: torch.Tensor
+    I: torch.Tensor
+    cur_off: torch.Tensor
+    rem_input: torch.Tensor
+    rem_chunk: torch.Tensor
+    ratio: torch.Tensor
+    N: torch.Tensor
+    can_run: torch.Tensor  # requests already in can_run
+    running_bs: torch.Tensor  # len(running), read once before the loop
+    batch_full: torch.Tensor  # bool, after R-STEP-1's clearing
+
+
+class StepResult(NamedTuple):
+    admitted: torch.Tensor  # bool [Q], queue order
+    extend_start: torch.Tensor  # int64 [Q] (meaningful where admitted)
+    extend_end: torch.Tensor  # int64 [Q]
+    stop_index: torch.Tensor  # 0-d: the request the loop stopped at (n at the queue's end)
+    stop: torch.Tensor  # 0-d STOP_* code
+    chunk_index: torch.Tensor  # 0-d: queue index of the new chunked request, -1 if none
+    chunk_len: torch.Tensor  # 0-d: its (truncated) extend length, 0 if none
+    batch_full: torch.Tensor  # 0-d bool
+    inflight_end: torch.Tensor  # 0-d: extend end of the in-flight chunked request (R-ADM-5)
+    inflight_left: torch.Tensor  # 0-d bool: it stays the chunked request
+    I: torch.Tensor
+    cur_off: torch.Tensor
+    rem_input: torch.Tensor
+    rem_chunk: torch.Tensor
+    evictable: torch.Tensor
+    rem_total: torch.Tensor  # float64, D7
+    cur_rem: torch.Tensor
+    hit_tokens: torch.Tensor  # added to log_hit_tokens by this call
+    input_tokens: torch.Tensor  # added to log_input_tokens by this call
+    decided: torch.Tensor  # 0-d bool: the rounds reached the loop's end
+
+
+# ---- small helpers ------------------------------------------------------------------------------
+def _floor_p(x: torch.Tensor, P: int) -> torch.Tensor:
+    return x if P == 1 else torch.div(x, P, rounding_mode="floor") * P
+
+
+def _ceil_p(x: torch.Tensor, P: int) -> torch.Tensor:
+    return x if P == 1 else -torch.div(-x, P, rounding_mode="floor") * P
+
+
+def _budget(rem_total, cur_rem, rem_input, rem_chunk, chunking: bool):
+    """R-ADM-1 as a code tensor: 0 CONTINUE, 1 NO_TOKEN, 2 OTHER."""
+    nt = (rem_total <= 0) | (cur_rem <= 0)
+    oth = rem_input <= 0
+    if chunking:
+        oth = oth | (rem_chunk <= 0)
+    return torch.where(nt, _NT, torch.where(oth, _OTH, _CONT))
+
+
+def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def _at(v: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """v[k] for a 0-d index tensor, without a host read."""
+    return torch.index_select(v, 0, k.reshape(1)).reshape(())
+
+
+# ---- lock-aware evictable drops ------------------------------------------------------------------
+def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tensor, alive: torch.Tensor,
+               last_node: torch.Tensor, cover: torch.Tensor, valid: torch.Tensor,
+               max_depth: Optional[int] = None) -> torch.Tensor:
+    """drop_i [Q] int64: what locking request i's matched path moves from `evictable` to
+    `protected` after requests 0..i-1 locked theirs (R-RC-6; SPEC section 8).
+
+    Tree: node arrays [N] (`parent` -1 for the root, node 0; `alive` bool). Request i matched
+    `cover[i]` tokens of node `last_node[i]` (1..key_len; less than key_len when the match ends
+    inside the node, which a sequential match would split) and every ancestor whole; `valid`
+    false for a request with nothing matched. A node counts only when unlocked (lock_ref 0).
+
+    Static form: F(v) = the first request whose path covers v whole = the minimum over v's
+    subtree of the first rank of requests whose whole-covered path ends there (scatter-amin,
+    then pointer doubling up the ancestors: ceil(log2 N) rounds, or bit_length(max_depth) when
+    the caller bounds the number of nodes on any matched path, e.g. by max matched length // P);
+    node v adds
+    `key_len - (largest partial cover of v by a request before F(v))` to request F(v); a
+    partial cover adds what it covers beyond earlier partial covers of the same node, unless an
+    earlier request covered the node whole.
+    """
+    N = parent.numel()
+    Q = last_node.numel()
+    dev = parent.device
+    D = N  # dummy node slot
+    idx = torch.arange(Q, device=dev)
+    ln = torch.where(valid, last_node, 0).clamp(0, N - 1)
+    kl_last = key_len[ln]
+    full = valid & (cover >= kl_last)
+    partial = valid & ~full
+    par_last = parent[ln]
+    start = torch.where(full, ln, par_last)
+    start = torch.where(valid & (start > 0), start, D)
+    INF = Q
+    f = torch.full((N + 1,), INF, dtype=torch.int64, device=dev)
+    f = f.scatter_reduce(0, start, idx, reduce="amin", include_self=True)
+    real = torch.arange(N + 1, device=dev) < N
+    par_ext = torch.cat([parent, parent.new_full((1,), -1)])
+    alive_ext = torch.cat([alive, alive.new_zeros(1)])
+    anc = torch.where(real & alive_ext & (par_ext >= 0), par_ext, D)
+    rounds = (N - 1).bit_length() if max_depth is None else min((N - 1).bit_length(), int(max_depth).bit_length())
+    for _ in range(max(1, rounds)):
+        f = f.scatter_reduce(0, anc, f, reduce="amin", include_self=True)
+        anc = anc[anc]
+    f = f[:N]
+    # largest partial cover of each node by a request before its F
+    early = partial & (idx < f[ln])
+    mp = torch.zeros(N + 1, dtype=torch.int64, device=dev)
+    mp = mp.scatter_reduce(0, torch.where(early, ln, D), torch.where(early, cover, 0), reduce="amax",
+                           include_self=True)[:N]
+    node_ids = torch.arange(N, device=dev)
+    gain_ok = alive & (lock_ref == 0) & (node_ids != 0) & (f < INF)
+    w = torch.where(gain_ok, key_len - mp, 0)
+    drop = torch.zeros(Q + 1, dtype=torch.int64, device=dev)
+    drop = drop.scatter_add(0, torch.where(gain_ok, f, Q), w)[:Q]
+    # partial covers: beyond the largest earlier partial cover of the same node
+    key = torch.where(partial, ln, N)
+    order = torch.sort(key, stable=True).indices
+    ks, cs = key[order], torch.where(partial, cover, 0)[order]
+    first = torch.ones(Q, dtype=torch.bool, device=dev)
+    if Q > 1:
+        first[1:] = ks[1:] != ks[:-1]
     grp = torch.cumsum(first.to(torch.int64), 0)
-    big = int(tree.key_len.max()) + 1
-    running = torch.cummax(grp * big + cover, 0).values - grp * big  # inclusive per-group max
-    prev = torch.zeros_like(running)
-    prev[1:] = torch.where(first[1:], 0, running[:-1])
-    gain = (cover - prev).clamp(min=0)
-    return torch.zeros(B, dtype=torch.int64, device=dev).index_add_(0, req, gain)
+    big = 1 << 32
+    incl = torch.cummax(grp * big + cs, 0).values - grp * big
+    prev = torch.cat([incl.new_zeros(1), incl[:-1]]) if Q > 0 else incl
+    prev = torch.where(first, 0, prev)
+    prev_q = torch.zeros_like(prev).scatter(0, order, prev)
+    pgain = (cover - prev_q).clamp(min=0)
+    pok = partial & (lock_ref[ln] == 0) & (f[ln] > idx)
+    return torch.where(valid, drop + torch.where(pok, pgain, 0), 0)
 
 
-def scan(st: ScanState, fill_len: torch.Tensor, out_len: torch.Tensor, max_new: torch.Tensor,
-         prefix_len: torch.Tensor, drop: torch.Tensor, special: torch.Tensor) -> int:
-    """First index of the window whose request is not a plain whole admission that leaves the
-    budget at CONTINUE (len(window) if all are). All inputs int64 [W] in queue order except
-    `special` (bool [W]: requests the scan must not decide, e.g. ignore-EOS with the cache
-    disabled)."""
-    W = fill_len.numel()
-    if W == 0:
-        return 0
-    dev = fill_len.device
-    P = st.page_size
-    ext = fill_len - prefix_len
-    e = (ext + P - 1) // P * P
-    reserve = torch.clamp(max_new, max=st.clip)
-    mn = torch.clamp(torch.clamp(max_new - out_len, min=0), max=st.clip)
-    total = ext + mn + P
+# ---- R-ADM-6: the ignore-EOS reservation scan as a grid ---------------------------------------------
+def eos_states(max_new, out_len, prompt_len, ignore_eos, ratio):
+    """(left float64, occupied int64) of R-ADM-6 / D7: `float64(max_new * ratio') - len(out)`."""
+    r = torch.where(ignore_eos, torch.ones_like(ratio), ratio)
+    left = max_new.to(torch.float64) * r - out_len.to(torch.float64)
+    return left, prompt_len + out_len
 
-    def excl(x):
-        return torch.cumsum(x, 0) - x
 
-    k = torch.arange(W, device=dev)
-    E, R, D = excl(e), excl(reserve), excl(drop)
-    I = st.I + E + R + P * k
-    cur_off = st.cur_off + E + P * k
-    rem_input = st.rem_input - E
-    ev = st.evictable - D
+def ignore_eos_fail(c: torch.Tensor, q_left, q_occ, q_valid, h_left, h_occ, h_valid, rows: int = 512,
+                    backend: str = "torch"):
+    """fail [Q] bool: candidate j fails the reservation scan of R-ADM-6 with `c[j] = cur_rem_j -
+    ceilP(ext_j)`, its states being the held ones (`h_*`, [R]) and queue entries 0..j (`q_*`, [Q]).
 
-    def rem_total(evv, II):
-        return (st.available + evv - II).to(torch.float64) - st.ratio_n
+    All states are sorted once by `left` (stable; the result does not depend on ties); row j masks
+    out queue entries after j; freed_k and bs_k are masked prefix sums along the sorted order;
+    the row fails where any kept position has `float64(c + freed_k) - float64(left_k * bs_k) <= bs_k`.
+    `backend` "triton": the rows run as `gpu_sched.kernels.ignore_eos.ignore_eos_scan`.
+    """
+    Q = c.numel()
+    dev = c.device
+    left = torch.cat([h_left, q_left])
+    occ = torch.cat([h_occ, q_occ])
+    qidx = torch.cat([torch.full_like(h_occ, -1), torch.arange(Q, device=dev)])
+    keep = torch.cat([h_valid, q_valid]) & (left > 0)
+    key = torch.where(keep, left, torch.full_like(left, float("inf")))
+    order = torch.sort(key, stable=True).indices
+    left_s, occ_s, qidx_s, keep_s = left[order], occ[order], qidx[order], keep[order]
+    if backend == "triton":
+        from .kernels.ignore_eos import ignore_eos_scan
+        return ignore_eos_scan(c.contiguous(), left_s, occ_s, qidx_s, keep_s)
+    out = []
+    for r0 in range(0, Q, rows):
+        j = torch.arange(r0, min(Q, r0 + rows), device=dev)
+        m = keep_s[None, :] & (qidx_s[None, :] <= j[:, None])
+        mo = torch.where(m, occ_s[None, :], 0)
+        freed = torch.cumsum(mo, 1) - mo
+        mc = m.to(torch.int64)
+        cnt = torch.cumsum(mc, 1)
+        bs = (cnt[:, -1:] - cnt + mc).to(torch.float64)
+        test = (c[j][:, None] + freed).to(torch.float64) - left_s[None, :] * bs <= bs
+        out.append((m & test).any(1))
+    if not out:
+        return torch.zeros(0, dtype=torch.bool, device=dev)
+    return torch.cat(out)
 
-    def state_continue(evv, II, co, ri, rc):
-        no_token = (rem_total(evv, II) <= 0) | (st.available + evv - co <= 0)
-        other = ri <= 0
-        if rc is not None:
-            other = other | (rc <= 0)
-        return ~no_token & ~other
 
-    rc = None if st.rem_chunk is None else st.rem_chunk - E
-    ok = state_continue(ev, I, cur_off, rem_input, rc)  # top-of-loop state (R-STEP-3.1)
-    count = st.can_run + k
-    if st.batch_is_full:
-        ok = ok & False
-    if st.cap is not None:
-        ok = ok & (st.running_bs + count < st.cap)
-    if st.prefill_max_requests is not None:
-        ok = ok & (count < st.prefill_max_requests)
-    ok = ok & ~special
-    totf = total.to(torch.float64)
-    for evv in (ev, ev - drop):  # before and under the temporary lock (R-ADM-3 steps 4-5)
-        ok = ok & (totf < rem_total(evv, I))
-        if st.rem_chunk is None:
-            ok = ok & ~((count > 0) & (e >= rem_input))
-    if rc is not None:
-        ok = ok & (e <= rc)  # whole admission, not a chunk (R-ADM-3 step 6)
-    # the state after committing must still be CONTINUE (R-ADM-3 step 8)
-    ev2, I2 = ev - drop, I + e + reserve + P
-    ok = ok & state_continue(ev2, I2, cur_off + e + P, rem_input - e, None if rc is None else rc - e)
-    bad = torch.nonzero(~ok).flatten()
-    return int(bad[0]) if bad.numel() else W
+# ---- R-ADM-7: one preemption attempt ---------------------------------------------------------------
+class PreemptResult(NamedTuple):
+    victims: torch.Tensor  # bool [R], running-batch order
+    success: torch.Tensor  # 0-d bool
+    V: torch.Tensor  # 0-d int64: sum of the victims' reservations
+
+
+def _gt_shifted(a: torch.Tensor, b: torch.Tensor, t: int) -> torch.Tensor:
+    """a > b + t for int64 tensors and a Python int t, without int64 overflow."""
+    if t >= 0:
+        return torch.where(b > INT64_MAX - t, False, a > b + t)
+    return torch.where(b < INT64_MIN - t, True, a > b + t)
+
+
+def preempt_select(valid, priority, enqueue_time, reserve, r_priority, base, ratio, N,
+                   sign: int, threshold: int, backend: str = "torch") -> PreemptResult:
+    """R-ADM-7 for one request: which running requests to preempt (D5: `base = ext +
+    min(max_new, CLIP) - (A + evictable - I)` with the re-matched ext).
+
+    Running batch [R]: `valid` bool, `priority` int64, `enqueue_time` float64, `reserve` int64
+    `min(max_new - len(out), CLIP)`. Victims are sorted by (priority * -sign, -enqueue_time),
+    stable (bitwise-not instead of negation: no overflow at the absent priorities); a victim is
+    eligible while `(r_priority - priority) * -sign > threshold`; the walk stops at the first
+    ineligible one or as soon as `float64(base) + float64(ratio * (N - V)) <= 0`. `backend`
+    "triton": the walk (eligibility, cumulative reservations, cut) is
+    `gpu_sched.kernels.preempt.preempt_cut` over the device-sorted victims.
+    """
+    R = valid.numel()
+    dev = valid.device
+    # least important first: (priority * -sign) ascending, then newest first; stable
+    o1 = torch.sort(torch.where(valid, -enqueue_time, float("inf")), stable=True).indices
+    pk = priority if sign < 0 else ~priority
+    pk = torch.where(valid, pk, INT64_MAX)
+    o2 = torch.sort(pk[o1], stable=True).indices
+    order = o1[o2]
+    vs, ps, rs = valid[order], priority[order], reserve[order]
+    ar = torch.arange(R, device=dev)
+    if backend == "triton":
+        from .kernels.preempt import preempt_cut
+        kstar = preempt_cut(ps, rs, vs, r_priority, base, ratio, N, sign, threshold)
+        success = kstar < R
+        take = success & (ar <= kstar)
+        victims = torch.zeros(R, dtype=torch.bool, device=dev).scatter(0, order, take)
+        return PreemptResult(victims, success, torch.where(take, rs, 0).sum())
+    if sign < 0:  # neg = +1: r - v > threshold
+        elig = _gt_shifted(r_priority.expand(R), ps, threshold)
+    else:  # neg = -1: v - r > threshold
+        elig = _gt_shifted(ps, r_priority.expand(R), threshold)
+    elig = vs & elig
+    run = torch.cumprod(elig.to(torch.int64), 0).to(torch.bool)
+    V = torch.cumsum(torch.where(run, rs, 0), 0)
+    need = base.to(torch.float64) + ratio * (N - V).to(torch.float64)
+    hit = run & (need <= 0)
+    kstar = torch.where(hit, ar, R).min() if R else torch.zeros((), dtype=torch.int64, device=dev) + R
+    success = kstar < R
+    take = success & (ar <= kstar)
+    victims = torch.zeros(R, dtype=torch.bool, device=dev).scatter(0, order, take)
+    Vt = torch.where(take, rs, 0).sum()
+    return PreemptResult(victims, success, Vt)
+
+
+# ---- per-request checks of one round -------------------------------------------------------------
+def eval_requests(cfg: StepConfig, sc: torch.Tensor, rn: torch.Tensor, fill, pre, out, maxn, drop, ie, fail,
+                  exI, exC, exE, exD):
+    """Every check of R-STEP-3 / R-ADM-3 for every request j, assuming the loop reaches j with all
+    of 0..j-1 admitted (whole, after the round's chunk corrections).
+
+    sc int64 [9] = (A, evictable, I, cur_off, rem_input, rem_chunk, can_run, running_bs,
+    batch_full) at the round's start (corrections included); rn = float64(ratio * N); per-request
+    int64 columns and the exclusive prefix sums of the whole commits (exI, exC, exE) and drops
+    (exD); `fail` the ignore-EOS scan result. Returns (stop, kind, chunk length t, full mark):
+    the STOP_* code after j (STOP_NONE: the loop goes on), KIND_* of j's admission, the extend
+    length a chunk of j would get, and whether j's iteration marks the batch full.
+    """
+    P = cfg.page_size
+    A, ev0, I, cur, rin, rc, can_run, running_bs, full0 = sc.unbind(0)
+    ar = torch.arange(fill.numel(), device=fill.device)
+    false = torch.zeros(fill.numel(), dtype=torch.bool, device=fill.device)
+    ext = fill - pre
+    e = _ceil_p(ext, P)
+    res = torch.clamp(maxn, max=cfg.clip)
+    mn = torch.clamp(torch.clamp(maxn - out, min=0), max=cfg.clip)
+    total = (ext + mn + P).to(torch.float64)
+    Ij, curj, rinj, rcj = I + exI, cur + exC, rin - exE, rc - exE
+    ev = ev0 - exD
+    cnt = can_run + ar
+    rt = (A + ev - Ij).to(torch.float64) - rn
+    cr = A + ev - curj
+    passed1 = _budget(rt, cr, rinj, rcj, cfg.chunking) != _OTH
+    cap_hit = (running_bs + cnt >= cfg.max_running) if cfg.max_running is not None else false
+    full = (full0 != 0) | cap_hit
+    pmr_hit = (cnt >= cfg.prefill_max) if cfg.prefill_max is not None else false
+    # normal path (R-ADM-3 steps 3-7)
+    nt1 = total >= rt
+    oth = (cnt > 0) & (e >= rinj) if not cfg.chunking else false
+    ev2 = ev - drop
+    nt2 = total >= (A + ev2 - Ij).to(torch.float64) - rn
+    refuse = torch.where(nt1, _NT, torch.where(oth, _OTH, torch.where(nt2, _NT, _CONT)))
+    whole = (e <= rcj) if cfg.chunking else ~false
+    t = _floor_p(rcj, P)
+    chunk_bad = false
+    if cfg.align is not None:
+        chunk_bad = t < cfg.align
+        t = torch.div(t, cfg.align, rounding_mode="floor") * cfg.align
+    t = _floor_p(pre + t, P) - pre
+    chunk_bad = chunk_bad | (t <= 0)
+    refuse = torch.where((refuse == _CONT) & ~whole & chunk_bad, _OTH, refuse)
+    tc = t
+    ev_after = ev2
+    if cfg.ignore_eos_path:  # R-ADM-6
+        iep = ie
+        nt_b = (e > cr) | (e.to(torch.float64) > rt) | fail
+        whole_b = (ext <= rcj) if cfg.chunking else ~false
+        ref_b = torch.where(nt_b, _NT, torch.where(~whole_b & (rcj <= 0), _OTH, _CONT))
+        refuse = torch.where(iep, ref_b, refuse)
+        whole = torch.where(iep, whole_b, whole)
+        tc = torch.where(iep, rcj, tc)
+        ev_after = torch.where(iep, ev, ev2)
+    ecn = _ceil_p(tc, P)
+    dI = torch.where(whole, e + res + P, ecn + P)
+    dC = torch.where(whole, e + P, ecn + P)
+    dE = torch.where(whole, e, ecn)
+    after = _budget((A + ev_after - (Ij + dI)).to(torch.float64) - rn, A + ev_after - (curj + dC),
+                    rinj - dE, rcj - dE, cfg.chunking)
+    pre_stop = torch.where(~passed1, STOP_BUDGET_OTHER,
+                           torch.where(full, STOP_PREEMPT if cfg.preemption else STOP_BATCH_FULL,
+                                       torch.where(pmr_hit, STOP_OTHER, STOP_NONE)))
+    add_stop = torch.where(refuse == _NT, STOP_NO_TOKEN, torch.where(refuse == _OTH, STOP_OTHER,
+                           torch.where(after == _NT, STOP_NO_TOKEN,
+                                       torch.where(after == _OTH, STOP_OTHER, STOP_NONE))))
+    stop = torch.where(pre_stop != STOP_NONE, pre_stop, add_stop)
+    admits = (pre_stop == STOP_NONE) & (refuse == _CONT)
+    kind = torch.where(admits, torch.where(whole, KIND_WHOLE, KIND_CHUNK), KIND_NONE)
+    return stop, kind, tc, passed1 & cap_hit
+
+
+# ---- the step ------------------------------------------------------------------------------------
+def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[HeldCols] = None,
+               chunked: Optional[ChunkedCols] = None, backend: str = "torch") -> StepResult:
+    """R-ADM-5 (the in-flight chunked request, if given) and R-STEP-3 over the ordered queue,
+    exactly as the sequential loop decides; see the module doc. `held` is needed only with
+    `cfg.ignore_eos_path`. The loop stops with `STOP_PREEMPT` where a full batch would try
+    priority preemption (the host runs R-ADM-7 and calls again for the rest). `backend` "triton"
+    runs the per-request checks and the ignore-EOS grid as Triton kernels (`gpu_sched.kernels`)."""
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    P = cfg.page_size
+    Q = q.fill_len.numel()
+    dev = q.fill_len.device
+    i64 = torch.int64
+
+    def pad(x, v=0):
+        return torch.cat([x, x.new_full((1,), v)])
+
+    ar = torch.arange(Q + 1, device=dev)
+    n = q.n
+    valid = ar < n
+    fill, out, prompt, maxn = pad(q.fill_len), pad(q.out_len), pad(q.prompt_len), pad(q.max_new)
+    pre, drop, ie = pad(q.prefix_len), pad(q.drop), pad(q.ignore_eos, False)
+    A, ev0, ratio = st.available, st.evictable, st.ratio
+    rn = ratio * st.N.to(torch.float64)  # float64(ratio * N), D7
+    I, cur, rin = st.I, st.cur_off, st.rem_input
+    rc = st.rem_chunk if cfg.chunking else torch.zeros((), dtype=i64, device=dev)
+    zero = torch.zeros((), dtype=i64, device=dev)
+    can_run0 = st.can_run
+    in_tokens = zero
+    inflight_end, inflight_left = zero, torch.zeros((), dtype=torch.bool, device=dev)
+
+    # R-ADM-5: the in-flight chunked request comes first
+    if chunked is not None:
+        rt = (A + ev0 - I).to(torch.float64) - rn
+        room = torch.minimum(rc, rt.to(i64))
+        room = torch.where(room <= 0, rc, room)
+        ext_c = chunked.fill_len - chunked.prefix_len
+        nc = torch.minimum(ext_c, room)
+        ec = _ceil_p(nc, P)
+        resc = torch.where(nc == ext_c, torch.clamp(chunked.max_new, max=cfg.clip), 0)
+        pr = chunked.present
+        I = torch.where(pr, I + ec + resc + P, I)
+        cur = torch.where(pr, cur + ec + P, cur)
+        rin = torch.where(pr, rin - ec, rin)
+        rc = torch.where(pr, rc - ec, rc)
+        in_tokens = torch.where(pr, ec, zero)
+        inflight_end = torch.where(pr, chunked.prefix_len + nc, zero)
+        inflight_left = pr & (nc < ext_c)
+        can_run0 = can_run0 + pr.to(i64)
+    rin_loop = rin
+
+    # per-request quantities (independent of the round)
+    vm = valid.to(i64)
+    ext = fill - pre
+    e = _ceil_p(ext, P)
+    res = torch.clamp(maxn, max=cfg.clip)
+    wI, wC = e + res + P, e + P
+    exI, exC, exE = _excl_cumsum(wI * vm), _excl_cumsum(wC * vm), _excl_cumsum(e * vm)
+    ev = ev0 - _excl_cumsum(drop * vm)
+    false = torch.zeros(Q + 1, dtype=torch.bool, device=dev)
+    iep = ie & cfg.ignore_eos_path
+    if cfg.ignore_eos_path:
+        q_left, q_occ = eos_states(maxn, out, prompt, ie, ratio)
+        if held is not None:
+            h_left, h_occ = eos_states(held.max_new, held.out_len, held.prompt_len, held.ignore_eos, ratio)
+            h_valid = held.valid
+        else:
+            h_left = torch.zeros(0, dtype=torch.float64, device=dev)
+            h_occ = torch.zeros(0, dtype=i64, device=dev)
+            h_valid = torch.zeros(0, dtype=torch.bool, device=dev)
+        if chunked is not None:
+            cl, co = eos_states(chunked.max_new, chunked.out_len, chunked.prompt_len, chunked.ignore_eos, ratio)
+            h_left, h_occ = torch.cat([h_left, cl.reshape(1)]), torch.cat([h_occ, co.reshape(1)])
+            h_valid = torch.cat([h_valid, chunked.present.reshape(1)])
+
+    # round state
+    s = zero
+    cI, cC, cE = zero, zero, zero
+    done = torch.zeros((), dtype=torch.bool, device=dev)
+    k_fin, stop_fin, kind_fin = zero, zero, zero
+    chunk_idx, chunk_len = zero - 1, zero
+    end_vec = fill
+    I_fin, cur_fin, rin_fin, rc_fin, ev_fin = I, cur, rin, rc, ev0
+    full_fin = st.batch_full
+    exD = _excl_cumsum(drop * vm)
+    for _ in range(cfg.rounds):
+        sc = torch.stack([A, ev0, I + cI, cur + cC, rin + cE, rc + cE, can_run0, st.running_bs,
+                          st.batch_full.to(i64)]).to(i64)
+        if cfg.ignore_eos_path:  # R-ADM-6 reservation scan, c_j = cur_rem_j - ceilP(ext_j)
+            c = (A + ev - (cur + cC + exC)) - e
+            if backend == "triton":
+                fail = ignore_eos_fail(c[:Q], q_left[:Q], q_occ[:Q], valid[:Q], h_left, h_occ, h_valid,
+                                       backend="triton")
+            else:
+                fail = ignore_eos_fail(c[:Q], q_left[:Q], q_occ[:Q], valid[:Q], h_left, h_occ, h_valid,
+                                       rows=cfg.grid_rows)
+            fail = pad(fail, False)
+        else:
+            fail = false
+        if backend == "triton":
+            from .kernels.admission import eval_requests as k_eval
+            stop_j, kind_j, tc, mark_j = k_eval(cfg, sc, rn, fill, pre, out, maxn, drop, ie, fail, exI, exC, exE, exD)
+        else:
+            stop_j, kind_j, tc, mark_j = eval_requests(cfg, sc, rn, fill, pre, out, maxn, drop, ie, fail,
+                                                       exI, exC, exE, exD)
+        event = valid & (ar >= s) & ~((kind_j == KIND_WHOLE) & (stop_j == STOP_NONE))
+        k = torch.where(event, ar, n).min()
+        atend = k >= n
+        stop_k = torch.where(atend, STOP_QUEUE_END, _at(stop_j, k))
+        kind_k = torch.where(atend, KIND_NONE, _at(kind_j, k))
+        tc_k = _at(tc, k)
+        whole_k = kind_k == KIND_WHOLE
+        e_k, ec_k = _at(e, k), _ceil_p(tc_k, P)
+        dI = torch.where(whole_k, _at(wI, k), ec_k + P)
+        dC = torch.where(whole_k, _at(wC, k), ec_k + P)
+        dE = torch.where(whole_k, e_k, ec_k)
+        live = ~done
+        is_chunk = live & (kind_k == KIND_CHUNK)
+        chunk_idx = torch.where(is_chunk, k, chunk_idx)
+        chunk_len = torch.where(is_chunk, tc_k, chunk_len)
+        end_vec = torch.where((ar == k) & is_chunk, _at(pre, k) + tc_k, end_vec)
+        upd = is_chunk & (stop_k == STOP_NONE)
+        Ik, curk = I + cI + _at(exI, k), cur + cC + _at(exC, k)
+        rink, rck = rin + cE - _at(exE, k), rc + cE - _at(exE, k)
+        cI = torch.where(upd, cI + dI - _at(wI, k), cI)
+        cC = torch.where(upd, cC + dC - _at(wC, k), cC)
+        cE = torch.where(upd, cE + e_k - dE, cE)
+        s = torch.where(upd, k + 1, s)
+        term = live & ~upd
+        adm = kind_k != KIND_NONE
+        z = torch.zeros_like(k)
+        k_fin = torch.where(term, k, k_fin)
+        stop_fin = torch.where(term, stop_k, stop_fin)
+        kind_fin = torch.where(term, kind_k, kind_fin)
+        I_fin = torch.where(term, Ik + torch.where(adm, dI, z), I_fin)
+        cur_fin = torch.where(term, curk + torch.where(adm, dC, z), cur_fin)
+        rin_fin = torch.where(term, rink - torch.where(adm, dE, z), rin_fin)
+        rc_fin = torch.where(term, rck - torch.where(adm, dE, z), rc_fin)
+        ev_k = _at(ev, k)
+        ev_after = torch.where(_at(iep, k), ev_k, ev_k - _at(drop, k))
+        ev_fin = torch.where(term, torch.where(adm, ev_after, ev_k), ev_fin)
+        fl = st.batch_full | (~atend & _at(mark_j, k))
+        fl = torch.where(stop_k == STOP_NO_TOKEN, (can_run0 + k + adm.to(i64) > 0) | (st.running_bs > 0), fl)
+        full_fin = torch.where(term, fl, full_fin)
+        done = done | term
+
+    admitted = valid & ((ar < k_fin) | ((ar == k_fin) & (kind_fin != KIND_NONE)))
+    hit = torch.where(admitted & ~iep, pre, 0).sum()
+    rem_total = (A + ev_fin - I_fin).to(torch.float64) - rn
+    return StepResult(
+        admitted=admitted[:Q], extend_start=pre[:Q], extend_end=end_vec[:Q], stop_index=k_fin, stop=stop_fin,
+        chunk_index=chunk_idx, chunk_len=chunk_len, batch_full=full_fin, inflight_end=inflight_end,
+        inflight_left=inflight_left, I=I_fin, cur_off=cur_fin, rem_input=rin_fin, rem_chunk=rc_fin,
+        evictable=ev_fin, rem_total=rem_total, cur_rem=A + ev_fin - cur_fin, hit_tokens=hit,
+        input_tokens=in_tokens + (rin_loop - rin_fin), decided=done)

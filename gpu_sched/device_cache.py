@@ -38,7 +38,7 @@ class DeviceRadixCache:
         if backend != "torch":
             kwargs["backend"] = backend
         self.tree = FlatRadixTree(page_size, max_nodes=max_nodes or cap // page_size + 2,
-                                  token_capacity=token_capacity or cap, device=self.device, **kwargs)
+                                  token_capacity=token_capacity or 2 * cap, device=self.device, **kwargs)
         self.root = ROOT
         self._ns: Dict[Optional[str], int] = {None: 0}
 
@@ -120,7 +120,7 @@ class DeviceRadixCache:
 
     def cached_slots(self) -> np.ndarray:
         t = self.tree
-        ids = torch.nonzero(t.alive).flatten()
+        ids = torch.nonzero(t.alive[: t.node_bound()]).flatten()
         ids = ids[ids != ROOT]
         if ids.numel() == 0:
             return np.zeros(0, np.int64)
@@ -136,8 +136,11 @@ class DeviceRadixCache:
         self.tree.check_integrity()
         if lock_holders is not None:
             nodes = torch.tensor([h for h in lock_holders if h is not None], dtype=torch.int64, device=self.device)
-            want = self.tree._path_counts(nodes)
-            alive = self.tree.alive.clone()
+            b = self.tree.node_bound()  # every live node id is below it
+            u, c = self.tree._path_nodes(nodes)
+            want = torch.zeros(b, dtype=torch.int64, device=self.device)
+            want[u] = c
+            alive = self.tree.alive[:b].clone()
             alive[ROOT] = False
-            if not torch.equal(want[alive], self.tree.lock_ref[alive]):
+            if not torch.equal(want[alive], self.tree.lock_ref[:b][alive]):
                 raise AssertionError("lock_ref differs from the number of lock holders below each node")

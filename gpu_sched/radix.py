@@ -13,9 +13,12 @@ Matching by prefix hashes (why matching cost does not grow with the prompt)
   Every page end of every path in the tree is entered in an open-addressing table
   `prefix hash -> pool position of the page's last token`. A query's hashes at every chunk
   boundary (chunk C = a multiple of the page size) are computed once, e.g. at submit; a match is
-  then a binary search over chunk boundaries (presence is monotone in depth) plus at most
-  C/P - 1 page steps inside the last chunk, each one table probe. No child table is needed:
-  the pool position found gives the node (`owner`) and the offset inside it.
+  then a search over chunk boundaries (presence is monotone in depth) and a search over the
+  C/P - 1 page ends inside the next chunk, whose hashes come from the boundary hash and one
+  window of C - P tokens. The torch searches probe several points per row and round (`_search`:
+  up to 63 for small batches, whose cost is the rounds; two-way for large batches, whose cost
+  is the probes). No child table is needed: the pool position found gives the node (`owner`)
+  and the offset inside it.
 
 Hash and collision bound
   h(d) = (s1(d) << 31) | s2(d), with s_k(d) = s_k(d-1) * B_k + tok + 1 mod p_k for the primes
@@ -171,6 +174,7 @@ class FlatRadixTree:
         self.next_order = 1
         self.top = 0  # bump pointer of the token pool
         self._free_nodes: List[int] = list(range(N - 1, 0, -1))
+        self._hwm = 1  # node_bound()
 
     # ---- backends --------------------------------------------------------------------------
     @staticmethod
@@ -233,15 +237,24 @@ class FlatRadixTree:
             return self._kernels().probe(h.contiguous(), self.hkeys, self.hvals, self.max_probe)[0]
         H = self.hkeys.numel()
         slot = torch.full_like(h, -1)
-        # Probe the home slot first (most keys stop there), then PROBE_WINDOW consecutive slots
-        # per step (one cache line): a key stops at its first slot holding it or EMPTY, as in
-        # one-slot-at-a-time probing. The keys still probing are compacted each step, so the
-        # tail of long probe runs costs few steps.
-        idx = torch.arange(h.numel(), device=h.device)
-        pos, hh = home_slot(h, H), h
-        done = 0
+        # Probe the home slot first (most keys stop there), then windows of consecutive slots
+        # (PROBE_WINDOW = one cache line, doubling each step): a key stops at its first slot
+        # holding it or EMPTY, as in one-slot-at-a-time probing. The keys still probing are
+        # compacted each step, so the tail of long probe runs (absent keys among tombstones)
+        # costs few steps.
+        if h.numel() == 0 or self.max_probe <= 0:
+            return slot
+        pos = home_slot(h, H)
+        k = self.hkeys[pos]
+        hit = k == h
+        slot = torch.where(hit, pos, slot)
+        more = torch.nonzero(~hit & (k != EMPTY)).flatten()
+        if more.numel() == 0:
+            return slot
+        idx, pos, hh = more, (pos[more] + 1) & (H - 1), h[more]
+        done, w = 1, PROBE_WINDOW // 2
         while idx.numel() and done < self.max_probe:
-            w = min(PROBE_WINDOW if done else 1, self.max_probe - done)
+            w = min(2 * w, self.max_probe - done)
             cols = (pos[:, None] + torch.arange(w, device=h.device)) & (H - 1)
             k = self.hkeys[cols]
             hit = k == hh[:, None]
@@ -326,7 +339,15 @@ class FlatRadixTree:
         if n > len(self._free_nodes):
             raise MemoryError(f"radix tree node capacity {self.max_nodes} exhausted (need {n} more nodes)")
         ids = [self._free_nodes.pop() for _ in range(n)]
+        if ids:
+            self._hwm = max(self._hwm, max(ids) + 1)
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def node_bound(self) -> int:
+        """One past the largest node id ever allocated: every live node has a smaller id, so
+        whole-tree scans read only this prefix of the node arrays, not the full capacity (ids are
+        handed out lowest first and freed ids are reused first)."""
+        return self._hwm
 
     def _alloc_tokens(self, n: int) -> int:
         if self.top + n > self.token_capacity:
@@ -339,7 +360,8 @@ class FlatRadixTree:
 
     def compact(self) -> None:
         """Move the live token ranges to the front of the pool (one gather per array)."""
-        ids = torch.nonzero(self.alive & (self.key_len > 0)).flatten()
+        b = self._hwm
+        ids = torch.nonzero(self.alive[:b] & (self.key_len[:b] > 0)).flatten()
         ids = ids[torch.argsort(self.key_off[ids])]
         lens = self.key_len[ids]
         new_off = torch.cumsum(lens, 0) - lens
@@ -375,10 +397,11 @@ class FlatRadixTree:
                   be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
         """Matched length and last pool position of B queries in CSR form.
 
-        Row i reads tokens tok[tok_start[i] + c] for c < tok_span[i] (a read past the span is
-        clamped to its last token; it only feeds hashes of finished rows) and its boundary hashes
-        at depths C, 2C, ... from ch[ch_start[i] : ch_start[i] + ch_count[i]]. max_count >=
-        every ch_count (sets the number of binary-search steps, which do nothing once converged).
+        Row i reads tokens tok[tok_start[i] + c] for c < tok_span[i] (reads past the span only
+        feed hashes that are never probed) and its boundary hashes at depths C, 2C, ... from
+        ch[ch_start[i] : ch_start[i] + ch_count[i]], ch_count[i] >= floorP(lengths[i]) // C.
+        max_count >= every ch_count (the triton kernel's binary search; the torch search stops
+        when every row's interval is closed).
         """
         if be == "triton":
             return self._kernels().find(
@@ -391,48 +414,78 @@ class FlatRadixTree:
         Lq = lengths // self.P * self.P
         nch = Lq // self.C
         zero = torch.zeros(B, dtype=torch.int64, device=dev)
+        if B == 0:
+            return zero, zero.clone()
+        # 1. the longest present chunk boundary: a (k+1)-ary search over the row's chunk hashes
+        arity = self._arity(B)
+        if ch.numel():
+            ch_last = ch.numel() - 1
+            key1 = lambda rows, k: ch[(ch_start[rows] + k - 1).clamp(0, ch_last)]  # noqa: E731
+            lo, lo_pos = self._search(nch, key1, arity)
+        else:
+            lo, lo_pos = zero.clone(), torch.full((B,), -1, dtype=torch.int64, device=dev)
+        if self.chunk_pages == 1:
+            return lo * self.C, lo_pos
+        # 2. inside the next chunk: the page-end hashes from the chunk-boundary hash, all at once
+        # for every row (one [B, C - P] token window), then the same search over them
+        seed_h = ch[(ch_start + lo - 1).clamp(0, max(ch.numel() - 1, 0))] if ch.numel() else zero
+        n_in = self.chunk_pages - 1
+        W = n_in * self.P
+        self._ensure_pow(W + 1)
+        d0 = lo * self.C
+        if tok.numel():
+            cols = (tok_start + d0)[:, None] + torch.arange(W, device=dev)
+            x = tok[cols.clamp(0, tok.numel() - 1)].to(torch.int64) + 1  # [B, W]
+        else:
+            x = torch.ones((B, W), dtype=torch.int64, device=dev)
+        ends = torch.arange(1, n_in + 1, device=dev) * self.P  # depths inside the chunk
+        hs = []
+        for p, pw, ipw, sh in ((P1, self.pw1, self.ipw1, 31), (P2, self.pw2, self.ipw2, 0)):
+            base = torch.where(lo > 0, (seed_h >> 31) if sh else (seed_h & (2**31 - 1)), self._seed(ns, p))
+            cs = torch.cumsum(x * ipw[1 : W + 1] % p, dim=1)[:, ends - 1] % p
+            hs.append((base[:, None] + cs) % p * pw[ends] % p)
+        hin = (hs[0] << 31) | hs[1]  # [B, n_in]
+        hi2 = torch.minimum((Lq - d0) // self.P, torch.full_like(lo, n_in))
+        flat = hin.reshape(-1)
+        key2 = lambda rows, q: flat[rows * n_in + q - 1]  # noqa: E731
+        lo2, pos2 = self._search(hi2, key2, max(arity, n_in) if B * n_in <= 2048 else arity)
+        return d0 + lo2 * self.P, torch.where(lo2 > 0, pos2, lo_pos)
 
-        def chunk_hash(k):  # row i's boundary hash number k (clamped into the row; 0 if none)
-            if ch.numel() == 0:
-                return zero
-            k = torch.minimum(k.clamp(min=0), (ch_count - 1).clamp(min=0))
-            return torch.where(ch_count > 0, ch[(ch_start + k).clamp(0, ch.numel() - 1)], zero)
+    @staticmethod
+    def _arity(n: int) -> int:
+        """Points probed per row and search round: many while a round costs its fixed overhead
+        (small batches: up to 63, i.e. 2 rounds for 4k chunks), two-way when the probes
+        themselves dominate (large batches). About 1k probes per round balance the two on a
+        CPU (a probe round costs ~0.5 ms, an absent key ~0.5 us)."""
+        return max(1, min(63, 1024 // max(n, 1)))
 
-        lo = zero.clone()
-        lo_pos = torch.full((B,), -1, dtype=torch.int64, device=dev)
-        hi = nch.clone()
-        for _ in range(max(max_count, 1).bit_length()):
-            mid = (lo + hi + 1) // 2
-            go = mid > lo
-            pos = self.lookup(chunk_hash(mid - 1), backend="torch")
-            found = go & (pos >= 0)
-            lo = torch.where(found, mid, lo)
-            lo_pos = torch.where(found, pos, lo_pos)
-            hi = torch.where(go & ~found, mid - 1, hi)
-        # extend page by page inside the next chunk from the chunk-boundary hash
-        d = lo * self.C
-        seed_h = torch.where(lo > 0, chunk_hash(lo - 1), zero)
-        s1 = torch.where(lo > 0, seed_h >> 31, self._seed(ns, P1))
-        s2 = torch.where(lo > 0, seed_h & (2**31 - 1), self._seed(ns, P2))
-        alive = d + self.P <= Lq
-        pos_out = lo_pos
-        last_col = (tok_span - 1).clamp(min=0)
-        last_tok = max(tok.numel() - 1, 0)
-        for _ in range(self.chunk_pages - 1):
-            for j in range(self.P):
-                col = torch.minimum(d + j, last_col)
-                t = tok[(tok_start + col).clamp(0, last_tok)].to(torch.int64) + 1 if tok.numel() else zero
-                t = torch.where(tok_span > 0, t, zero)
-                s1 = (s1 * self.B1 + t) % P1
-                s2 = (s2 * self.B2 + t) % P2
-            pos = self.lookup((s1 << 31) | s2, backend="torch")
-            ok = alive & (pos >= 0)
-            d = torch.where(ok, d + self.P, d)
-            pos_out = torch.where(ok, pos, pos_out)
-            alive = ok & (d + self.P <= Lq)
-            if dev.type == "cpu" and not bool(alive.any()):
-                break  # nothing left to change; a free check on the host
-        return d, pos_out
+    def _search(self, hi: torch.Tensor, key, arity: int, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per row i, the largest j in [0, hi[i]] whose hash key(i, j) is in the table (j = 0 is
+        always present) and the stored position (-1 for 0). Presence is monotone in j (every page
+        end of every tree path is entered), so a round probes `arity` points spread over each
+        row's open interval and keeps the part between the last hit and the first miss; rows
+        drop out once their interval is closed."""
+        lo = torch.zeros_like(hi)
+        lo_pos = torch.full_like(hi, -1)
+        hi = hi.clone()
+        act = torch.nonzero(hi > 0).flatten()
+        j = torch.arange(1, arity + 1, device=hi.device)
+        while act.numel():
+            L, span = lo[act], hi[act] - lo[act]
+            pts = L[:, None] + (span[:, None] * j + arity) // (arity + 1)  # in [L + 1, hi], ascending
+            rows = act[:, None].expand(-1, arity)
+            pos = self.lookup(key(rows.reshape(-1), pts.reshape(-1)), backend=be).reshape(-1, arity)
+            found = pos >= 0
+            cnt = torch.cumprod(found.to(torch.int8), 1).sum(1)  # leading hits
+            got = cnt > 0
+            r = torch.arange(act.numel(), device=hi.device)
+            last = (cnt - 1).clamp(min=0)
+            new_lo = torch.where(got, pts[r, last], L)
+            lo_pos[act] = torch.where(got, pos[r, last], lo_pos[act])
+            new_hi = torch.where(cnt < arity, pts[r, cnt.clamp(max=arity - 1)] - 1, hi[act])
+            lo[act], hi[act] = new_lo, new_hi
+            act = act[new_lo < new_hi]
+        return lo, lo_pos
 
     def match(self, tokens: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
               chunk_hashes: Optional[torch.Tensor] = None, *,
@@ -478,14 +531,19 @@ class FlatRadixTree:
                                 chunk_offsets.to(self.device, torch.int64), count, max_count, be)
         return self._apply(m, pos, be)
 
-    def _apply(self, m: torch.Tensor, pos: torch.Tensor, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
-        """Splits and stamps of a batch whose matches (m, pos) were found on the old tree."""
+    def _apply(self, m: torch.Tensor, pos: torch.Tensor, be: str = "torch", stamp: Optional[torch.Tensor] = None,
+               cid: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Splits and stamps of a batch whose matches (m, pos) were found on the old tree.
+
+        Row i stamps with stamp[i] and a split it makes gets creation id cid[i]; by default the
+        next B clock values and creation ids (the caller that passes them advances the counters)."""
         B = m.numel()
         dev = self.device
-        base_stamp, base_cid = self.clock + 1, self.next_cid
-        self.clock += B
-        self.next_cid += B
-        stamp = base_stamp + torch.arange(B, device=dev)
+        if stamp is None:
+            stamp = self.clock + 1 + torch.arange(B, device=dev)
+            cid = self.next_cid + torch.arange(B, device=dev)
+            self.clock += B
+            self.next_cid += B
         has = m > 0
         X = torch.where(has, self.owner[pos.clamp(min=0)], torch.zeros_like(m))
         cover = pos - self.key_off[X] + 1
@@ -512,7 +570,7 @@ class FlatRadixTree:
             for size in torch.bincount(rank).tolist():
                 sel = idx[start : start + size]
                 start += size
-                self._split_round(sel, pos[sel], stamp[sel], base_cid + sel, be)
+                self._split_round(sel, pos[sel], stamp[sel], cid[sel], be)
         last = torch.where(has, self.owner[pos.clamp(min=0)], torch.zeros_like(m))
         self._stamp_paths(last, stamp, be)
         return m, last
@@ -593,55 +651,117 @@ class FlatRadixTree:
         Returns the length already present [tokens] (R-RC-5); only floorP(L) tokens enter.
         Raises MemoryError when node or token capacity is exhausted (before changing anything).
         """
+        return self.insert_many([tokens], [values], [ns], backend=backend)[0]
+
+    def insert_many(self, tokens: Sequence[torch.Tensor], values: Sequence[torch.Tensor], ns: Sequence[int], *,
+                    backend: Optional[str] = None) -> List[int]:
+        """Insert several sequences, equal to inserting them one by one in order (R-RC-5).
+
+        Sequences whose first pages differ (or whose namespaces do) touch disjoint subtrees, so
+        a run of them is one wave: the present lengths of the whole wave come from one search,
+        its splits and stamps from one `_apply` (insert i stamps with the clock value the i-th
+        single insert would take, and takes its creation ids and child order in the same
+        sequence), its new leaves are written and entered in the hash table together. A sequence
+        that shares its first page with an earlier one of the wave starts the next wave.
+
+        Returns the present length of each [tokens]. Raises MemoryError when node or token
+        capacity would run out in a wave (before changing anything in that wave; the node check
+        counts a possible split for every sequence).
+        """
         be = self._be(backend)
-        n = tokens.numel() // self.P * self.P
-        tokens = tokens[:n].to(self.device, torch.int32)
-        values = values[:n].to(self.device, torch.int64)
-        nsv = torch.tensor([ns], dtype=torch.int64, device=self.device)
-        full_h = self.prefix_hashes(tokens[None], torch.tensor([n], device=self.device), nsv, 1)[0]
-        h = full_h[self.P - 1 :: self.P]  # page ends
-        pos = self.lookup(h, backend=be)
-        missing = torch.nonzero(pos < 0).flatten()
-        k = int(missing[0]) if missing.numel() else h.numel()  # pages present (monotone)
-        m = k * self.P
-        if m < n:
-            if len(self._free_nodes) < 2:
+        dev, P = self.device, self.P
+        B = len(tokens)
+        if B == 0:
+            return []
+        lens = [int(t.numel()) // P * P for t in tokens]
+        Lmax = max(lens + [1])
+        tok = torch.zeros((B, Lmax), dtype=torch.int32, device=dev)
+        val = torch.zeros((B, Lmax), dtype=torch.int64, device=dev)
+        for i, (t, v, n) in enumerate(zip(tokens, values, lens)):
+            tok[i, :n] = t[:n].to(dev, torch.int32)
+            val[i, :n] = v[:n].to(dev, torch.int64)
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+        nsv = torch.as_tensor(list(ns), dtype=torch.int64).to(dev)
+        full_h = self.prefix_hashes(tok, lens_t, nsv, 1)  # [B, Lmax]
+        first = full_h[:, P - 1].tolist() if Lmax >= P else [0] * B
+        out: List[int] = []
+        i = 0
+        while i < B:
+            seen, j = set(), i
+            while j < B and not (lens[j] >= P and first[j] in seen):
+                if lens[j] >= P:
+                    seen.add(first[j])
+                j += 1
+            out.extend(self._insert_wave(tok[i:j], val[i:j], lens_t[i:j], nsv[i:j], full_h[i:j], be))
+            i = j
+        return out
+
+    def _insert_wave(self, tok, val, lens, nsv, full_h, be: str) -> List[int]:
+        """insert_many for W sequences with pairwise different first pages (disjoint subtrees)."""
+        dev, P = self.device, self.P
+        W, Lmax = tok.shape
+        npg = Lmax // P
+        pe = full_h[:, P - 1 :: P][:, :npg].reshape(-1)  # page-end hashes, row-major [W * npg]
+        arity = 255 if W == 1 else max(self._arity(W), 15)
+        k, kpos = self._search(lens // P, lambda rows, q: pe[rows * npg + q - 1], arity, be)
+        m = k * P
+        new = lens - m
+        leaf = new > 0
+        n_leaf = int(leaf.sum())
+        n_new = int(new.sum())
+        if n_leaf:
+            if len(self._free_nodes) < W + n_leaf:
                 raise MemoryError(f"radix tree node capacity {self.max_nodes} exhausted")
-            if self.top + (n - m) > self.token_capacity and self._live_tokens() + (n - m) > self.token_capacity:
+            if self.top + n_new > self.token_capacity and self._live_tokens() + n_new > self.token_capacity:
                 raise MemoryError(f"radix tree token capacity {self.token_capacity} exhausted")
-        mpos = pos[k - 1 : k] if k > 0 else torch.full((1,), -1, dtype=torch.int64, device=self.device)
-        _, last = self._apply(torch.tensor([m], device=self.device), mpos, be)
-        if m < n:
-            stamp = self.clock
-            off = self._alloc_tokens(n - m)
-            leaf = self._alloc_nodes(1)
-            sl = slice(off, off + n - m)
-            self.tok[sl] = tokens[m:]
-            self.val[sl] = values[m:]
-            self.hsh[sl] = full_h[m:]
-            self.owner[sl] = leaf
-            p = last[0]
-            self.parent[leaf] = p
-            self.key_off[leaf] = off
-            self.key_len[leaf] = n - m
-            self.start[leaf] = m
-            self.lock_ref[leaf] = 0
-            self.last_access[leaf] = stamp
-            self.cid[leaf] = self.next_cid
-            self.next_cid += 1
-            self.order[leaf] = self.next_order
-            self.next_order += 1
-            self.ns[leaf] = ns
-            self.nchild[leaf] = 0
-            self.nchild[p] += 1
-            self.alive[leaf] = True
-            page_ends = torch.arange(off + self.P - 1, off + n - m, self.P, device=self.device)
-            self._table_insert(self.hsh[page_ends], page_ends, be)
-            self.evictable_size += n - m
-        return m
+        # counters as W single inserts take them: insert r stamps clock + 1 + r; its split (if
+        # any) takes one creation id and its leaf (if any) the next one and the next child order
+        li = leaf.to(torch.int64)
+        before = torch.cumsum(li, 0) - li  # leaves of earlier rows of the wave
+        r = torch.arange(W, device=dev)
+        stamp = self.clock + 1 + r
+        head_cid = self.next_cid + r + before
+        self.clock += W
+        self.next_cid += W + n_leaf
+        order0 = self.next_order
+        self.next_order += n_leaf
+        _, last = self._apply(m, kpos, be, stamp, head_cid)
+        if n_leaf == 0:
+            return m.tolist()
+        off = self._alloc_tokens(n_new)
+        rows = torch.nonzero(leaf).flatten()
+        ids = self._alloc_nodes(n_leaf)
+        ln = new[rows]
+        start = off + torch.cumsum(ln, 0) - ln  # pool offset of each new leaf
+        rep = lambda x: torch.repeat_interleave(x, ln, output_size=n_new)  # noqa: E731
+        within = torch.arange(n_new, device=dev) - rep(start - off)
+        src_r, src_c = rep(rows), rep(m[rows]) + within
+        dst = off + torch.arange(n_new, device=dev)
+        self.tok[dst] = tok[src_r, src_c]
+        self.val[dst] = val[src_r, src_c]
+        self.hsh[dst] = full_h[src_r, src_c]
+        self.owner[dst] = rep(ids)
+        par = last[rows]
+        self.parent[ids] = par
+        self.key_off[ids] = start
+        self.key_len[ids] = ln
+        self.start[ids] = m[rows]
+        self.lock_ref[ids] = 0
+        self.last_access[ids] = stamp[rows]
+        self.cid[ids] = head_cid[rows] + 1
+        self.order[ids] = order0 + before[rows]
+        self.ns[ids] = nsv[rows]
+        self.nchild[ids] = 0
+        self.nchild.index_add_(0, par, torch.ones_like(par))
+        self.alive[ids] = True
+        page_ends = dst[(src_c % P) == P - 1]
+        self._table_insert(self.hsh[page_ends], page_ends, be)
+        self.evictable_size += n_new
+        return m.tolist()
 
     def _live_tokens(self) -> int:
-        return int(self.key_len[self.alive].sum())
+        b = self._hwm
+        return int(self.key_len[:b][self.alive[:b]].sum())
 
     # ---- locks (R-RC-6) --------------------------------------------------------------------
     def _path_counts(self, nodes: torch.Tensor, be: str = "torch") -> torch.Tensor:
@@ -656,25 +776,51 @@ class FlatRadixTree:
             cur = cur[cur > 0]
         return cnt
 
+    def _path_nodes(self, nodes: torch.Tensor, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
+        """The distinct nodes on the paths nodes[i]..root (root excluded) and how many paths pass
+        through each: `_path_counts` restricted to its nonzero entries. The torch walk visits
+        only the path nodes (rounds of parent steps over the nodes still below the root), so it
+        costs O(total path length), not O(node capacity)."""
+        if be == "triton":
+            cnt = self._path_counts(nodes, be)
+            u = torch.nonzero(cnt).flatten()
+            return u, cnt[u]
+        cur = nodes[nodes > 0]
+        single = cur.numel() == 1  # one lock holder (the common call): its path has distinct nodes
+        parts = []
+        while cur.numel():
+            parts.append(cur)
+            cur = self.parent[cur]
+            cur = cur[cur > 0]
+        if not parts:
+            e = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return e, e.clone()
+        u = torch.cat(parts)
+        return (u, torch.ones_like(u)) if single else torch.unique(u, return_counts=True)
+
     def lock(self, nodes: torch.Tensor, *, backend: Optional[str] = None) -> None:
         """inc_lock_ref for each node (batched; node 0 = root is a no-op)."""
-        cnt = self._path_counts(nodes.to(self.device, torch.int64), self._be(backend))
-        moved = (self.lock_ref == 0) & (cnt > 0)
-        delta = (self.key_len * moved).sum()
+        u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))
+        if u.numel() == 0:
+            return
+        ref = self.lock_ref[u]
+        delta = self.key_len[u][ref == 0].sum()
         self.evictable_size -= delta
         self.protected_size += delta
-        self.lock_ref += cnt
+        self.lock_ref[u] = ref + c
 
     def unlock(self, nodes: torch.Tensor, *, backend: Optional[str] = None) -> None:
         """dec_lock_ref for each node (batched). Raises RuntimeError on a negative lock_ref."""
-        cnt = self._path_counts(nodes.to(self.device, torch.int64), self._be(backend))
-        if bool((self.lock_ref < cnt).any()):
+        u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))
+        if u.numel() == 0:
+            return
+        ref = self.lock_ref[u]
+        if bool((ref < c).any()):
             raise RuntimeError("unlock below zero: lock_ref would become negative")
-        moved = (self.lock_ref == cnt) & (cnt > 0)
-        delta = (self.key_len * moved).sum()
+        delta = self.key_len[u][ref == c].sum()
         self.evictable_size += delta
         self.protected_size -= delta
-        self.lock_ref -= cnt
+        self.lock_ref[u] = ref - c
 
     # ---- evict (R-RC-7) --------------------------------------------------------------------
     def evict(self, num_tokens: int, *, backend: Optional[str] = None) -> EvictResult:
@@ -688,37 +834,44 @@ class FlatRadixTree:
         dev = self.device
         order_out, vals_out = [], []
         freed = 0
-        while freed < num_tokens:
-            cand = torch.nonzero(self.alive & (self.nchild == 0) & (self.lock_ref == 0)).flatten()
-            cand = cand[cand != ROOT]
-            if cand.numel() == 0:
-                break
+        if num_tokens <= 0:
+            e = torch.zeros(0, dtype=torch.int64, device=dev)
+            return EvictResult(e, e.clone(), 0)
+        # the unlocked leaves, found once; later rounds add the parents that became leaves
+        b = self._hwm
+        cand = torch.nonzero(self.alive[:b] & (self.nchild[:b] == 0) & (self.lock_ref[:b] == 0)).flatten()
+        cand = cand[cand != ROOT]
+        while freed < num_tokens and cand.numel():
             cand = cand[torch.argsort(self.cid[cand], stable=True)]
             cand = cand[torch.argsort(self.last_access[cand], stable=True)]
             cum = torch.cumsum(self.key_len[cand], 0)
             reach = torch.nonzero(cum >= num_tokens - freed).flatten()
             k = int(reach[0]) if reach.numel() else cand.numel() - 1
-            cnt, lastpos = self._evict_rank(self.parent[cand], be)
-            becomes = (cnt == self.nchild) & (cnt > 0) & (self.lock_ref == 0)
-            becomes[ROOT] = False
+            par, cnt, lastpos = self._evict_rank(self.parent[cand], be)
+            becomes = (cnt == self.nchild[par]) & (cnt > 0) & (self.lock_ref[par] == 0) & (par != ROOT)
             if bool(becomes.any()):
                 k = min(k, int(lastpos[becomes].min()))
             take = cand[: k + 1]
             order_out.append(take)
             freed += int(cum[k])
             vals_out.append(self._remove(take, be))
+            # a parent whose last candidate child was taken is now an unlocked leaf
+            cand = torch.cat([cand[k + 1 :], par[becomes & (lastpos <= k)]])
         nodes = torch.cat(order_out) if order_out else torch.zeros(0, dtype=torch.int64, device=dev)
         vals = torch.cat(vals_out) if vals_out else torch.zeros(0, dtype=torch.int64, device=dev)
         return EvictResult(nodes, vals, freed)
 
-    def _evict_rank(self, par: torch.Tensor, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
-        """Per node: how many sorted candidates have it as parent, and the last such position."""
+    def _evict_rank(self, par: torch.Tensor, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The distinct parents of the sorted candidates (`par` = their parents in order), how
+        many candidates each has, and the last such position."""
         if be == "triton":
-            return self._kernels().evict_rank(par.contiguous(), self.max_nodes)
+            cnt, lastpos = self._kernels().evict_rank(par.contiguous(), self.max_nodes)
+            u = torch.unique(par)
+            return u, cnt[u], lastpos[u]
+        u, inv, cnt = torch.unique(par, return_inverse=True, return_counts=True)
         posn = torch.arange(par.numel(), device=self.device)
-        cnt = torch.zeros_like(self.nchild).index_add_(0, par, torch.ones_like(par))
-        lastpos = torch.full_like(self.nchild, -1).scatter_reduce_(0, par, posn, reduce="amax")
-        return cnt, lastpos
+        lastpos = torch.full_like(u, -1).scatter_reduce_(0, inv, posn, reduce="amax")
+        return u, cnt, lastpos
 
     def _remove(self, nodes: torch.Tensor, be: str = "torch") -> torch.Tensor:
         lens = self.key_len[nodes]
@@ -750,14 +903,14 @@ class FlatRadixTree:
     def triples(self) -> set:
         """The tree as a set of ((ns, prefix), key length, lock_ref) over non-root nodes."""
         out = set()
-        for n in torch.nonzero(self.alive).flatten().tolist():
+        for n in torch.nonzero(self.alive[: self._hwm]).flatten().tolist():
             if n != ROOT:
                 out.add((self.node_prefix(n), int(self.key_len[n]), int(self.lock_ref[n])))
         return out
 
     def check_integrity(self) -> None:
         """Structure, counters and hash table against each other (AssertionError on failure)."""
-        alive = torch.nonzero(self.alive).flatten()
+        alive = torch.nonzero(self.alive[: self._hwm]).flatten()
         nodes = alive[alive != ROOT]
         if nodes.numel():
             par = self.parent[nodes]

@@ -5,9 +5,9 @@ finish / abort / seed_* / check_integrity); tests hold one against the other. Wh
   * the radix cache is a `FlatRadixTree` on `device` (batched, hash-based matching);
   * ordering builds the queue's columns as tensors and applies `gpu_sched.policy`
     (sort keys, in-batch deprioritization, dfs-weight), with `backend` "torch" or "triton";
-  * admission computes the sequential loop's decisions as prefix sums over the ordered queue
-    (`gpu_sched.admission`), falling back to the per-request rules only at the rare events that
-    change the state mid-scan (a chunk, a preemption, an ignore-EOS request).
+  * admission is one static-shaped device computation over the ordered queue
+    (`gpu_sched.admission.admit_step`: prefix sums, chunks, ignore-EOS grid, stop reason, budgets),
+    read back once and applied on the host; only priority preemption runs the per-request rules.
 The engine-facing bookkeeping (KV slots of running requests) stays on the host.
 """
 
@@ -54,7 +54,11 @@ class GpuScheduler(ReferenceScheduler):
         self._torch_gen = torch.Generator(device=self.device)
         self._torch_gen.manual_seed(config.random_seed)
         self._custom_shuffle = shuffle is not None
-        self._hash_cache = {}
+        self._hash_cache = {}  # rid -> (ReqState, fill_len, token offset, chunk-hash offset, ns id)
+        self._qtok: Optional[torch.Tensor] = None
+        self._qch: Optional[torch.Tensor] = None
+        self._qtop = [0, 0]
+        self._qgen = 0  # pool rebuilds so far
 
     def _make_cache(self):
         return DeviceRadixCache(self.pool, self.config.page_size, disable=self.config.disable_radix_cache,
@@ -73,37 +77,71 @@ class GpuScheduler(ReferenceScheduler):
         return torch.from_numpy(buf).to(self.device), self._col(lens, torch.int64)
 
     def _fill_hashes(self, r: ReqState):
-        """(device fill tokens int32 [L], chunk hashes int64 [L // C]) of a request, computed once
-        per fill length: matching then costs O(log L) probes, not O(L) (issue: matching cost)."""
+        """(ReqState, fill length, token offset, chunk-hash offset, namespace id) of a request's
+        fill in the scheduler's CSR pools
+        (`_qtok` int32 tokens, `_qch` int64 chunk hashes at depths C, 2C, ...), written once per
+        fill length: matching then costs O(log L) probes, not O(L), and a queue's CSR is a
+        gather of offsets, not a concatenation of its tokens."""
         ent = self._hash_cache.get(r.rid)
-        if ent is None or ent[0] != r.fill_len:
+        if ent is None or ent[0] is not r or ent[1] != r.fill_len:
             tree = self.cache.tree
+            n = r.fill_len
             toks = torch.from_numpy(np.array(r.fill(), dtype=np.int32)).to(self.device)
-            ns = self._col([self.cache.ns_id(r.req.extra_key)], torch.int64)
-            ch = tree.prefix_hashes(toks[None], self._col([r.fill_len], torch.int64), ns, tree.C)[0]
-            ent = (r.fill_len, toks, ch)
+            ns = self.cache.ns_id(r.req.extra_key)
+            ch = tree.prefix_hashes(toks[None], self._col([n], torch.int64), self._col([ns], torch.int64), tree.C)[0]
+            toff, coff = self._pool_append(toks, ch)
+            ent = (r, n, toff, coff, ns)
             self._hash_cache[r.rid] = ent
-            if len(self._hash_cache) > 2 * len(self.reqs) + 64:
-                self._hash_cache = {k: v for k, v in self._hash_cache.items() if k in self.reqs}
-        return ent[1], ent[2]
+        return ent
+
+    def _pool_append(self, toks: torch.Tensor, ch: torch.Tensor):
+        """Append one fill to the CSR pools (grown by doubling; entries of requests no longer
+        held, or of an older fill length, are dropped when the pools are rebuilt)."""
+        nt, nc = toks.numel(), ch.numel()
+        if self._qtok is None or self._qtop[0] + nt > self._qtok.numel() or self._qtop[1] + nc > self._qch.numel():
+            live = {rid: e for rid, e in self._hash_cache.items() if self.reqs.get(rid) is e[0]}
+            C = self.cache.tree.C
+            need_t = sum(e[1] for e in live.values()) + nt
+            need_c = sum(e[1] // C for e in live.values()) + nc
+            cap_t = max(1 << 16, 2 * need_t)
+            cap_c = max(1 << 12, 2 * need_c)
+            tok = torch.zeros(cap_t, dtype=torch.int32, device=self.device)
+            chs = torch.zeros(cap_c, dtype=torch.int64, device=self.device)
+            t = c = 0
+            for rid, (r, n, toff, coff, ns) in live.items():
+                k = n // C
+                tok[t : t + n] = self._qtok[toff : toff + n]
+                chs[c : c + k] = self._qch[coff : coff + k]
+                live[rid] = (r, n, t, c, ns)
+                t, c = t + n, c + k
+            self._hash_cache, self._qtok, self._qch, self._qtop = live, tok, chs, [t, c]
+            self._qgen += 1
+        t, c = self._qtop
+        self._qtok[t : t + nt] = toks
+        self._qch[c : c + nc] = ch
+        self._qtop = [t + nt, c + nc]
+        return t, c
 
     def _csr(self, queue: List[ReqState], caps: Optional[List[int]]):
-        """The queue's fills (capped) as CSR tensors for `FlatRadixTree.match_csr`/_find_csr."""
+        """The queue's fills (capped) as CSR tensors for `FlatRadixTree.match_csr`/_find_csr:
+        rows point into the persistent pools, so nothing is concatenated per call."""
         C = self.cache.tree.C
-        toks, chs, lens = [], [], []
-        for i, r in enumerate(queue):
-            t, ch = self._fill_hashes(r)
-            n = r.fill_len if caps is None else min(r.fill_len, caps[i])
-            toks.append(t)
-            chs.append(ch[: n // C])
-            lens.append(n)
-        lengths = self._col(lens, torch.int64)
-        tl = self._col([t.numel() for t in toks], torch.int64)
-        cl = self._col([c.numel() for c in chs], torch.int64)
-        tok = torch.cat(toks) if toks else torch.zeros(0, dtype=torch.int32, device=self.device)
-        ch = torch.cat(chs) if chs else torch.zeros(0, dtype=torch.int64, device=self.device)
-        ns = self._col([self.cache.ns_id(r.req.extra_key) for r in queue], torch.int64)
-        return tok, torch.cumsum(tl, 0) - tl, lengths, ns, ch, torch.cumsum(cl, 0) - cl, cl
+        while True:
+            gen = self._qgen
+            ents = [self._fill_hashes(r) for r in queue]
+            if gen == self._qgen:
+                break  # else the pools were rebuilt midway and earlier offsets moved: again
+        rows = np.array([(e[2], e[3], e[1], e[4]) for e in ents], dtype=np.int64).reshape(-1, 4).T.copy()
+        if caps is not None:
+            rows[2] = np.minimum(rows[2], np.asarray(caps, dtype=np.int64))
+        cols = torch.from_numpy(rows).to(self.device)
+        toff, coff, lengths, ns = cols[0], cols[1], cols[2], cols[3]
+        if self._qtok is None:
+            tok = torch.zeros(0, dtype=torch.int32, device=self.device)
+            ch = torch.zeros(0, dtype=torch.int64, device=self.device)
+        else:
+            tok, ch = self._qtok[: self._qtop[0]], self._qch[: self._qtop[1]]
+        return tok, toff, lengths, ns, ch, coff, lengths // C
 
     def find(self, queue: List[ReqState], caps: Optional[List[int]] = None):
         """Matched lengths and last pool positions against the current tree, without splits or
@@ -188,8 +226,9 @@ class GpuScheduler(ReferenceScheduler):
         """(parent, child_rank) over the live nodes only (compacted ids, root first) and the map
         from tree ids to compacted ids, for dfs-weight: siblings ranked by child order."""
         t = self.cache.tree
-        ids = torch.nonzero(t.alive).flatten()  # root (0) first
-        remap = torch.full_like(t.parent, -1)
+        b = t.node_bound()  # every live id is below it
+        ids = torch.nonzero(t.alive[:b]).flatten()  # root (0) first
+        remap = torch.full_like(t.parent[:b], -1)
         remap[ids] = torch.arange(ids.numel(), device=self.device)
         p = t.parent[ids]
         parent = torch.where(p >= 0, remap[p.clamp(min=0)], -1)
@@ -205,65 +244,152 @@ class GpuScheduler(ReferenceScheduler):
         rank[idx] = pos - start
         return parent, rank, remap
 
-    # ---- admission (R-STEP-3) as prefix-sum scans ------------------------------------------------
+    # ---- admission (R-STEP-3) as one static step ------------------------------------------------
     def _admission_loop(self, queue: List[ReqState], adder) -> str:
-        """R-STEP-3: scan windows of the ordered queue; apply each run of plain whole
-        admissions in one batch (batched re-match with splits and stamps, batched locks, summed
-        commits) and hand the first other request to the sequential rules (`_admit_one`)."""
-        from .admission import ScanState, path_drops, scan
+        """R-STEP-3: `gpu_sched.admission.admit_step` decides the whole loop on the device (admitted
+        prefix, chunks, stop, budgets); one read-back, then the host applies it (`_admit_run`:
+        batched re-match with splits and stamps, locks, can_run, commits). A request that finds
+        the batch full with priority preemption on (`STOP_PREEMPT`) goes through
+        `_admit_preempting` (device victim choice, host release), after which the rest of the
+        queue is decided again."""
+        from .admission import STOP_NAMES, STOP_NO_TOKEN, STOP_OTHER, STOP_PREEMPT, StepConfig
 
-        cfg = self.config
-        running_bs = len(self.running)
-        i, n, W = 0, len(queue), 64
-        tree = self.cache.tree
+        running_bs = len(self.running)  # SGLang reads the batch size once, before the loop
+        scfg = StepConfig.from_config(self.config)
+        i, n = 0, len(queue)
         while i < n:
-            win = queue[i : i + W]
-            caps = [r.max_prefix_len() for r in win]
-            if self.cache.disable:
-                m = torch.zeros(len(win), dtype=torch.int64, device=self.device)
-                drop = torch.zeros_like(m)
-            else:
-                m, pos = self.find(win, caps)
-                drop = path_drops(tree, m, pos)
-            st = ScanState(
-                available=self.pool.available, evictable=self.cache.evictable_size, I=adder.I,
-                cur_off=adder.cur_off, rem_input=adder.rem_input, rem_chunk=adder.rem_chunk,
-                ratio_n=float(adder.ratio * adder.N), can_run=len(adder.can_run), running_bs=running_bs,
-                cap=cfg.max_running_requests, prefill_max_requests=cfg.prefill_max_requests,
-                batch_is_full=self.batch_is_full, page_size=cfg.page_size, clip=cfg.clip_max_new_tokens)
-            special = torch.tensor([r.req.ignore_eos and self.cache.disable for r in win], dtype=torch.bool,
-                                   device=self.device)
-            k = scan(st, self._col([r.fill_len for r in win], torch.int64), self._col([r.out_len for r in win], torch.int64),
-                     self._col([r.max_new for r in win], torch.int64), m, drop, special)
-            if k:
-                self._admit_run(win[:k], caps[:k], adder)
-            if k < len(win):
-                stop = self._admit_one(win[k], adder, running_bs)
-                if stop is not None:
-                    return stop
-                i += k + 1
-            else:
-                i += k
-                W *= 2
+            rest = queue[i:]
+            caps = [r.max_prefix_len() for r in rest]
+            res = self._static_admission(rest, caps, adder, running_bs, scfg)
+            Q = len(rest)
+            head = torch.stack([res.stop, res.stop_index, res.chunk_index, res.batch_full.to(torch.int64),
+                                res.I, res.cur_off, res.rem_input, res.rem_chunk, res.hit_tokens,
+                                res.input_tokens, res.decided.to(torch.int64), res.admitted.sum()])
+            vals = torch.cat([head, res.extend_end]).tolist()  # the one read-back
+            stop, k, ci, full, I, cur, rin, rc, hit, inp, decided, na = vals[:12]
+            if not decided:
+                raise RuntimeError("admit_step did not reach the end of the loop (rounds too few)")
+            ends = vals[12 : 12 + Q]
+            refused = na == k and k < Q and stop in (STOP_NO_TOKEN, STOP_OTHER)  # re-matched, then refused
+            self._admit_run(rest[:na], caps[:na], ends[:na], adder, rematch=rest[k] if refused else None)
+            adder.I, adder.cur_off, adder.rem_input = I, cur, rin
+            if adder.rem_chunk is not None:
+                adder.rem_chunk = rc
+            adder.log_hit_tokens += hit
+            adder.log_input_tokens += inp
+            if ci >= 0:
+                adder.new_chunked = rest[ci]
+            self.batch_is_full = bool(full)
+            if stop != STOP_PREEMPT:
+                return STOP_NAMES[stop]
+            stop = self._admit_preempting(rest[k], adder)
+            if stop is not None:
+                return stop
+            i += k + 1
         return "queue_end"
 
-    def _admit_run(self, run: List[ReqState], caps: List[int], adder) -> None:
-        """Apply plain whole admissions in queue order: what `add_one_req` step 6 does for each."""
+    def _admit_preempting(self, r: ReqState, adder) -> Optional[str]:
+        """R-STEP-3 for a request that finds the batch full with priority preemption on: re-match
+        (D5), the preemption decision on the device (`_preempt_device`), re-match again (the
+        victims' release may have evicted part of the prefix), add_one_req."""
+        self.batch_is_full = True
+        self._rematch(r)
+        if not self._preempt_device(r, adder):
+            return "batch_full"
+        return self._rematch_and_add(r, adder)
+
+    def _preempt_device(self, r: ReqState, adder) -> bool:
+        """R-ADM-7: victims chosen by `gpu_sched.admission.preempt_select` (sorted on the device,
+        cumulative reservations, cut), read back once; the host then releases them in
+        running-batch order exactly as `PrefillAdder.preempt_for` does."""
+        from .admission import preempt_select
+
+        cfg = self.config
+        run = self.running
+        R = len(run)
+        if R == 0:
+            return False
+        clip = cfg.clip_max_new_tokens
+        dev = self.device
+        ints = torch.from_numpy(np.array([[v.priority for v in run], [min(v.max_new - v.out_len, clip) for v in run]],
+                                         dtype=np.int64)).to(dev)
+        times = torch.tensor([v.enqueue_time for v in run], dtype=torch.float64, device=dev)
+        base = r.fill_len - r.prefix_len + min(r.max_new, clip) - (self.pool.available + self.cache.evictable_size - adder.I)
+        sc = torch.tensor([r.priority, base, adder.N], dtype=torch.int64).to(dev)
+        res = preempt_select(torch.ones(R, dtype=torch.bool, device=dev), ints[0], times, ints[1], sc[0], sc[1],
+                             torch.tensor(adder.ratio, dtype=torch.float64, device=dev), sc[2], cfg.priority_sign,
+                             cfg.priority_scheduling_preemption_threshold, backend=self.backend)
+        vals = torch.cat([torch.stack([res.success.to(torch.int64), res.V]), res.victims.to(torch.int64)]).tolist()
+        if not vals[0]:
+            return False
+        mask = vals[2:]
+        in_order = [v for v, m in zip(run, mask) if m]
+        for k, v in enumerate(in_order, start=1):
+            adder.preempt_evicted_tokens += self._release(v, R - k)
+        run[:] = [v for v, m in zip(run, mask) if not m]
+        adder.N -= vals[1]
+        adder.preempted.extend(in_order)
+        return True
+
+    def _static_admission(self, rest: List[ReqState], caps: List[int], adder, running_bs: int, scfg):
+        """Columns of the ordered queue and the adder's budgets as device tensors, then
+        `admit_step` (no host read inside; backend "triton" runs its per-request kernels)."""
+        from .admission import HeldCols, QueueCols, StepState, admit_step, lock_drops
+
+        dev = self.device
+        Q = len(rest)
+        cols = torch.from_numpy(np.array(
+            [[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos)] for r in rest],
+            dtype=np.int64).reshape(Q, 5).T.copy()).to(dev)
+        if self.cache.disable:
+            m = torch.zeros(Q, dtype=torch.int64, device=dev)
+            drop = torch.zeros_like(m)
+            ev = torch.zeros((), dtype=torch.int64, device=dev)
+        else:
+            tree = self.cache.tree
+            m, pos = self.find(rest, caps)
+            has = m > 0
+            p = torch.where(has, pos, 0)
+            node = torch.where(has, tree.owner[p], 0)
+            cover = p - tree.key_off[node] + 1
+            depth = max(caps, default=0) // self.config.page_size  # nodes on any matched path
+            # live node ids lie below node_bound(): scan that prefix, rounded up to a power of
+            # two (few distinct shapes), not the whole capacity
+            b = min(1 << max(tree.node_bound() - 1, 1).bit_length(), tree.parent.numel())
+            drop = lock_drops(tree.parent[:b], tree.key_len[:b], tree.lock_ref[:b], tree.alive[:b], node, cover,
+                              has, max_depth=1 << depth.bit_length())  # power of two: few distinct shapes
+            ev = tree.evictable_size
+        sc = torch.tensor([self.pool.available, adder.I, adder.cur_off, adder.rem_input,
+                           adder.rem_chunk if adder.rem_chunk is not None else 0, adder.N,
+                           len(adder.can_run), running_bs, int(self.batch_is_full)], dtype=torch.int64).to(dev)
+        st = StepState(available=sc[0], evictable=ev, I=sc[1], cur_off=sc[2], rem_input=sc[3], rem_chunk=sc[4],
+                       ratio=torch.tensor(adder.ratio, dtype=torch.float64, device=dev), N=sc[5], can_run=sc[6],
+                       running_bs=sc[7], batch_full=sc[8] != 0)
+        q = QueueCols(n=torch.tensor(Q, device=dev), fill_len=cols[0], out_len=cols[1], prompt_len=cols[2],
+                      max_new=cols[3], prefix_len=m, drop=drop, ignore_eos=cols[4] != 0)
+        held = None
+        if scfg.ignore_eos_path:
+            hs = list(self.running) + list(adder.can_run)
+            hc = torch.from_numpy(np.array([[r.max_new, r.out_len, r.prompt_len, int(r.req.ignore_eos)] for r in hs],
+                                           dtype=np.int64).reshape(len(hs), 4).T.copy()).to(dev)
+            held = HeldCols(valid=torch.ones(len(hs), dtype=torch.bool, device=dev), max_new=hc[0], out_len=hc[1],
+                            prompt_len=hc[2], ignore_eos=hc[3] != 0)
+        return admit_step(scfg, st, q, held, None, backend=self.backend)
+
+    def _admit_run(self, run: List[ReqState], caps: List[int], ends: List[int], adder,
+                   rematch: Optional[ReqState] = None) -> None:
+        """Apply the admissions `admit_step` decided, in queue order: batched re-match (splits and
+        stamps as sequential matching in this order, `rematch` last: the refused request the loop
+        re-matched before refusing it), batched locks, extend ranges and can_run. Budgets and
+        counters come from the step's result."""
         if self.cache.disable:
             for r in run:
                 r.prefix_len, r.last_node = 0, self.cache.root
         else:
-            self.batch_match(run, caps)
-            self.cache.tree.lock(self._col([r.last_node for r in run], torch.int64))
-        P, clip = self.config.page_size, self.config.clip_max_new_tokens
-        for r in run:
+            extra = [rematch] if rematch is not None else []
+            self.batch_match(run + extra, caps + [r.max_prefix_len() for r in extra])
+            if run:
+                self.cache.tree.lock(self._col([r.last_node for r in run], torch.int64))
+        for r, end in zip(run, ends):
             r.lock_node = r.last_node if not self.cache.disable else None
-            e = -(-(r.fill_len - r.prefix_len) // P) * P
-            adder._admit(r, r.prefix_len, r.fill_len)
-            adder.I += e + min(r.max_new, clip) + P
-            adder.cur_off += e + P
-            adder.rem_input -= e
-            if adder.rem_chunk is not None:
-                adder.rem_chunk -= e
-            adder.log_hit_tokens += r.prefix_len
-            adder.log_input_tokens += e
+            adder._admit(r, r.prefix_len, end)

@@ -1,11 +1,18 @@
 """Shared test setup: deterministic seeds (STYLE practice 8) and the hypothesis profile."""
 
+import os
 import random
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import settings
+
+# Without CUDA the Triton kernels can only run in Triton's interpreter, and a kernel module is
+# decorated (interpreted or compiled) once, when first imported: choose before any test module
+# imports one, so the order in which files run cannot matter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The tensors in tests are small: one intra-op thread avoids thread start-up and contention
 # costs that dominate tiny CPU ops (and keeps timings stable on shared 2-core machines).

@@ -1,8 +1,9 @@
 """Kernel tests of `gpu_sched.kernels.radix`: every checked launcher against the torch code of
 `FlatRadixTree` that it replaces, at sizes 0, 1, BLOCK-1, BLOCK, BLOCK+1 and a larger batch;
 exact integer equality with the first differing index in the message. Then the operation-sequence
-differential test of tests/test_radix_device.py with backend="triton", holding the triton tree
-equal to the reference cache and, array by array, to a torch-backend twin.
+differential test of tests/test_radix_device.py (512 sequences of 50 operations, page sizes 1, 4,
+16, 64) with backend="triton", holding the triton tree equal to the reference cache and, array by
+array, to a torch-backend twin.
 
 Without CUDA the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is
 imported); with CUDA they are compiled and run on the GPU.
@@ -26,14 +27,12 @@ triton = pytest.importorskip("triton")
 from gpu_sched.kernels import radix as K  # noqa: E402
 from gpu_sched.radix import FlatRadixTree, home_slot  # noqa: E402
 
-from test_radix_device import NS_NAMES, Pair, flat_prefix, pad, random_seq, ref_prefix  # noqa: E402
+from test_radix_device import ROUNDS, Lanes, pad, random_seq  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (n, block): 0, 1, BLOCK-1, BLOCK, BLOCK+1 at the smallest block, and a larger batch at the default
 SIZES = [(0, 16), (1, 16), (15, 16), (16, 16), (17, 16), (300, None)]
 SIZE_IDS = [f"n{n}-b{b or 'default'}" for n, b in SIZES]
-#: operation sequences (x 50 operations) per page size in the triton differential run
-N_SEQ = 6
 STATE = ("parent", "key_off", "key_len", "start", "lock_ref", "last_access", "cid", "order", "ns", "nchild",
          "alive", "tok", "val", "hsh", "owner", "hkeys", "hvals", "evictable_size", "protected_size")
 
@@ -282,9 +281,22 @@ def test_evict_rank(n, block):
     tree = FlatRadixTree(1, max_nodes=64, token_capacity=64, device=DEV)
     par = torch.tensor([rng.choice([0, 1, 5, 63, rng.randrange(64)]) for _ in range(n)], dtype=torch.int64, device=DEV)
     cnt, last = K.evict_rank(par, tree.max_nodes, block=block)
-    want_cnt, want_last = tree._evict_rank(par, "torch")
+    # the plain definition over all node ids
+    want_cnt, want_last = [0] * tree.max_nodes, [-1] * tree.max_nodes
+    for i, p in enumerate(par.tolist()):
+        want_cnt[p] += 1
+        want_last[p] = i
     assert_equal(cnt, want_cnt, "count")
     assert_equal(last, want_last, "last position")
+    # the torch code gives the same at the distinct parents (and nothing else)
+    u, ucnt, ulast = tree._evict_rank(par, "torch")
+    assert_equal(u, sorted(set(par.tolist())), "parents")
+    assert_equal(ucnt, cnt[u], "count (torch)")
+    assert_equal(ulast, last[u], "last position (torch)")
+    u2, ucnt2, ulast2 = tree._evict_rank(par, "triton")
+    assert_equal(u2, u, "parents (triton)")
+    assert_equal(ucnt2, ucnt, "count (triton)")
+    assert_equal(ulast2, ulast, "last position (triton)")
 
 
 # ---- launcher checks ---------------------------------------------------------------------------------------
@@ -306,94 +318,26 @@ def test_launchers_check_arguments():
 
 
 # ---- whole-tree differential run with backend="triton" -------------------------------------------------------
-class TwinPair(Pair):
-    """Pair (reference cache + flat tree) with the flat tree on the triton backend (on DEV), plus
-    a torch-backend twin that receives the same operations and must stay equal array by array."""
-
-    def __init__(self, page_size, chunk_pages=None, seed=0):
-        super().__init__(page_size, chunk_pages, seed)
-        self.flat = FlatRadixTree(page_size, max_nodes=4096, token_capacity=1 << 14, device=DEV,
-                                  chunk_pages=chunk_pages, seed=seed, backend="triton")
-        self.twin = FlatRadixTree(page_size, max_nodes=4096, token_capacity=1 << 14, device=DEV,
-                                  chunk_pages=chunk_pages, seed=seed, backend="torch")
-
-    def check(self):
-        super().check()
-        assert_same_state(self.flat, self.twin, "triton vs torch: ")
-
-    def match(self, queries, nss):
-        want = []
-        for q, ns in zip(queries, nss):
-            m, node = self.ref.match_prefix(np.array(q, np.int32), NS_NAMES[ns])
-            want.append((m, ref_prefix(self.ref, node)))
-        t, lens = pad(queries)
-        args = (t.to(DEV), lens.to(DEV), torch.tensor(nss, device=DEV))
-        m, last = self.flat.match(*args)
-        m2, last2 = self.twin.match(*args)
-        assert_equal(m, m2, "matched (triton vs torch)")
-        assert_equal(last, last2, "last node (triton vs torch)")
-        got = [(int(a), flat_prefix(self.flat, b)) for a, b in zip(m, last)]
-        for i, (w, g) in enumerate(zip(want, got)):
-            assert w == g, f"query {i}: reference {w[0]} {w[1][1][:8]}.. != flat {g[0]} {g[1][1][:8]}.."
-        return last.tolist()
-
-    def insert(self, q, ns):
-        slots = self.pool.alloc(len(q) // self.P * self.P)
-        a = self.ref.insert(np.array(q, np.int32), slots, NS_NAMES[ns])
-        self.pool.free(slots[:a])
-        b = self.flat.insert(torch.tensor(q, dtype=torch.int32), torch.from_numpy(slots), ns)
-        c = self.twin.insert(torch.tensor(q, dtype=torch.int32), torch.from_numpy(slots), ns)
-        assert a == b == c
-
-    def lock(self, q, ns):
-        m, node = self.ref.match_prefix(np.array(q, np.int32), NS_NAMES[ns])
-        (last,) = self.match([q], [ns])
-        self.ref.inc_lock_ref(node)
-        self.flat.lock(torch.tensor([last], device=DEV))
-        self.twin.lock(torch.tensor([last], device=DEV))
-        self.ref_locks.append(node)
-        self.flat_locks.append(last)
-
-    def unlock(self, k):
-        self.ref.dec_lock_ref(self.ref_locks.pop(k))
-        node = torch.tensor([self.flat_locks.pop(k)], device=DEV)
-        self.flat.unlock(node)
-        self.twin.unlock(node)
-
-    def evict(self, n):
-        ref_names = {id(x): ref_prefix(self.ref, x) for x in self.ref._nodes()}
-        flat_names = {i: flat_prefix(self.flat, i) for i in torch.nonzero(self.flat.alive).flatten().tolist()}
-        ev = self.ref.evict(n)
-        res = self.flat.evict(n)
-        res2 = self.twin.evict(n)
-        assert [ref_names[id(x)] for x in ev] == [flat_names[i] for i in res.nodes.tolist()]
-        assert_equal(res.nodes, res2.nodes, "evicted nodes (triton vs torch)")
-        assert res.num_tokens == res2.num_tokens == sum(len(x.key) for x in ev)
-        want_vals = np.concatenate([x.value for x in ev]) if ev else np.zeros(0, np.int64)
-        assert_equal(res.values, want_vals, "evicted values")
+#: (page size, chunk pages) x TRITON_LANES sequences of ROUNDS operations: 512 sequences with
+#: CUDA; in Triton's CPU interpreter every kernel op is emulated in Python (a 32-lane run of one
+#: configuration takes 15-25 s), so the default there is 32 sequences and
+#: GPU_SCHED_TRITON_LANES=128 runs the full 512 (about 5 minutes on one core)
+TRITON_CONFIGS = [(1, 4), (4, 2), (16, None), (64, None)]
+TRITON_LANES = int(os.environ.get("GPU_SCHED_TRITON_LANES", "128" if torch.cuda.is_available() else "8"))
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_random_operation_sequences_triton(page_size):
-    """tests/test_radix_device.py's operation mix, fewer sequences (the interpreter is slow)."""
-    for s in range(N_SEQ):
-        rng = random.Random(1000 * page_size + s)
-        vocab = rng.choice([2, 3, 5])
-        bases = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(4)]
-        pr = TwinPair(page_size, None, seed=s)
-        for _ in range(50):
-            op = rng.random()
-            if op < 0.35:
-                qs = [random_seq(rng, bases, vocab) for _ in range(rng.randrange(1, 7))]
-                nss = [rng.randrange(2) for _ in qs]
-                pr.match(qs, nss)
-                if rng.random() < 0.5:
-                    k = rng.randrange(len(qs))
-                    pr.lock(qs[k], nss[k])
-            elif op < 0.7:
-                pr.insert(random_seq(rng, bases, vocab), rng.randrange(2))
-            elif op < 0.8 and pr.ref_locks:
-                pr.unlock(rng.randrange(len(pr.ref_locks)))
-            else:
-                pr.evict(rng.randrange(1, 40))
-            pr.check()
+@pytest.mark.parametrize("page_size,chunk_pages", TRITON_CONFIGS)
+def test_random_operation_sequences_triton(page_size, chunk_pages):
+    """tests/test_radix_device.py's lanes (independent random operation sequences run side by
+    side on one tree pair, compared with the reference after every round) with the flat tree
+    on backend="triton", and a torch-backend twin that must stay equal to it array by array."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        lanes = Lanes(page_size, chunk_pages, TRITON_LANES, seed=7000 + page_size, backend="triton",
+                      twin=assert_equal, device=DEV)
+        for r in range(ROUNDS):
+            lanes.round()
+            assert_same_state(lanes.flat, lanes.trees[1], f"round {r}: triton vs torch: ")
+    finally:
+        torch.set_num_threads(n)

@@ -1,8 +1,14 @@
 """FlatRadixTree (torch) against the reference radix cache, operation by operation (R-RC-1..7).
 
-Compared after every operation: per-query match length and last node (by full prefix, not id),
-the tree as a set of (prefix, key length, lock_ref) triples, evictable/protected sizes, and the
-evicted node order (by prefix).
+`test_random_operation_sequences`: 512 random sequences of 50 operations (8 page-size/chunk
+configurations: page sizes 1, 4, 16, 64; x 64 lanes), small vocabularies so that prefixes
+collide, two namespaces per sequence. The sequences of one configuration run as lanes of one
+tree pair (`Lanes`): each round applies one operation of every lane (batched match + lock,
+insert_many, batched unlock, one evict), which keeps the whole file near 30 s of one core.
+Compared after every round: per-query match length and last node (by full prefix, not id),
+each insert's present length, the evicted node order and values, the tree as a set of
+(prefix, key length, lock_ref) triples, evictable/protected sizes, and both integrity checks.
+tests/test_kernels_radix.py runs the same lanes with backend="triton".
 """
 
 import random
@@ -100,39 +106,214 @@ def random_seq(rng, bases, vocab):
     return base[:cut] + [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
 
 
-@pytest.mark.parametrize("page_size,chunk_pages", [(1, None), (1, 1), (1, 3), (4, None), (4, 2), (16, None)])
+# ---- lanes: many independent random operation sequences on one tree pair ---------------------------
+def ns_id(name):
+    return 0 if name is None else int(name[2:])
+
+
+def ns_name(i):
+    return None if i == 0 else f"ns{i}"
+
+
+def ref_state(cache):
+    """{id(node): name} and {(name, key length, lock_ref)} of the reference tree in one walk.
+    A node's name is (namespace id, depth, chained hash of its full prefix): equal names mean
+    equal prefixes (up to a 64-bit hash collision), at a cost linear in the tree's tokens."""
+    names, triples = {id(cache.root): (0, 0, 0)}, set()
+    stack = [(cache.root, 0, 0)]
+    while stack:
+        node, depth, h = stack.pop()
+        for ch in node.children.values():
+            key = tuple(ch.key.tolist())
+            d, hh = depth + len(key), hash((h, key))
+            nm = (ns_id(ch.ns), d, hh)
+            names[id(ch)] = nm
+            triples.add((nm, len(key), ch.lock_ref))
+            stack.append((ch, d, hh))
+    return names, triples
+
+
+def flat_state(tree):
+    """The same for a FlatRadixTree: {node id: name} and the triples (arrays read once)."""
+    b = tree.node_bound()
+    alive, parent, off, ln, lock, ns, start = (getattr(tree, a)[:b].tolist() for a in
+                                               ("alive", "parent", "key_off", "key_len", "lock_ref", "ns", "start"))
+    tok = tree.tok[: tree.top].tolist()
+    names, chain, triples = {0: (0, 0, 0)}, {0: 0}, set()
+    for n in sorted((i for i in range(1, b) if alive[i]), key=start.__getitem__):  # parents first
+        key = tuple(tok[off[n] : off[n] + ln[n]])
+        h = hash((chain[parent[n]], key))
+        chain[n] = h
+        nm = (ns[n], start[n] + ln[n], h)
+        names[n] = nm
+        triples.add((nm, ln[n], lock[n]))
+    return names, triples
+
+
+class Lane:
+    """One random operation sequence: its own RNG, base strings (small vocabulary, so prefixes
+    collide) and two namespaces; `locks` pairs the reference node with the flat node id."""
+
+    def __init__(self, seed, page_size, ns_pair):
+        self.rng = rng = random.Random(seed)
+        self.vocab = rng.choice([2, 3, 5])
+        P = page_size
+        self.max_base = 60 if P == 1 else 6 * P
+        self.max_tail = 12 if P == 1 else 2 * P
+        self.bases = [[rng.randrange(self.vocab) for _ in range(rng.randrange(1, self.max_base))] for _ in range(4)]
+        self.ns = ns_pair
+        self.evict = (1, 40, 1) if P == 1 else (1, 10, P // 2)  # amount: randrange(a, b) * c tokens
+        self.locks = []
+
+    def seq(self):
+        rng = self.rng
+        base = self.bases[rng.randrange(len(self.bases))]
+        cut = rng.randrange(len(base) + 1)
+        return base[:cut] + [rng.randrange(self.vocab) for _ in range(rng.randrange(0, self.max_tail))]
+
+    def draw(self):
+        """(op, args) of this lane's next operation."""
+        rng = self.rng
+        op = rng.random()
+        if op < 0.35:
+            qs = [self.seq() for _ in range(rng.randrange(1, 7))]
+            nss = [self.ns[rng.randrange(2)] for _ in qs]
+            lock = rng.sample(range(len(qs)), min(len(qs), rng.choice([1, 1, 2]))) if rng.random() < 0.5 else []
+            return "match", (qs, nss, lock)
+        if op < 0.9 and self.locks and op >= 0.8:
+            return "unlock", self.locks.pop(rng.randrange(len(self.locks)))
+        if op < 0.9:
+            return "insert", (self.seq(), self.ns[rng.randrange(2)])
+        a, b, c = self.evict
+        return "evict", rng.randrange(a, b) * c
+
+
+class Lanes:
+    """`n_lanes` independent operation sequences (lane l uses namespaces 2l and 2l + 1, so
+    lanes share no node) driven side by side on one reference cache and one flat tree: each
+    round applies one operation of every lane, the lanes' matches as one batched match (and
+    their locks as one batched lock), their inserts as one `insert_many`, their unlocks as one
+    batched unlock, their evictions as one evict of the summed amount (eviction is global: the
+    LRU order spans the lanes); the reference does the same one request at a time in lane
+    order. Compared after every round: each query's match length and last node (by prefix), each
+    insert's present length, the evicted node order and values, the tree as (prefix, key length,
+    lock_ref) triples, evictable/protected sizes and both trees' integrity checks. With `twin`,
+    a torch-backend tree receives the same operations and must equal `flat` array by array."""
+
+    def __init__(self, page_size, chunk_pages, n_lanes, seed, backend="torch", twin=None, device="cpu"):
+        P = page_size
+        self.P = P
+        self.lanes = [Lane(seed * 100_003 + l, P, (2 * l, 2 * l + 1)) for l in range(n_lanes)]
+        self.pool = KVPool(1 << 24)
+        self.ref = RadixCache(self.pool, P)
+        max_len = self.lanes[0].max_base + self.lanes[0].max_tail
+        kw = dict(max_nodes=200 * n_lanes + 16, token_capacity=20 * max_len * n_lanes, device=device,
+                  chunk_pages=chunk_pages, seed=seed)
+        self.device = torch.device(device)
+        self.flat = FlatRadixTree(P, backend=backend, **kw)
+        self.twin = twin
+        self.trees = [self.flat] + ([FlatRadixTree(P, backend="torch", **kw)] if twin else [])
+
+    def _match_flat(self, qs, nss):
+        t, lens = pad(qs)
+        args = (t.to(self.device), lens.to(self.device), torch.tensor(nss, device=self.device))
+        outs = [tree.match(*args) for tree in self.trees]
+        if self.twin:
+            self.twin(outs[0][0], outs[1][0], "matched (triton vs torch)")
+            self.twin(outs[0][1], outs[1][1], "last node (triton vs torch)")
+        return outs[0]
+
+    def round(self):
+        ref, flat = self.ref, self.flat
+        ops = [(lane, *lane.draw()) for lane in self.lanes]
+        # matches, then the locks of what some of them matched
+        mq = [(lane, q, ns) for lane, op, a in ops if op == "match" for q, ns in zip(a[0], a[1])]
+        if mq:
+            want = []
+            for _, q, ns in mq:
+                m, node = ref.match_prefix(np.array(q, np.int32), ns_name(ns))
+                want.append((m, node))
+            m, last = self._match_flat([q for _, q, _ in mq], [ns for _, _, ns in mq])
+            rn, _ = ref_state(ref)
+            fn, _ = flat_state(flat)
+            for i, ((wm, wnode), gm, gl) in enumerate(zip(want, m.tolist(), last.tolist())):
+                assert (wm, rn[id(wnode)]) == (gm, fn[gl]), (
+                    f"query {i} {mq[i][1][:12]}..: reference ({wm}, {rn[id(wnode)]}) != flat ({gm}, {fn[gl]})")
+            lk = [(lane, q, ns) for lane, op, a in ops if op == "match" for k in a[2] for q, ns in [(a[0][k], a[1][k])]]
+            if lk:
+                rnodes = [ref.match_prefix(np.array(q, np.int32), ns_name(ns))[1] for _, q, ns in lk]
+                _, fl = self._match_flat([q for _, q, _ in lk], [ns for _, _, ns in lk])
+                for node in rnodes:
+                    ref.inc_lock_ref(node)
+                for tree in self.trees:
+                    tree.lock(fl)
+                for (lane, _, _), node, f in zip(lk, rnodes, fl.tolist()):
+                    lane.locks.append((node, f))
+        # inserts: one insert_many for all lanes
+        ins = [a for _, op, a in ops if op == "insert"]
+        if ins:
+            slots = [self.pool.alloc(len(q) // self.P * self.P) for q, _ in ins]
+            want = []
+            for (q, ns), sl in zip(ins, slots):
+                a = ref.insert(np.array(q, np.int32), sl, ns_name(ns))
+                self.pool.free(sl[:a])
+                want.append(a)
+            toks = [torch.tensor(q, dtype=torch.int32) for q, _ in ins]
+            vals = [torch.from_numpy(sl) for sl in slots]
+            nss = [ns for _, ns in ins]
+            got = [tree.insert_many(toks, vals, nss) for tree in self.trees]
+            for g in got:
+                assert g == want, f"present lengths {g} != reference {want}"
+        # unlocks
+        ul = [a for _, op, a in ops if op == "unlock"]
+        if ul:
+            for node, _ in ul:
+                ref.dec_lock_ref(node)
+            for tree in self.trees:
+                tree.unlock(torch.tensor([f for _, f in ul], dtype=torch.int64, device=self.device))
+        # one eviction of the summed amount
+        n_ev = sum(a for _, op, a in ops if op == "evict")
+        if n_ev:
+            rn, _ = ref_state(ref)
+            fn, _ = flat_state(flat)
+            ev = ref.evict(n_ev)
+            res = [tree.evict(n_ev) for tree in self.trees]
+            got = [fn[i] for i in res[0].nodes.tolist()]
+            assert [rn[id(x)] for x in ev] == got, "evicted nodes differ from the reference"
+            assert res[0].num_tokens == sum(len(x.key) for x in ev)
+            want_vals = np.concatenate([x.value for x in ev]) if ev else np.zeros(0, np.int64)
+            assert np.array_equal(res[0].values.cpu().numpy(), want_vals), "evicted values differ"
+            if self.twin:
+                self.twin(res[0].nodes, res[1].nodes, "evicted nodes (triton vs torch)")
+        self.check()
+
+    def check(self):
+        _, rt = ref_state(self.ref)
+        _, ft = flat_state(self.flat)
+        assert rt == ft, f"trees differ: {len(rt - ft)} reference-only, {len(ft - rt)} flat-only triples"
+        assert self.ref.evictable_size == int(self.flat.evictable_size)
+        assert self.ref.protected_size == int(self.flat.protected_size)
+        self.ref.check_integrity()
+        self.flat.check_integrity()
+
+
+#: (page size, chunk pages) of the torch runs: 8 configurations x LANES sequences of 50 operations
+TORCH_CONFIGS = [(1, None), (1, 1), (1, 3), (4, None), (4, 2), (16, None), (16, 2), (64, None)]
+LANES = 64
+ROUNDS = 50
+
+
+@pytest.mark.parametrize("page_size,chunk_pages", TORCH_CONFIGS)
 def test_random_operation_sequences(page_size, chunk_pages):
-    n_seq = 100 if page_size == 1 and chunk_pages is None else 30
-    for s in range(n_seq):
-        rng = random.Random(1000 * page_size + s)
-        vocab = rng.choice([2, 3, 5])
-        bases = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(4)]
-        pr = Pair(page_size, chunk_pages, seed=s)
-        for _ in range(50):
-            op = rng.random()
-            if op < 0.35:
-                qs = [random_seq(rng, bases, vocab) for _ in range(rng.randrange(1, 7))]
-                nss = [rng.randrange(2) for _ in qs]
-                nodes, want = pr.match(qs, nss)
-                if rng.random() < 0.5:
-                    # lock what the last query matched (same node on both sides)
-                    k = rng.randrange(len(qs))
-                    m, node = pr.ref.match_prefix(np.array(qs[k], np.int32), NS_NAMES[nss[k]])
-                    t, lens = pad([qs[k]])
-                    _, fl = pr.flat.match(t, lens, torch.tensor([nss[k]]))
-                    pr.ref.inc_lock_ref(node)
-                    pr.flat.lock(fl)
-                    pr.ref_locks.append(node)
-                    pr.flat_locks.append(int(fl[0]))
-            elif op < 0.7:
-                pr.insert(random_seq(rng, bases, vocab), rng.randrange(2))
-            elif op < 0.8 and pr.ref_locks:
-                k = rng.randrange(len(pr.ref_locks))
-                pr.ref.dec_lock_ref(pr.ref_locks.pop(k))
-                pr.flat.unlock(torch.tensor([pr.flat_locks.pop(k)]))
-            else:
-                pr.evict(rng.randrange(1, 40))
-            pr.check()
+    """LANES random sequences x ROUNDS operations per configuration (512 in all)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        lanes = Lanes(page_size, chunk_pages, LANES, seed=1000 * page_size + (chunk_pages or 0))
+        for _ in range(ROUNDS):
+            lanes.round()
+    finally:
+        torch.set_num_threads(n)
 
 
 def test_page_size_short_query_matches_nothing():

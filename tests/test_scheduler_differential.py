@@ -3,11 +3,14 @@
 Both schedulers get the same arrivals, steps, prefills, decodes and finishes; after every call
 the plans (every field) and the pool/cache sizes must be equal, the cache contents too
 (compared as (prefix, key length, lock_ref) triples), and both integrity checks must pass.
+`test_multi_step_runs_match_reference`: 12 random configs x 60 steps.
+`test_200_step_runs_match_reference`: 200-step runs per policy (lpm, fcfs + priority with
+preemption in both directions, dfs-weight, lof, routing-key, the cache disabled with ignore-EOS)
+with retractions, preemptions, chunked prefills, aborts and arrivals interleaved.
 """
 
 import random
 
-import numpy as np
 import pytest
 
 from gpu_sched.config import SchedulerConfig
@@ -15,19 +18,7 @@ from gpu_sched.reference import ReferenceScheduler
 from gpu_sched.request import Request
 from gpu_sched.scheduler import GpuScheduler
 
-
-def ref_triples(cache):
-    out = set()
-    for n in cache._nodes():
-        if n is not cache.root:
-            ns, toks = cache.node_prefix(n)
-            out.add(((ns, toks), len(n.key), n.lock_ref))
-    return out
-
-
-def dev_triples(cache):
-    names = {v: k for k, v in cache._ns.items()}
-    return {((names[ns], toks), ln, lk) for (ns, toks), ln, lk in cache.tree.triples()}
+from _scenarios import dev_triples, ref_triples
 
 
 def plan_fields(p):
@@ -121,3 +112,136 @@ def run_pair(seed: int, steps: int):
 @pytest.mark.parametrize("seed", range(12))
 def test_multi_step_runs_match_reference(seed):
     run_pair(seed, steps=60)
+
+
+# ---- 200-step runs per policy --------------------------------------------------------------------
+# Each run interleaves arrivals (shared prefixes, some retracted-looking requests with outputs),
+# steps, prefills (chunked), decodes with retraction under a tight pool, finishes and aborts of
+# waiting requests; after every call both schedulers must agree on the plan (every field), the
+# retracted rids, the queue, the pool/cache sizes and the cache contents, and pass integrity.
+LONG_RUNS = {
+    "lpm": dict(schedule_policy="lpm", page_size=1, chunked_prefill_size=48, max_prefill_tokens=160),
+    "lpm-page4-mixed": dict(schedule_policy="lpm", page_size=4, chunked_prefill_size=64, enable_mixed_chunk=True,
+                            max_running_requests=12, in_batch_prefix_caching_deprioritize_threshold=8),
+    "fcfs-priority-preempt": dict(schedule_policy="fcfs", enable_priority_scheduling=True,
+                                  enable_priority_preemption=True, priority_scheduling_preemption_threshold=1,
+                                  max_running_requests=5, chunked_prefill_size=64),
+    "fcfs-priority-low-first": dict(schedule_policy="fcfs", enable_priority_scheduling=True,
+                                    schedule_low_priority_values_first=True, enable_priority_preemption=True,
+                                    priority_scheduling_preemption_threshold=0, max_running_requests=4,
+                                    page_size=4, chunked_prefill_size=None),
+    "dfs-weight": dict(schedule_policy="dfs-weight", page_size=4, chunked_prefill_size=32, prefill_max_requests=3),
+    "lof": dict(schedule_policy="lof", chunked_prefill_size=None, max_prefill_tokens=128, enable_priority_scheduling=True),
+    "routing-key": dict(schedule_policy="routing-key", page_size=16, chunked_prefill_size=64,
+                        truncation_align_size=32),
+    "nocache-ignore-eos": dict(schedule_policy="lpm", disable_radix_cache=True, chunked_prefill_size=40),
+}
+
+
+def _diff(a, b):
+    fa, fb = plan_fields(a), plan_fields(b)
+    for k in fa:
+        if fa[k] != fb.get(k):
+            return f"{k}: reference {fa[k]!r}, device {fb.get(k)!r}"
+    return None
+
+
+def run_long(name: str, seed: int, steps: int = 200, backend: str = "torch"):
+    rng = random.Random(f"{name}-{seed}")
+    cfg = SchedulerConfig(**LONG_RUNS[name])
+    kv = rng.choice([900, 1200])
+    ref = ReferenceScheduler(cfg, kv)
+    dev = GpuScheduler(cfg, kv, backend=backend)
+    vocab = 6
+    bases = [[rng.randrange(vocab) for _ in range(rng.randrange(16, 90))] for _ in range(3)]
+    goal, next_id, ratio = {}, 0, 0.7
+    ignore_p = 0.7 if cfg.disable_radix_cache else 0.1
+    hits = {"admitted": 0, "chunked": 0, "preempted": 0, "retracted": 0, "finished": 0, "aborted": 0}
+
+    def where(t, what):
+        return f"{name} seed {seed} step {t}, {what}"
+
+    def check(t, what, full=False):
+        assert (ref.available, ref.evictable, ref.protected) == (dev.available, dev.evictable, dev.protected), \
+            where(t, what) + f": sizes {(ref.available, ref.evictable, ref.protected)} != {(dev.available, dev.evictable, dev.protected)}"
+        assert [r.rid for r in ref.queue] == [r.rid for r in dev.queue], where(t, what) + ": queues differ"
+        if not full:
+            return
+        if not cfg.disable_radix_cache:
+            ta, tb = ref_triples(ref.cache), dev_triples(dev.cache)
+            assert ta == tb, where(t, what) + f": cache contents differ, only in reference {sorted(ta - tb)[:2]}, only in device {sorted(tb - ta)[:2]}"
+        ref.check_integrity()
+        dev.check_integrity()
+
+    for t in range(steps):
+        now = float(t)
+        if rng.random() < 0.3:
+            reqs = []
+            for _ in range(rng.choice([1, 1, 2, 4, 8])):
+                r = make_request(rng, next_id, bases, vocab, now)
+                r.ignore_eos = rng.random() < ignore_p
+                if rng.random() < 0.05:
+                    r.output_ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+                reqs.append(r)
+                next_id += 1
+                # most finish within a few tokens, some decode long enough to press on the pool
+                goal[r.rid] = rng.randrange(1, 12) if rng.random() < 0.6 else rng.randrange(30, 90)
+                if goal[r.rid] > 12 or rng.random() < 0.8:
+                    r.max_new_tokens = goal[r.rid]
+            ref.submit(reqs, now=now)
+            dev.submit([Request(**{k: getattr(r, k) for k in r.__dataclass_fields__}) for r in reqs], now=now)
+        if ref.queue and rng.random() < 0.03:
+            gone = [ref.queue[rng.randrange(len(ref.queue))].rid]
+            ref.abort(gone)
+            dev.abort(gone)
+            hits["aborted"] += 1
+        pa, pb = ref.step(ratio, now=now), dev.step(ratio, now=now)
+        d = _diff(pa, pb)
+        assert d is None, where(t, "step") + ": " + d
+        hits["admitted"] += len(pa.admitted)
+        hits["chunked"] += pa.new_chunked_rid is not None
+        hits["preempted"] += len(pa.preempted)
+        check(t, "step", full=True)
+        first = {rid: rng.randrange(vocab) for rid, s, e in pa.admitted}
+        ref.complete_prefill(first)
+        dev.complete_prefill(first)
+        check(t, "complete_prefill")
+        for _ in range(rng.choice([0, 1, 1, 2, 4])):  # decode steps between prefill steps
+            if not ref.running:
+                break
+            fits_a = ref.decode_fits()
+            fits_b = dev.decode_fits()
+            assert fits_a == fits_b, where(t, "decode_fits")
+            if not fits_a:
+                ra, rb = ref.retract_decode(), dev.retract_decode()
+                assert ra == rb, where(t, f"retract: {ra} != {rb}")
+                hits["retracted"] += len(ra)
+                ratio = min(1.0, ratio + 0.3)
+            toks = {r.rid: rng.randrange(vocab) for r in ref.running}
+            ref.decode(toks)
+            dev.decode(toks)
+            ratio = max(0.05, ratio - 0.03)
+            check(t, "decode")
+            done = [r.rid for r in ref.running
+                    if len(r.req.output_ids) >= min(goal[r.rid], max(r.max_new, 1))]
+            if done:
+                ref.finish(done)
+                dev.finish(done)
+                hits["finished"] += len(done)
+                check(t, "finish")
+        check(t, "end of step", full=True)
+    return hits
+
+
+@pytest.mark.parametrize("name", sorted(LONG_RUNS))
+def test_200_step_runs_match_reference(name):
+    hits = run_long(name, seed=0)
+    # each run must exercise the interleavings it is there for
+    assert hits["admitted"] > 60 and hits["finished"] > 40 and hits["aborted"] > 0, hits
+    cfg = LONG_RUNS[name]
+    if cfg.get("enable_priority_preemption"):
+        assert hits["preempted"] > 0, hits
+    elif not cfg.get("disable_radix_cache"):
+        assert hits["retracted"] > 0, hits
+    if cfg.get("chunked_prefill_size", 8192) is not None:
+        assert hits["chunked"] > 0, hits

@@ -200,6 +200,11 @@ class ReferenceScheduler:
             self._rematch(r)  # D5: the need uses the re-matched extend length
             if not adder.preempt_for(r, self._release):
                 return "batch_full"
+        return self._rematch_and_add(r, adder)
+
+    def _rematch_and_add(self, r: ReqState, adder: PrefillAdder) -> Optional[str]:
+        """The end of R-STEP-3 for one request: re-match (D5), add_one_req, and the stop reason
+        it gives (None: go on)."""
         self._rematch(r)
         res = adder.add_one_req(r)
         if res is AddResult.CONTINUE:

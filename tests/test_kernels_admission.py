@@ -1,0 +1,195 @@
+"""Kernel tests of `gpu_sched.kernels.admission`, `.ignore_eos` and `.preempt` against the torch
+versions in `gpu_sched.admission` (exact equality), at sizes 0, 1, BLOCK-1, BLOCK, BLOCK+1 and a
+larger one; a failure names the first differing request. Without CUDA the kernels run in
+Triton's interpreter: `TRITON_INTERPRET=1` is set below, before anything imports triton.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import dataclasses  # noqa: E402
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from gpu_sched import admission as S  # noqa: E402
+from gpu_sched.kernels import admission as KA  # noqa: E402
+from gpu_sched.kernels import ignore_eos as KE  # noqa: E402
+from gpu_sched.kernels import preempt as KP  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+i64 = torch.int64
+SIZES = [(0, 16), (1, 16), (15, 16), (16, 16), (17, 16), (300, None)]
+SIZE_IDS = [f"n{n}-b{b or 'default'}" for n, b in SIZES]
+
+
+def first_diff(name, got, want):
+    got, want = got.cpu(), want.cpu()
+    if got.shape != want.shape:
+        return f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    bad = (got != want).nonzero()
+    if len(bad):
+        i = int(bad[0, 0])
+        return f"{name}: first differing request {i}: kernel {got[i].item()} != torch {want[i].item()}"
+    return None
+
+
+def t(xs, dtype=i64):
+    return torch.tensor(xs, dtype=dtype, device=DEV)
+
+
+# ---- per-request checks ----------------------------------------------------------------------------
+def random_eval_inputs(rng, n, cfg):
+    P = cfg.page_size
+    fill = [rng.randrange(1, 120) for _ in range(n)]
+    pre = [rng.randrange(0, f) // P * P for f in fill]
+    out = [rng.randrange(0, 5) for _ in range(n)]
+    maxn = [rng.choice([0, 1, 7, 300, 5000]) for _ in range(n)]
+    drop = [rng.randrange(0, 20) for _ in range(n)]
+
+    def excl(xs):
+        acc, o = 0, []
+        for x in xs:
+            o.append(acc)
+            acc += x
+        return o
+
+    e = [-(-(f - p) // P) * P for f, p in zip(fill, pre)]
+    exI = excl([x + min(m, cfg.clip) + P for x, m in zip(e, maxn)])
+    exC = excl([x + P for x in e])
+    exE = excl(e)
+    exD = excl(drop)
+    scale = rng.choice([50, 500, 5000, 50000])
+    sc = [rng.randrange(0, scale), rng.randrange(0, scale), rng.randrange(-10, scale // 4),
+          rng.randrange(-10, scale // 4), rng.randrange(-50, scale // 2), rng.randrange(-50, scale // 2),
+          rng.randrange(0, 3), rng.randrange(0, 8), int(rng.random() < 0.05)]
+    cols = [t(x) for x in (fill, pre, out, maxn, drop)]
+    ie = t([rng.random() < 0.4 for _ in range(n)], torch.bool)
+    fail = t([rng.random() < 0.2 for _ in range(n)], torch.bool)
+    return (t(sc), t(rng.uniform(0, scale / 2), torch.float64), *cols, ie, fail,
+            t(exI), t(exC), t(exE), t(exD))
+
+
+CFGS = [
+    S.StepConfig(page_size=1),
+    S.StepConfig(page_size=4, chunking=True, align=7, max_running=5, prefill_max=9, ignore_eos_path=True),
+    S.StepConfig(page_size=16, chunking=True, max_running=3, preemption=True),
+    S.StepConfig(page_size=4, chunking=False, prefill_max=2, ignore_eos_path=True),
+]
+
+
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+def test_eval_requests_kernel_equals_torch(n, block):
+    rng = random.Random(n * 31 + (block or 0))
+    for ci, cfg in enumerate(CFGS):
+        for trial in range(6):
+            args = random_eval_inputs(rng, n, cfg)
+            want = S.eval_requests(cfg, *args)
+            got = KA.eval_requests(cfg, *args, block=block)
+            for name, g, w in zip(("stop", "kind", "chunk_len", "mark"), got, want):
+                msg = first_diff(name, g, w)
+                assert msg is None, f"cfg {ci} trial {trial}: {msg}"
+
+
+# ---- ignore-EOS grid -------------------------------------------------------------------------------
+# one program per candidate, each walking every state: the large size keeps the interpreter quick
+EOS_SIZES = SIZES[:-1] + [(120, 64)]
+
+
+@pytest.mark.parametrize("n,block", EOS_SIZES, ids=[f"n{n}-b{b}" for n, b in EOS_SIZES])
+def test_ignore_eos_kernel_equals_torch(n, block):
+    rng = random.Random(7 * n + 1)
+    for trial in range(4 if n < 100 else 2):
+        R = rng.choice([0, 1, 5, 17])
+        ratio = t(rng.choice([1.0, 0.7, rng.random()]), torch.float64)
+
+        def states(m):
+            return S.eos_states(t([rng.randrange(0, 80) for _ in range(m)]), t([rng.randrange(0, 30) for _ in range(m)]),
+                                t([rng.randrange(1, 60) for _ in range(m)]),
+                                t([rng.random() < 0.5 for _ in range(m)], torch.bool), ratio)
+
+        ql, qo = states(n)
+        hl, ho = states(R)
+        qv = t([rng.random() < 0.9 for _ in range(n)], torch.bool)
+        hv = t([rng.random() < 0.9 for _ in range(R)], torch.bool)
+        c = t([rng.randrange(-100, 3000) for _ in range(n)])
+        want = S.ignore_eos_fail(c, ql, qo, qv, hl, ho, hv, rows=7)
+        left = torch.cat([hl, ql])
+        key = torch.where(torch.cat([hv, qv]) & (left > 0), left, float("inf"))
+        order = torch.sort(key, stable=True).indices
+        qidx = torch.cat([torch.full_like(ho, -1), torch.arange(n, device=DEV)])
+        keep = torch.cat([hv, qv]) & (left > 0)
+        got = KE.ignore_eos_scan(c, left[order], torch.cat([ho, qo])[order], qidx[order], keep[order], block=block)
+        msg = first_diff("fail", got, want)
+        assert msg is None, f"trial {trial}: {msg}"
+        if n < 100:
+            assert torch.equal(S.ignore_eos_fail(c, ql, qo, qv, hl, ho, hv, backend="triton"), want)
+
+
+# ---- preemption ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+@pytest.mark.parametrize("sign", [1, -1])
+def test_preempt_kernel_equals_torch(n, block, sign):
+    rng = random.Random(n * 3 + sign)
+    prios = [0, 1, 5, 20, -3, 2**63 - 1, -(2**63)]
+    for trial in range(8):
+        thr = rng.choice([0, 1, 10, -2])
+        valid = t([rng.random() < 0.9 for _ in range(n)], torch.bool)
+        prio = t([rng.choice(prios) for _ in range(n)])
+        tm = t([float(rng.randrange(4)) for _ in range(n)], torch.float64)
+        res = t([rng.randrange(-5, 400) for _ in range(n)])
+        args = (valid, prio, tm, res, t(rng.choice(prios)), t(rng.randrange(-2000, 20000)),
+                t(rng.choice([1.0, 0.5, rng.random()]), torch.float64), t(rng.randrange(0, 20000)), sign, thr)
+        want = S.preempt_select(*args)
+        got = S.preempt_select(*args, backend="triton")
+        msg = first_diff("victims", got.victims, want.victims)
+        assert msg is None, f"trial {trial}: {msg}"
+        assert bool(got.success) == bool(want.success) and int(got.V) == int(want.V), f"trial {trial}"
+        if block is not None:  # the launcher at the odd block size too
+            R = n
+            o = torch.arange(R, device=DEV)
+            k = KP.preempt_cut(prio, res, valid, args[4], args[5], args[6], args[7], sign, thr, block=block)
+            k2 = KP.preempt_cut(prio, res, valid, args[4], args[5], args[6], args[7], sign, thr)
+            assert int(k) == int(k2) and 0 <= int(k) <= R and o.numel() == R
+
+
+# ---- the whole step with the triton backend -----------------------------------------------------------
+def test_admit_step_triton_backend_equals_torch():
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_step_core import build, static_inputs
+
+    for seed in range(20):
+        rng, cfg, ref, ratio, full0 = build(seed)
+        scfg, st, q, held, chunked, _ = static_inputs(cfg, ref, ratio, full0, rng.choice([0, 3]))
+        mv = lambda x: None if x is None else type(x)(*[v.to(DEV) for v in x])  # noqa: E731
+        st, q, held, chunked = mv(st), mv(q), mv(held), mv(chunked)
+        want = S.admit_step(scfg, st, q, held, chunked)
+        got = S.admit_step(scfg, st, q, held, chunked, backend="triton")
+        for name, g, w in zip(S.StepResult._fields, got, want):
+            assert torch.equal(g, w), f"seed {seed}: {name} {g} != {w}"
+
+
+# ---- launcher checks -----------------------------------------------------------------------------
+def test_launchers_check_arguments():
+    cfg = CFGS[0]
+    args = list(random_eval_inputs(random.Random(0), 5, cfg))
+    bad = list(args)
+    bad[2] = bad[2].to(torch.int32)
+    with pytest.raises(TypeError, match="eval_requests: fill must have dtype int64"):
+        KA.eval_requests(cfg, *bad)
+    bad = list(args)
+    bad[3] = bad[3][:3]
+    with pytest.raises(ValueError, match="pre must have 5 elements"):
+        KA.eval_requests(cfg, *bad)
+    with pytest.raises(ValueError, match="sign must be"):
+        KP.preempt_cut(t([1]), t([1]), t([True], torch.bool), t(0), t(0), t(1.0, torch.float64), t(0), 0, 1)
+    with pytest.raises(TypeError, match="keep_s must have dtype bool"):
+        KE.ignore_eos_scan(t([1]), t([1.0], torch.float64), t([1]), t([0]), t([1]))
+    assert dataclasses.is_dataclass(cfg)
