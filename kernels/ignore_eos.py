@@ -19,6 +19,16 @@ from ._utils import block_config, check_launch_device, check_tensor
 
 
 @triton.jit
+def _states_of(qidx_ptr, keep_ptr, offs, S, j):
+    """(in range, counted) masks of a block of sorted states for candidate j: kept states that
+    are held or come from queue entries up to j."""
+    msk = offs < S
+    qi = tl.load(qidx_ptr + offs, mask=msk, other=0)
+    kp = tl.load(keep_ptr + offs, mask=msk, other=0)
+    return msk, msk & (kp != 0) & (qi <= j)
+
+
+@triton.jit
 def _ignore_eos_kernel(c_ptr, left_ptr, occ_ptr, qidx_ptr, keep_ptr, fail_ptr, S, BLOCK: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     c = tl.load(c_ptr + j)
@@ -26,20 +36,14 @@ def _ignore_eos_kernel(c_ptr, left_ptr, occ_ptr, qidx_ptr, keep_ptr, fail_ptr, S
     total = zero
     for s0 in range(0, S, BLOCK):
         offs = s0 + tl.arange(0, BLOCK).to(tl.int64)
-        msk = offs < S
-        qi = tl.load(qidx_ptr + offs, mask=msk, other=0)
-        kp = tl.load(keep_ptr + offs, mask=msk, other=0)
-        m = msk & (kp != 0) & (qi <= j)
+        msk, m = _states_of(qidx_ptr, keep_ptr, offs, S, j)
         total += tl.sum(m.to(tl.int64), 0)
     carry_cnt = zero
     carry_occ = zero
     fail = zero
     for s0 in range(0, S, BLOCK):
         offs = s0 + tl.arange(0, BLOCK).to(tl.int64)
-        msk = offs < S
-        qi = tl.load(qidx_ptr + offs, mask=msk, other=0)
-        kp = tl.load(keep_ptr + offs, mask=msk, other=0)
-        m = msk & (kp != 0) & (qi <= j)
+        msk, m = _states_of(qidx_ptr, keep_ptr, offs, S, j)
         mc = m.to(tl.int64)
         occ = tl.where(m, tl.load(occ_ptr + offs, mask=msk, other=0), 0)
         left = tl.load(left_ptr + offs, mask=msk, other=0.0)
