@@ -3,7 +3,8 @@ per policy, stage and queue length N = 2^min_exp .. 2^max_exp.
 
 Rows are data (STYLE practice 9), one per (policy, stage, n, backend, device): median_s, p90_s,
 us_per_req, ratio_to_ref (this median / the reference's median for the same policy, stage and
-n measured in the same run; None where the reference was not run), reps, plus what the run
+n measured in the same run; for graph/gstep, over the reference's whole step; None where the
+reference was not run), speedup (its inverse: the table's column), reps, plus what the run
 was (queue kind, warm-cache size, prompt cap, threads, torch version, run id, command). They are
 appended to `--out` (a JSON list) and printed as a table; `plot_bench.py` draws them.
 
@@ -34,6 +35,13 @@ the row is under `--budget-s`)
   admit  `sched._admission_loop(ordered, adder)` with a fresh `PrefillAdder` over the queue
          ordered once beforehand (untimed): R-STEP-3 alone.
   step   `sched.step(ratio)`: budgets, ordering, admission and the plan.
+  graph  GpuScheduler only, policies fcfs/lof/lpm: the recorded step alone
+         (`GpuScheduler.capture()`, `gpu_sched.step.StepGraph`: prefix match, order and
+         admission of the whole queue as one fixed-capacity device computation, capacity = n),
+         inputs loaded by one untimed step: on CUDA one `CUDAGraph.replay()`, on CPU the same
+         computation run eagerly. Compared with the reference's whole step.
+  gstep  `sched.step(ratio)` through the recorded step: input copy, replay, one read-back, then
+         the host's splits, locks and bookkeeping.
   After every admit/step call the state is restored, untimed (`Restorer`): the admitted
   requests' prefix locks are released, the queue list is put back, `prefilling`, `chunked` and
   `batch_is_full` are cleared. Admission allocates no KV (that happens in `complete_prefill`)
@@ -41,8 +49,7 @@ the row is under `--budget-s`)
   call reads; `check_integrity` runs after the restores at the smallest n to confirm it.
 
 Timing: `time.perf_counter` on CPU; on CUDA, CUDA events around the call after a synchronize
-(the step reads results back to the host, so it cannot be captured in a CUDA graph; the events
-bracket the whole call). A warm-up over `--slow-s` gets `--slow-reps` timed calls only. A backend
+(the events bracket the whole call, host work included). A warm-up over `--slow-s` gets `--slow-reps` timed calls only. A backend
 stops for a policy once one call exceeds `--max-seconds`, or when GpuScheduler's per-request
 device copies of the queue's fills would not fit in memory (`mem_ok`); the reference runs only
 up to 2^ref_max_exp.
@@ -83,6 +90,7 @@ from gpu_sched.reference.adder import PrefillAdder
 from gpu_sched.reference.scheduler import ReferenceScheduler
 from gpu_sched.request import Request
 from gpu_sched.scheduler import GpuScheduler
+from gpu_sched.step import GRAPH_POLICIES
 from gpu_sched.sim.traces import TraceRequest, read_mooncake, synthetic_workload
 
 DEFAULT_TRACE = "/work/shared/traces/mooncake/conversation_trace.jsonl"
@@ -93,7 +101,9 @@ POLICIES = {  # name -> SchedulerConfig overrides (the plain constructor: no lpm
     "lpm": dict(schedule_policy="lpm"),
     "dfs-weight": dict(schedule_policy="dfs-weight"),
 }
-STAGES = ("order", "admit", "step")
+STAGES = ("order", "admit", "step", "graph", "gstep")
+#: stages timed only on GpuScheduler, for the policies the recorded step covers
+RECORDED_STAGES = ("graph", "gstep")
 RATIO = 0.7  # new-token ratio passed to step (SGLang's initial value)
 
 
@@ -107,6 +117,7 @@ class Workload:
     queue: List[Request]  # length 2^max_exp; a size-n run takes the first n
     running: List[Request]
     distinct: int  # distinct queue prompts before cycling
+    max_len: int  # longest queued prompt [tokens]: the recorded step's max_len
 
 
 def _cap(p: np.ndarray, cap: Optional[int]) -> np.ndarray:
@@ -148,7 +159,7 @@ def build_workload(args, n_max: int) -> Workload:
         toks = TraceRequest(index=10**9 + j, arrival_s=0.0, input_len=128, output_len=0).prompt_ids()
         running.append(Request(rid=f"run{j}", prompt_ids=toks, max_new_tokens=256,
                                routing_key=keys[j % max(1, K // 2)], priority=2, enqueue_time=-1.0))
-    return Workload(args.queue, warm, queue, running, len(protos))
+    return Workload(args.queue, warm, queue, running, len(protos), max(len(p.prompt_ids) for p in protos))
 
 
 # ---- schedulers ------------------------------------------------------------------------------
@@ -233,8 +244,23 @@ class Restorer:
             s.queue = list(self.queue0)
 
 
-def stage_fns(s, stage: str):
-    """(call, restore) for one stage on scheduler s in its current state."""
+def stage_fns(s, stage: str, max_len: int):
+    """(call, restore) for one stage on scheduler s in its current state; None where the stage
+    does not apply (the recorded step on the reference, or for a policy it does not record)."""
+    if stage in RECORDED_STAGES:
+        if not isinstance(s, GpuScheduler) or s.config.effective_policy not in GRAPH_POLICIES:
+            return None
+        queue0 = list(s.queue)
+        g = s.capture(queue_capacity=len(queue0), running_capacity=max(1, len(s.running)), max_len=max_len)
+        if stage == "gstep":
+            return (lambda: s.step(RATIO)), Restorer(s, queue0)
+        s.step(RATIO)  # loads the inputs, records the graph on CUDA (untimed)
+        Restorer(s, queue0)()
+        if g.runs != 1:
+            raise RuntimeError("the recorded step was not taken")
+        if s.device.type == "cuda":
+            return g.graph.replay, None
+        return g.compute, None
     if stage == "order":
         return s._order, None
     if stage == "step":
@@ -337,7 +363,7 @@ def default_backends() -> str:
 
 
 def print_row(r: dict) -> None:
-    ratio = "" if r["ratio_to_ref"] is None else f"{r['ratio_to_ref']:.3g}x"
+    ratio = "" if not r.get("speedup") else f"{r['speedup']:.3g}x"
     med = "-" if r["median_s"] is None else f"{r['median_s']:.4g}"
     p = "-" if r["p90_s"] is None else f"{r['p90_s']:.4g}"
     us = "-" if r["us_per_req"] is None else f"{r['us_per_req']:.3g}"
@@ -347,7 +373,7 @@ def print_row(r: dict) -> None:
 
 
 HEADER = (f"{'policy':11} {'stage':5} {'n':>8} {'backend':9} {'dev':5} {'median s':>10} {'p90 s':>10} "
-          f"{'us/req':>9} {'vs ref':>9} {'reps':>4} {'plan':>4}")
+          f"{'us/req':>9} {'speedup':>9} {'reps':>4} {'plan':>4}")
 
 
 def main(argv=None):
@@ -468,7 +494,10 @@ def main(argv=None):
                     continue
                 s.config = SchedulerConfig(**POLICIES[pol])
                 for st in stages:
-                    fn, restore = stage_fns(s, st)
+                    fns = stage_fns(s, st, wl.max_len)
+                    if fns is None:
+                        continue
+                    fn, restore = fns
                     times, first, warm_t = measure(clock, fn, restore, args.reps, args.max_reps, args.budget_s,
                                                    args.max_seconds, args.slow_s, args.slow_reps)
                     med = statistics.median(times)
@@ -483,7 +512,11 @@ def main(argv=None):
                             ref_plan[(pol, n)] = dict(vars(first))
                     elif key in ref_med:
                         row["ratio_to_ref"] = med / ref_med[key]
-                    if st == "step" and backend != "reference" and (pol, n) in ref_plan:
+                    elif st in RECORDED_STAGES and (pol, "step", n) in ref_med:
+                        row["ratio_to_ref"] = med / ref_med[(pol, "step", n)]  # against the whole step
+                    if row["ratio_to_ref"]:
+                        row["speedup"] = 1.0 / row["ratio_to_ref"]
+                    if st in ("step", "gstep") and backend != "reference" and (pol, n) in ref_plan:
                         d = first_diff(ref_plan[(pol, n)], dict(vars(first)))
                         row["plan_equal_ref"] = d is None
                         if d:
@@ -492,6 +525,8 @@ def main(argv=None):
                             row["note"] = d[:80]
                     if e == exps[0] and st == "step":
                         s.check_integrity()  # the restores left a consistent state
+                    if isinstance(s, GpuScheduler):
+                        s._graph = None  # the other stages time the eager path
                     rows.append(row)
                     print_row(row)
                     if max(times) > args.max_seconds or warm_t > args.max_seconds:

@@ -10,8 +10,9 @@
 #
 # Every section runs under `timeout`; a failing or timed-out section is recorded in
 # status.tsv and the next one still runs. The script exits non-zero if any section failed.
-# Section limits (s): env 20, kernel tests 120, differential tests 80, interpreter-only tests 45,
-# bench 160 (the benchmark starts no row after 130), plot 20: at most 445 s plus kill grace.
+# Section limits (s): env 20, install 60 (only where gpu_sched is not importable), kernel tests
+# $GPU_CHECK_KERNELS_S (100), differential tests $GPU_CHECK_DIFF_S (60), bench $GPU_CHECK_BENCH_S
+# (150; no new row in its last 30 s), plot 20: at most 410 s plus kill grace.
 set -euo pipefail
 
 OUT="${1:?usage: benchmarks/gpu_check.sh OUTDIR}"
@@ -67,17 +68,14 @@ print("cuda available:", torch.cuda.is_available(),
 EOF
 }
 
-# Test files, in three pytest processes. test_kernels_sort_keys.py and test_policy_device.py set
-# TRITON_INTERPRET=1 at import whatever the device (so on a GPU their kernels still run in the
-# interpreter); they run in their own process, last, so that the setting cannot leak into the
-# files that compile the kernels on CUDA (kernels are decorated, interpreted or compiled, when
-# their module is first imported).
+# Test files, in two pytest processes (kernel tests compile every kernel once, the differential
+# tests reuse them). Without CUDA the test files choose Triton's interpreter themselves.
 pick() { local f; for f in "$@"; do [[ -f "$f" ]] && printf '%s\n' "$f"; done; return 0; }
-mapfile -t T_KERNELS < <(pick tests/test_kernels_radix.py tests/test_radix_device.py tests/test_state.py \
-    tests/test_conformance_device.py)
-mapfile -t T_DIFF < <(pick tests/test_scheduler_differential.py tests/test_ordering_mooncake.py \
-    tests/test_radix_mooncake.py tests/test_replay_backends.py)
-mapfile -t T_INTERP < <(pick tests/test_kernels_sort_keys.py tests/test_policy_device.py)
+mapfile -t T_KERNELS < <(pick tests/test_kernels_sort_keys.py tests/test_kernels_admission.py \
+    tests/test_kernels_radix.py tests/test_step_core.py tests/test_step_graph.py tests/test_policy_device.py \
+    tests/test_radix_device.py tests/test_state.py tests/test_conformance_device.py)
+mapfile -t T_DIFF < <(pick tests/test_step_differential.py tests/test_scheduler_differential.py \
+    tests/test_ordering_mooncake.py tests/test_radix_mooncake.py)
 
 # The Mooncake trace: $GPU_SCHED_TRACE, else the usual places; without it the benchmark uses
 # the synthetic shared-prefix queue.
@@ -102,13 +100,13 @@ if [[ "$DRY" == 1 ]]; then
 else
     unset TRITON_INTERPRET
     TEST_DEV=cuda
-    PYTEST_ARGS=(-q -rfE)
+    PYTEST_ARGS=(-q -rfE --maxfail=10 -p no:cacheprovider)
     # torch and triton on CUDA to 2^20, the reference to 2^12 for ratios; Mooncake prefixes
     # capped at 2048 tokens so that the padded [2^20, L] fills fit; a call over 10 s ends a
     # backend/policy; no new row after 130 s
     BENCH_ARGS=(--backends reference,torch-cuda,triton-cuda --min-exp 7 --max-exp 20 --ref-max-exp 12
                 --warm 500 --max-prompt-len 2048 --reps 3 --budget-s 0.3 --max-seconds 10
-                --slow-s 1 --slow-reps 1 --deadline-s 130)
+                --slow-s 1 --slow-reps 1 --deadline-s "$(( ${GPU_CHECK_BENCH_S:-150} - 30 ))")
 fi
 
 run_pytest() {  # run_pytest NAME LIMIT FILES...
@@ -125,11 +123,14 @@ run_pytest() {  # run_pytest NAME LIMIT FILES...
 export -f env_info
 export DRY PY
 section env 20 "$OUT/env.txt" bash -c env_info
-run_pytest pytest_kernels 120 "${T_KERNELS[@]}"
-run_pytest pytest_differential 80 "${T_DIFF[@]}"
-run_pytest pytest_interpreted 45 "${T_INTERP[@]}"
+if ! "$PY" -c "import gpu_sched.kernels" > /dev/null 2>&1; then
+    # a bare GPU machine: its own torch/triton, this checkout installed in place, nothing fetched
+    section install 60 "$OUT/install.log" "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
+fi
+run_pytest pytest_kernels "${GPU_CHECK_KERNELS_S:-100}" "${T_KERNELS[@]}"
+run_pytest pytest_differential "${GPU_CHECK_DIFF_S:-60}" "${T_DIFF[@]}"
 rm -f "$OUT/bench_queue_cuda.json"
-section bench 160 "$OUT/bench_queue.log" "$PY" benchmarks/bench_queue.py "${QUEUE_ARGS[@]}" "${BENCH_ARGS[@]}" \
+section bench "${GPU_CHECK_BENCH_S:-150}" "$OUT/bench_queue.log" "$PY" benchmarks/bench_queue.py "${QUEUE_ARGS[@]}" "${BENCH_ARGS[@]}" \
     --threads 1 --out "$OUT/bench_queue_cuda.json"
 if [[ -s "$OUT/bench_queue_cuda.json" ]]; then
     section plot 20 "$OUT/plot.log" "$PY" benchmarks/plot_bench.py "$OUT/bench_queue_cuda.json" \

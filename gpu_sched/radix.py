@@ -394,14 +394,16 @@ class FlatRadixTree:
                               torch.full((B,), K, device=dev), K, be)
 
     def _find_csr(self, tok, tok_start, tok_span, lengths, ns, ch, ch_start, ch_count, max_count: int,
-                  be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
+                  be: str = "torch", static: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """Matched length and last pool position of B queries in CSR form.
 
         Row i reads tokens tok[tok_start[i] + c] for c < tok_span[i] (reads past the span only
         feed hashes that are never probed) and its boundary hashes at depths C, 2C, ... from
         ch[ch_start[i] : ch_start[i] + ch_count[i]], ch_count[i] >= floorP(lengths[i]) // C.
-        max_count >= every ch_count (the triton kernel's binary search; the torch search stops
-        when every row's interval is closed).
+        max_count >= every ch_count. The torch search stops when every row's interval is closed
+        (a host read per round); with `static` it runs bit_length(max_count) binary rounds over
+        every row and probes fixed windows (`_lookup_static`): no host read, static shapes (the
+        triton kernel is static either way).
         """
         if be == "triton":
             return self._kernels().find(
@@ -421,7 +423,8 @@ class FlatRadixTree:
         if ch.numel():
             ch_last = ch.numel() - 1
             key1 = lambda rows, k: ch[(ch_start[rows] + k - 1).clamp(0, ch_last)]  # noqa: E731
-            lo, lo_pos = self._search(nch, key1, arity)
+            lo, lo_pos = (self._search_static(nch, key1, max_count) if static else
+                          self._search(nch, key1, arity))
         else:
             lo, lo_pos = zero.clone(), torch.full((B,), -1, dtype=torch.int64, device=dev)
         if self.chunk_pages == 1:
@@ -448,7 +451,10 @@ class FlatRadixTree:
         hi2 = torch.minimum((Lq - d0) // self.P, torch.full_like(lo, n_in))
         flat = hin.reshape(-1)
         key2 = lambda rows, q: flat[rows * n_in + q - 1]  # noqa: E731
-        lo2, pos2 = self._search(hi2, key2, max(arity, n_in) if B * n_in <= 2048 else arity)
+        if static:
+            lo2, pos2 = self._search_static(hi2, key2, n_in)
+        else:
+            lo2, pos2 = self._search(hi2, key2, max(arity, n_in) if B * n_in <= 2048 else arity)
         return d0 + lo2 * self.P, torch.where(lo2 > 0, pos2, lo_pos)
 
     @staticmethod
@@ -486,6 +492,55 @@ class FlatRadixTree:
             lo[act], hi[act] = new_lo, new_hi
             act = act[new_lo < new_hi]
         return lo, lo_pos
+
+    def _search_static(self, hi: torch.Tensor, key, bound: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`_search` as bit_length(bound) binary rounds over every row (hi <= bound): the same
+        answer (presence is monotone) with no host read; closed rows probe a dummy point."""
+        lo = torch.zeros_like(hi)
+        lo_pos = torch.full_like(hi, -1)
+        rows = torch.arange(hi.numel(), device=hi.device)
+        for _ in range(max(int(bound), 0).bit_length()):
+            open_ = lo < hi
+            mid = torch.where(open_, (lo + hi + 1) // 2, 1)
+            pos = self._lookup_static(key(rows, mid))
+            got = open_ & (pos >= 0)
+            lo_pos = torch.where(got, pos, lo_pos)
+            lo = torch.where(got, mid, lo)
+            hi = torch.where(open_ & ~got, mid - 1, hi)
+        return lo, lo_pos
+
+    def _lookup_static(self, h: torch.Tensor) -> torch.Tensor:
+        """`lookup` (torch) over fixed probe windows: every key reads max_probe slots from its
+        home slot and stops at its first slot holding it or EMPTY (as the probing loop does)."""
+        H = self.hkeys.numel()
+        out = torch.full_like(h, -1)
+        if h.numel() == 0 or self.max_probe <= 0:
+            return out
+        cols = (home_slot(h, H)[:, None] + torch.arange(self.max_probe, device=h.device)) & (H - 1)
+        k = self.hkeys[cols]
+        hit = k == h[:, None]
+        first = (hit | (k == EMPTY)).to(torch.int8).argmax(1, keepdim=True)
+        found = hit.gather(1, first)[:, 0]
+        slot = cols.gather(1, first)[:, 0]
+        return torch.where(found, self.hvals[slot], out)
+
+    def find_static(self, tok: torch.Tensor, tok_start: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
+                    ch: torch.Tensor, ch_start: torch.Tensor, max_len: int, *,
+                    backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Matched length and last pool position (R-RC-4, no splits or stamps) of B queries in
+        CSR form, with static shapes and no host read: a CUDA graph can hold it.
+
+        Args:
+            tok: int32 [T] token pool; ch: int64 [K] chunk-hash pool (as `match_csr`).
+            tok_start, lengths, ns, ch_start: int64 [B]; lengths[i] <= max_len [tokens].
+            max_len: bound on every length (fixes the number of search rounds).
+        Returns:
+            (matched int64 [B] [tokens, multiples of P], position int64 [B], -1 for none).
+        """
+        be = self._be(backend)
+        count = lengths // self.C
+        return self._find_csr(tok, tok_start, lengths, lengths, ns, ch, ch_start, count, int(max_len) // self.C,
+                              be, static=True)
 
     def match(self, tokens: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
               chunk_hashes: Optional[torch.Tensor] = None, *,

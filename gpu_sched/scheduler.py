@@ -59,6 +59,87 @@ class GpuScheduler(ReferenceScheduler):
         self._qch: Optional[torch.Tensor] = None
         self._qtop = [0, 0]
         self._qgen = 0  # pool rebuilds so far
+        self._graph = None  # StepGraph after capture()
+        self._pending = None  # (StepOutput, ordered queue) of this step's recorded computation
+        self._step_ratio: Optional[float] = None
+
+    # ---- the recorded step (gpu_sched.step) ------------------------------------------------------
+    def capture(self, queue_capacity: int = 4096, running_capacity: int = 1024, max_len: Optional[int] = None):
+        """Take the fixed-capacity step from now on: prefix match, ordering and admission as one
+        static device computation (`gpu_sched.step.StepGraph`), read back once per step. On CUDA
+        it is recorded in a `torch.cuda.CUDAGraph` at the first step that uses it (after two
+        warm-up runs that compile the kernels) and replayed by every later `step()`; recorded
+        again only when a tensor it reads was reallocated. Steps that do not fit (policy
+        routing-key, random or dfs-weight; a queue over `queue_capacity`, a running batch over
+        `running_capacity`) take the eager path; decisions are the same either way.
+
+        Args:
+            queue_capacity, running_capacity: the buffers' capacities [requests].
+            max_len: bound on any fill length [tokens] (fewer search rounds); default: the
+                tree's token capacity.
+        Returns:
+            the `StepGraph` (its `captures` counts recordings).
+        Raises:
+            ValueError: a capacity or max_len below 1.
+        """
+        from .step import StepGraph
+
+        self._graph = StepGraph(self, queue_capacity, running_capacity, max_len)
+        return self._graph
+
+    def step(self, new_token_ratio: float, now: Optional[float] = None):
+        self._step_ratio = new_token_ratio
+        try:
+            return super().step(new_token_ratio, now)
+        finally:
+            self._pending = None
+            self._step_ratio = None
+
+    def _order_recorded(self, g) -> OrderResult:
+        """R-STEP-2 by the recorded step (which also decides the admission loop's first segment,
+        kept in `_pending`); the ordering match's splits and stamps are applied here, in queue
+        order, as `batch_match` would."""
+        from .reference.adder import PrefillAdder
+
+        cfg = self.config
+        q = list(self.queue)
+        n = len(q)
+        ents = None
+        if not self.cache.disable:
+            while True:
+                gen = self._qgen
+                ents = [self._fill_hashes(r) for r in q]
+                if gen == self._qgen:
+                    break  # else the pools were rebuilt midway: offsets moved, again
+        mixed = len(self.running) if cfg.enable_mixed_chunk and cfg.chunked_prefill_size is not None else 0
+        adder = PrefillAdder(cfg, self.cache, self.pool, self.running, float(self._step_ratio), mixed)
+        g.load(q, ents, adder, self.batch_is_full, self.chunked)
+        out = g.run()
+        oq = [q[i] for i in out.order]
+        self._pending = (out, oq)
+        policy = active_policy(cfg, n)
+        if policy != "lpm":
+            return OrderResult(policy, oq)
+        if n:
+            _, last = self.cache.tree._apply(g.m_full[:n], g.pos_full[:n])
+            for r, a, b in zip(q, out.prefix_len, last.tolist()):
+                r.prefix_len, r.last_node = a, b
+        for r in q:
+            r.num_matched = min(r.prefix_len, r.max_prefix_len())
+        dep_rids = {r.rid for r, d in zip(q, out.deprioritized) if d}
+        return OrderResult(policy, oq, [r.num_matched for r in oq], [r.rid for r in oq if r.rid in dep_rids])
+
+    def _take_pending(self, queue: List[ReqState], adder):
+        """The recorded step's output for this admission loop, if it computed one; its
+        in-flight chunk (R-ADM-5) must agree with what the host's adder did."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[1] is not queue:
+            return None
+        out = pending[0]
+        c = self.chunked
+        if c is not None and c in adder.can_run and out.head[12] != c.extend_end:
+            raise RuntimeError(f"recorded step: in-flight chunk end {out.head[12]} != host {c.extend_end}")
+        return out
 
     def _make_cache(self):
         return DeviceRadixCache(self.pool, self.config.page_size, disable=self.config.disable_radix_cache,
@@ -164,6 +245,10 @@ class GpuScheduler(ReferenceScheduler):
             r.prefix_len, r.last_node = a, b
 
     def _order(self) -> OrderResult:
+        g = self._graph
+        if (g is not None and self._step_ratio is not None and not self._custom_shuffle
+                and g.supports(len(self.queue), len(self.running))):
+            return self._order_recorded(g)
         cfg = self.config
         q = list(self.queue)
         n = len(q)
@@ -256,16 +341,21 @@ class GpuScheduler(ReferenceScheduler):
 
         running_bs = len(self.running)  # SGLang reads the batch size once, before the loop
         scfg = StepConfig.from_config(self.config)
+        pending = self._take_pending(queue, adder)
         i, n = 0, len(queue)
         while i < n:
             rest = queue[i:]
             caps = [r.max_prefix_len() for r in rest]
-            res = self._static_admission(rest, caps, adder, running_bs, scfg)
             Q = len(rest)
-            head = torch.stack([res.stop, res.stop_index, res.chunk_index, res.batch_full.to(torch.int64),
-                                res.I, res.cur_off, res.rem_input, res.rem_chunk, res.hit_tokens,
-                                res.input_tokens, res.decided.to(torch.int64), res.admitted.sum()])
-            vals = torch.cat([head, res.extend_end]).tolist()  # the one read-back
+            if pending is not None:  # the recorded step decided this segment already
+                vals = pending.head[:12] + pending.extend_end
+                pending = None
+            else:
+                res = self._static_admission(rest, caps, adder, running_bs, scfg)
+                head = torch.stack([res.stop, res.stop_index, res.chunk_index, res.batch_full.to(torch.int64),
+                                    res.I, res.cur_off, res.rem_input, res.rem_chunk, res.hit_tokens,
+                                    res.input_tokens, res.decided.to(torch.int64), res.admitted.sum()])
+                vals = torch.cat([head, res.extend_end]).tolist()  # the one read-back
             stop, k, ci, full, I, cur, rin, rc, hit, inp, decided, na = vals[:12]
             if not decided:
                 raise RuntimeError("admit_step did not reach the end of the loop (rounds too few)")

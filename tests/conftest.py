@@ -29,3 +29,15 @@ def _seed_everything():
     random.seed(1234)
     np.random.seed(1234)
     yield
+
+
+@pytest.fixture
+def cuda_default_device():
+    """Tests written with host tensors (torch.tensor(...) without a device) run their tensors
+    on CUDA when it is there: compiled Triton kernels need CUDA tensors."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.set_default_device("cuda")
+    yield
+    torch.set_default_device(None)

@@ -1,19 +1,16 @@
 """Kernel tests of `gpu_sched.kernels.sort_keys` and `gpu_sched.kernels.dfs_weight`: every
 checked launcher against plain-Python values of the same formula, at sizes 0, 1, BLOCK-1,
 BLOCK, BLOCK+1 and a larger one, with tied and all-equal keys; exact integer equality; the
-failure message names the first differing index. On CPU the kernels run in Triton's
-interpreter: `TRITON_INTERPRET=1` is set below, before anything imports triton.
+failure message names the first differing index. Without CUDA the kernels run in Triton's
+interpreter (`TRITON_INTERPRET=1`, set by conftest.py before anything imports triton); with
+CUDA they are compiled and the tests' tensors live on the GPU.
 """
 
-import os
+import random
+import struct
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import random  # noqa: E402
-import struct  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
@@ -22,6 +19,10 @@ from gpu_sched.kernels import sort_keys as SK  # noqa: E402
 from gpu_sched.kernels._utils import DEFAULT_BLOCK, block_config, is_interpreted  # noqa: E402
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+# with CUDA the compiled kernels need CUDA tensors: the tests' tensors go there (conftest.py)
+pytestmark = pytest.mark.usefixtures("cuda_default_device")
 
 # (n, block): 0, 1, BLOCK-1, BLOCK, BLOCK+1 for two blocks, and a few blocks' worth
 SIZES = [(0, 16), (1, 16), (15, 16), (16, 16), (17, 16), (127, 128), (128, 128), (129, 128),
@@ -46,8 +47,8 @@ def order_bits(t: float) -> int:
     return b ^ INT64_MAX if b < 0 else b
 
 
-def test_kernels_are_interpreted_here():
-    assert is_interpreted(SK._fcfs_keys_kernel)
+def test_kernels_are_interpreted_without_cuda():
+    assert is_interpreted(SK._fcfs_keys_kernel) == (not torch.cuda.is_available())
 
 
 def test_block_config():

@@ -1,27 +1,23 @@
 """Differential tests of the device ordering (`gpu_sched.policy`) against the reference
 (`gpu_sched.reference.policy.order_queue`, SPEC.md section 3): the same queue through both,
 permutations compared exactly. Torch backend at 0, 1, 2, 127, 128, 129, 1000, 5000; Triton
-backend (interpreter on CPU, `TRITON_INTERPRET=1` set below before Triton is imported) at
-small sizes around its block. Heavy ties everywhere: few distinct priorities, lengths, keys.
+backend (without CUDA in Triton's interpreter, `TRITON_INTERPRET=1` set by conftest.py; with
+CUDA compiled, the tests' tensors on the GPU) at small sizes around its block. Heavy ties everywhere: few distinct priorities, lengths, keys.
 """
 
-import os
+import random
 
-os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (kernels are decorated then)
+import numpy as np
+import pytest
+import torch
 
-import random  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from gpu_sched import policy as P  # noqa: E402
-from gpu_sched.config import INT64_MAX, INT64_MIN, SchedulerConfig  # noqa: E402
-from gpu_sched.reference.policy import dfs_weight_order as ref_dfs_weight_order  # noqa: E402
-from gpu_sched.reference.policy import in_batch_deprioritized, order_queue  # noqa: E402
-from gpu_sched.reference.radix_cache import KVPool, RadixCache, TreeNode  # noqa: E402
-from gpu_sched.reference.state import ReqState  # noqa: E402
-from gpu_sched.request import Request  # noqa: E402
+from gpu_sched import policy as P
+from gpu_sched.config import INT64_MAX, INT64_MIN, SchedulerConfig
+from gpu_sched.reference.policy import dfs_weight_order as ref_dfs_weight_order
+from gpu_sched.reference.policy import in_batch_deprioritized, order_queue
+from gpu_sched.reference.radix_cache import KVPool, RadixCache, TreeNode
+from gpu_sched.reference.state import ReqState
+from gpu_sched.request import Request
 
 try:
     import triton  # noqa: F401,E402
@@ -34,6 +30,10 @@ TORCH_SIZES = [0, 1, 2, 127, 128, 129, 1000, 5000]
 TRITON_SIZES = [0, 1, 2, 15, 16, 17, 129, 300]
 TRITON_BLOCK = 16  # small block: the triton sizes straddle it and 8 * 16 + 1
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
+
+
+# with CUDA the compiled kernels need CUDA tensors: the tests' tensors go there (conftest.py)
+pytestmark = pytest.mark.usefixtures("cuda_default_device")
 
 BACKEND_CASES = [pytest.param("torch", n, id=f"torch-{n}") for n in TORCH_SIZES] + [
     pytest.param("triton", n, id=f"triton-{n}", marks=needs_triton) for n in TRITON_SIZES

@@ -58,12 +58,14 @@ def make_request(rng, i, bases, vocab, now):
     )
 
 
-def run_pair(seed: int, steps: int):
+def run_pair(seed: int, steps: int, capture=None):
     rng = random.Random(seed)
     cfg = random_config(rng)
     kv = rng.choice([300, 800, 3000])
     ref = ReferenceScheduler(cfg, kv)
     dev = GpuScheduler(cfg, kv)
+    if capture:
+        dev.capture(**capture)
     vocab = rng.choice([3, 8, 50])
     bases = [[rng.randrange(vocab) for _ in range(rng.randrange(10, 120))] for _ in range(3)]
     goal = {}
@@ -146,12 +148,14 @@ def _diff(a, b):
     return None
 
 
-def run_long(name: str, seed: int, steps: int = 200, backend: str = "torch"):
+def run_long(name: str, seed: int, steps: int = 200, backend: str = "torch", capture=None, device="cpu"):
+    """One 200-step run; `capture` (kwargs of GpuScheduler.capture) takes the recorded step."""
     rng = random.Random(f"{name}-{seed}")
     cfg = SchedulerConfig(**LONG_RUNS[name])
     kv = rng.choice([900, 1200])
     ref = ReferenceScheduler(cfg, kv)
-    dev = GpuScheduler(cfg, kv, backend=backend)
+    dev = GpuScheduler(cfg, kv, backend=backend, device=device)
+    graph = dev.capture(**capture) if capture else None
     vocab = 6
     bases = [[rng.randrange(vocab) for _ in range(rng.randrange(16, 90))] for _ in range(3)]
     goal, next_id, ratio = {}, 0, 0.7
@@ -230,6 +234,8 @@ def run_long(name: str, seed: int, steps: int = 200, backend: str = "torch"):
                 hits["finished"] += len(done)
                 check(t, "finish")
         check(t, "end of step", full=True)
+    if graph is not None:
+        hits["recorded"] = graph.runs
     return hits
 
 

@@ -1,0 +1,286 @@
+"""The decision of one scheduling step as a fixed-capacity device computation that a CUDA graph
+can hold: prefix match, ordering and admission (SPEC.md R-STEP-2, R-STEP-3; sections 3-5).
+
+`StepGraph` keeps the waiting queue, the running batch and the step's budgets in preallocated
+device buffers (capacities fixed at construction; entries past the device count `n` are
+padding) and computes, with static shapes and no host read:
+
+  1. prefix match of every queued request against the device radix tree
+     (`FlatRadixTree.find_static`: fixed binary-search rounds, fixed probe windows), at full
+     length for ordering (R-ORD-8) and capped at max_prefix_len for admission (R-STEP-3.4);
+  2. the policy's order (`gpu_sched.policy`: fcfs with or without priority, lof, lpm with
+     in-batch deprioritization R-ORD-9 and the R-ORD-2 fallback); padding sorts last;
+  3. the admission of the ordered queue (`gpu_sched.admission.admit_step`, with the in-flight
+     chunked request R-ADM-5 and lock-aware evictable drops `lock_drops`).
+
+Everything lands in one int64 output buffer (`HEAD` scalars, then the order, extend ends, full
+match lengths and deprioritized flags, each [Q]), so the host reads the step back once. On
+CUDA the computation is recorded once in a `torch.cuda.CUDAGraph` and replayed; the graph is
+recorded again when a tensor it reads was reallocated (the tree's hash table grown, the
+scheduler's token pools rebuilt): `signature()` names them by address.
+
+What stays on the host: writing the inputs (one host-to-device copy per step), and after the
+read-back the tree's splits and stamps, locks and the per-request bookkeeping
+(`GpuScheduler` applies them exactly as its eager path does). Policies routing-key, random and
+dfs-weight are not recorded (`supports` says False and the scheduler takes its eager path).
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import policy as dpolicy
+from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, lock_drops
+
+#: policies the recorded step computes (others: the scheduler's eager path)
+GRAPH_POLICIES = ("fcfs", "lof", "lpm")
+#: output head: stop, stop_index, chunk_index, batch_full, I, cur_off, rem_input, rem_chunk,
+#: hit_tokens, input_tokens, decided, admitted count, inflight_end, inflight_left
+HEAD = 14
+# queue int64 rows
+_Q_FILL, _Q_OUT, _Q_PROMPT, _Q_MAXNEW, _Q_IE, _Q_PRIO, _Q_CAP, _Q_NS, _Q_TOFF, _Q_COFF = range(10)
+_Q_ROWS = 10
+# scalar slots
+(_S_N, _S_AVAIL, _S_I, _S_CUR, _S_RIN, _S_RC, _S_NRES, _S_RBS, _S_FULL, _S_NHELD,
+ _S_CPRES, _S_CFILL, _S_CPRE, _S_CMAXNEW, _S_COUT, _S_CPROMPT, _S_CIE) = range(17)
+_S_LEN = 17
+
+
+class StepOutput(NamedTuple):
+    """One step read back (host Python values, queue order where said)."""
+
+    head: List[int]  # HEAD values, see the module constant
+    order: List[int]  # [n] queue positions in policy order
+    extend_end: List[int]  # [n] extend end of the ordered queue's entries (admitted ones)
+    prefix_len: List[int]  # [n] full-length match, queue order (lpm only; else zeros)
+    deprioritized: List[bool]  # [n] R-ORD-9 flags, queue order (lpm only)
+
+
+class StepGraph:
+    """Fixed-capacity step of a `GpuScheduler` (see the module doc).
+
+    Args:
+        sched: the `GpuScheduler` whose tree, token pools and config the step reads.
+        queue_capacity: Q, most waiting requests per step.
+        running_capacity: R, most running requests (ignore-EOS states, R-ADM-6).
+        max_len: bound on any request's fill length [tokens]; fixes the match's search rounds
+            and the ancestor rounds of `lock_drops` (default: the tree's token capacity).
+    Raises:
+        ValueError: a capacity below 1, or max_len below 1.
+    """
+
+    def __init__(self, sched, queue_capacity: int, running_capacity: int, max_len: Optional[int] = None):
+        for name, v in (("queue_capacity", queue_capacity), ("running_capacity", running_capacity)):
+            if int(v) < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.s = sched
+        self.Q, self.R = int(queue_capacity), int(running_capacity)
+        tree = sched.cache.tree
+        self.max_len = int(max_len) if max_len is not None else int(tree.token_capacity)
+        if self.max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        dev = sched.device
+        self.device = dev
+        self.qi = torch.zeros((_Q_ROWS, self.Q), dtype=torch.int64, device=dev)
+        self.qt = torch.zeros(self.Q, dtype=torch.float64, device=dev)
+        self.hi = torch.zeros((4, self.R), dtype=torch.int64, device=dev)
+        self.sc = torch.zeros(_S_LEN, dtype=torch.int64, device=dev)
+        self.ratio = torch.zeros((), dtype=torch.float64, device=dev)
+        self.out = torch.zeros(HEAD + 4 * self.Q, dtype=torch.int64, device=dev)
+        # full-length match (queue order) for the host's splits and stamps after the read-back
+        self.m_full = torch.zeros(self.Q, dtype=torch.int64, device=dev)
+        self.pos_full = torch.zeros(self.Q, dtype=torch.int64, device=dev)
+        self.graph = None
+        self._sig = None
+        self._n = 0
+        self.captures = 0  # graphs recorded so far
+        self.runs = 0  # steps computed (replays on CUDA)
+
+    # ---- eligibility and inputs ------------------------------------------------------------------
+    def supports(self, n_queue: int, n_running: int) -> bool:
+        """True if this step fits: a recorded policy, the capacities, no custom shuffle."""
+        cfg = self.s.config
+        return cfg.effective_policy in GRAPH_POLICIES and n_queue <= self.Q and n_running <= self.R
+
+    def load(self, queue: Sequence, ents: Optional[Sequence], adder, batch_full: bool, chunked) -> None:
+        """Write one step's inputs into the buffers (one host-to-device copy each).
+
+        queue: the waiting requests (ReqState) in queue order; ents: their `_fill_hashes`
+        entries (None with the cache disabled); adder: a fresh `PrefillAdder` (budgets at the
+        loop's start, before the in-flight chunked request); chunked: that request or None."""
+        n = len(queue)
+        self._n = n
+        qi = np.zeros((_Q_ROWS, self.Q), dtype=np.int64)
+        qt = np.zeros(self.Q, dtype=np.float64)
+        if n:
+            qi[:_Q_CAP + 1, :n] = np.array(
+                [[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.priority,
+                  r.max_prefix_len()] for r in queue], dtype=np.int64).T
+            if ents is not None:
+                qi[_Q_NS:, :n] = np.array([(e[4], e[2], e[3]) for e in ents], dtype=np.int64).T
+            qt[:n] = [r.enqueue_time for r in queue]
+        run = self.s.running
+        hi = np.zeros((4, self.R), dtype=np.int64)
+        if run:
+            hi[:, : len(run)] = np.array([[r.max_new, r.out_len, r.prompt_len, int(r.req.ignore_eos)] for r in run],
+                                         dtype=np.int64).T
+        c = chunked
+        sc = np.array([n, self.s.pool.available, adder.I, adder.cur_off, adder.rem_input,
+                       adder.rem_chunk if adder.rem_chunk is not None else 0, adder.N, len(run), int(batch_full),
+                       len(run), int(c is not None),
+                       *((c.fill_len, c.prefix_len, c.max_new, c.out_len, c.prompt_len, int(c.req.ignore_eos))
+                         if c is not None else (0,) * 6)], dtype=np.int64)
+        self.qi.copy_(torch.from_numpy(qi), non_blocking=False)
+        self.qt.copy_(torch.from_numpy(qt))
+        self.hi.copy_(torch.from_numpy(hi))
+        self.sc.copy_(torch.from_numpy(sc))
+        self.ratio.fill_(float(adder.ratio))
+
+    # ---- the device computation -------------------------------------------------------------------
+    def compute(self) -> None:
+        """The step on the buffers (static shapes, no host read); writes `out`, `m_full`,
+        `pos_full`."""
+        s = self.s
+        cfg = s.config
+        be = s.backend
+        dev = self.device
+        Q = self.Q
+        i64 = torch.int64
+        qi, sc = self.qi, self.sc
+        fill, outl, prompt, maxn, ie, prio, cap, ns, toff, coff = qi.unbind(0)
+        n = sc[_S_N]
+        ar = torch.arange(Q, device=dev)
+        valid = ar < n
+        zeros = torch.zeros(Q, dtype=i64, device=dev)
+        cache_on = not s.cache.disable
+        policy = cfg.effective_policy
+        tree = s.cache.tree
+        if cache_on:
+            tok, ch = s._qtok, s._qch
+            if tok is None:  # nothing hashed yet (an empty queue): empty pools
+                tok = torch.zeros(0, dtype=torch.int32, device=dev)
+                ch = torch.zeros(0, dtype=i64, device=dev)
+            capped = torch.where(valid, torch.minimum(fill, cap).clamp(min=0), 0)
+            m_cap, pos_cap = tree.find_static(tok, toff, capped, ns, ch, coff, self.max_len, backend=be)
+        # ---- ordering (R-ORD) ----
+        dep = torch.zeros(Q, dtype=torch.bool, device=dev)
+        m_full, pos_full = zeros, zeros - 1
+        if policy == "lpm":
+            m_full, pos_full = tree.find_static(tok, toff, torch.where(valid, fill, 0), ns, ch, coff, self.max_len,
+                                                backend=be)
+            T = cfg.in_batch_prefix_caching_deprioritize_threshold
+            if T > 0:
+                cols = (toff[:, None] + torch.arange(T, device=dev)).clamp(0, max(tok.numel() - 1, 0))
+                heads = tok[cols] if tok.numel() else torch.zeros((Q, T), dtype=torch.int32, device=dev)
+                hh = dpolicy.head_hashes(heads, torch.minimum(fill, torch.full_like(fill, T)))
+            else:
+                hh = zeros
+            dep = dpolicy.in_batch_deprioritize(m_full, fill, ns, hh, cfg.in_batch_prefix_caching_check_threshold,
+                                                T, backend=be) & valid
+            perm = dpolicy.lpm_order(torch.minimum(m_full, cap), dep | ~valid, backend=be)
+            if cfg.lpm_fallback_queue_len is not None:  # R-ORD-2: above the limit, queue order
+                perm = torch.where(n > cfg.lpm_fallback_queue_len, ar, perm)
+        else:
+            if policy == "lof":
+                perm = dpolicy.lof_order(maxn, prio if cfg.enable_priority_scheduling else None, cfg.priority_sign,
+                                         backend=be)
+            elif cfg.enable_priority_scheduling:
+                perm = dpolicy.fcfs_priority_order(prio, self.qt, cfg.priority_sign, backend=be)
+            else:
+                perm = ar
+            # padding last, the order of the real entries kept
+            perm = perm[torch.sort((~valid[perm]).to(torch.int8), stable=True).indices]
+        # ---- admission (R-STEP-3) on the ordered queue ----
+        g = lambda x: torch.index_select(x, 0, perm)  # noqa: E731
+        ovalid = g(valid)
+        if cache_on:
+            om, opos = g(m_cap), g(pos_cap)
+            has = ovalid & (om > 0)
+            p = torch.where(has, opos, 0)
+            node = torch.where(has, tree.owner[p], 0)
+            cover = p - tree.key_off[node] + 1
+            b = self._node_span()
+            drop = lock_drops(tree.parent[:b], tree.key_len[:b], tree.lock_ref[:b], tree.alive[:b], node, cover, has,
+                              max_depth=self.max_len // cfg.page_size)
+            ev = tree.evictable_size
+        else:
+            om, drop = zeros, zeros
+            ev = torch.zeros((), dtype=i64, device=dev)
+        scfg = StepConfig.from_config(cfg)
+        st = StepState(available=sc[_S_AVAIL], evictable=ev, I=sc[_S_I], cur_off=sc[_S_CUR], rem_input=sc[_S_RIN],
+                       rem_chunk=sc[_S_RC], ratio=self.ratio, N=sc[_S_NRES], can_run=torch.zeros_like(n),
+                       running_bs=sc[_S_RBS], batch_full=sc[_S_FULL] != 0)
+        q = QueueCols(n=n, fill_len=g(fill), out_len=g(outl), prompt_len=g(prompt), max_new=g(maxn), prefix_len=om,
+                      drop=drop, ignore_eos=g(ie) != 0)
+        held = None
+        if scfg.ignore_eos_path:
+            h = self.hi
+            held = HeldCols(valid=torch.arange(self.R, device=dev) < sc[_S_NHELD], max_new=h[0], out_len=h[1],
+                            prompt_len=h[2], ignore_eos=h[3] != 0)
+        chunked = ChunkedCols(present=sc[_S_CPRES] != 0, fill_len=sc[_S_CFILL], prefix_len=sc[_S_CPRE],
+                              max_new=sc[_S_CMAXNEW], out_len=sc[_S_COUT], prompt_len=sc[_S_CPROMPT],
+                              ignore_eos=sc[_S_CIE] != 0)
+        res = admit_step(scfg, st, q, held, chunked, backend=be)
+        # the host's adder counts the in-flight chunk's input tokens itself (add_chunked_req)
+        P = cfg.page_size
+        in_flight = torch.where(chunked.present, (res.inflight_end - chunked.prefix_len + P - 1) // P * P, 0)
+        head = torch.stack([res.stop, res.stop_index, res.chunk_index, res.batch_full.to(i64), res.I, res.cur_off,
+                            res.rem_input, res.rem_chunk, res.hit_tokens, res.input_tokens - in_flight, res.decided.to(i64),
+                            res.admitted.sum(), res.inflight_end, res.inflight_left.to(i64)])
+        self.out.copy_(torch.cat([head, perm, res.extend_end, m_full, dep.to(i64)]))
+        self.m_full.copy_(m_full)
+        self.pos_full.copy_(pos_full)
+
+    def _node_span(self) -> int:
+        """Node ids the admission scans: every live id is below `node_bound()`; rounded up to a
+        power of two so that the span (part of the recorded shapes) changes only on doubling."""
+        tree = self.s.cache.tree
+        return min(1 << max(tree.node_bound() - 1, 1).bit_length(), tree.parent.numel())
+
+    # ---- graph --------------------------------------------------------------------------------------
+    def signature(self) -> tuple:
+        """Addresses and sizes of every tensor the step reads besides its own buffers, and the
+        node span: a change means the recorded graph would read stale memory or shapes."""
+        tree = self.s.cache.tree
+        ts = [v for v in vars(tree).values() if isinstance(v, torch.Tensor)]
+        ts += [t for t in (self.s._qtok, self.s._qch) if t is not None]
+        return tuple((t.data_ptr(), t.numel()) for t in ts) + (self._node_span(),)
+
+    def run(self) -> StepOutput:
+        """Compute (replaying the recorded graph on CUDA, recording it first when needed) and
+        read the output back: the step's one device-to-host copy."""
+        if self.device.type == "cuda":
+            sig = self.signature()
+            if self.graph is None or sig != self._sig:
+                self._record()
+                self._sig = sig
+            self.graph.replay()
+        else:
+            self.compute()
+        self.runs += 1
+        return self._read()
+
+    def _read(self) -> StepOutput:
+        vals = self.out.tolist()
+        Q = self.Q
+        head = vals[:HEAD]
+        n = self._n
+        b = HEAD
+        return StepOutput(head, vals[b : b + n], vals[b + Q : b + Q + n], vals[b + 2 * Q : b + 2 * Q + n],
+                          [bool(x) for x in vals[b + 3 * Q : b + 3 * Q + n]])
+
+    def _record(self) -> None:
+        torch.cuda.synchronize(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # kernel compilation and caches before recording
+                self.compute()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.compute()
+        self.captures += 1

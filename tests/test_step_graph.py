@@ -1,0 +1,156 @@
+"""The fixed-capacity step (`gpu_sched.step.StepGraph`, `GpuScheduler.capture()`).
+
+* `find_static` (fixed search rounds and probe windows) equals the data-dependent search on
+  random trees, page sizes 1/4/16, lengths up to the bound;
+* multi-step runs with the recorded step equal the reference scheduler (plans, queue, sizes,
+  cache contents), for every policy the step records, with capacities small enough that some
+  steps overflow them and take the eager path;
+* no host read inside the step: `StepGraph.compute` runs under a dispatch mode that raises on
+  every op that reads tensor data back to the host or has a data-dependent shape;
+* on CUDA: the same runs replay a CUDA graph (recorded once, replayed every step), equal to the
+  reference for 200 steps per configuration (skipped without CUDA).
+"""
+
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gpu_sched.config import SchedulerConfig
+from gpu_sched.radix import FlatRadixTree
+from gpu_sched.request import Request
+from gpu_sched.scheduler import GpuScheduler
+from gpu_sched.step import GRAPH_POLICIES, StepGraph
+
+from test_scheduler_differential import LONG_RUNS, run_long, run_pair
+
+RECORDED_RUNS = sorted(k for k, v in LONG_RUNS.items()
+                       if v.get("disable_radix_cache") or v["schedule_policy"] in GRAPH_POLICIES)
+
+
+@pytest.mark.parametrize("P", [1, 4, 16])
+def test_find_static_equals_search(P):
+    rng = random.Random(P)
+    tree = FlatRadixTree(P, max_nodes=4096, token_capacity=1 << 14)
+    bases = [[rng.randrange(5) for _ in range(rng.randrange(1, 300))] for _ in range(6)]
+    seqs = []
+    for _ in range(60):
+        b = bases[rng.randrange(len(bases))]
+        seqs.append(b[: rng.randrange(len(b) + 1)] + [rng.randrange(5) for _ in range(rng.randrange(0, 40))])
+    for s in seqs[:30]:
+        if len(s) >= P:
+            tree.insert(torch.tensor(s, dtype=torch.int32), torch.arange(len(s)), 0)
+    ns = [rng.randrange(2) * 0 for _ in seqs]
+    lens = [len(s) for s in seqs]
+    max_len = max(lens)
+    tok = torch.tensor([t for s in seqs for t in s] + [0], dtype=torch.int32)
+    toff = torch.tensor([sum(lens[:i]) for i in range(len(seqs))])
+    L = torch.tensor(lens)
+    nsv = torch.tensor(ns)
+    chs, coff = [], []
+    for s, o in zip(seqs, toff.tolist()):
+        coff.append(sum(c.numel() for c in chs))
+        h = tree.prefix_hashes(torch.tensor(s or [0], dtype=torch.int32)[None], torch.tensor([len(s)]), torch.tensor([0]),
+                               tree.C)[0]
+        chs.append(h[: len(s) // tree.C])
+    ch = torch.cat(chs)
+    coff = torch.tensor(coff)
+    cnt = L // tree.C
+    want = tree._find_csr(tok, toff, L, L, nsv, ch, coff, cnt, int(cnt.max()))
+    got = tree.find_static(tok, toff, L, nsv, ch, coff, max_len)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert int(want[0].max()) > 0  # the trees share prefixes: matches happen
+    # a shorter bound than a length would be wrong; exactly the longest length is enough
+    got2 = tree.find_static(tok, toff, L, nsv, ch, coff, max_len + 1000)
+    assert torch.equal(got2[0], want[0])
+
+
+@pytest.mark.parametrize("name", RECORDED_RUNS)
+def test_recorded_step_runs_match_reference(name):
+    hits = run_long(name, seed=1, capture=dict(queue_capacity=32, running_capacity=24))
+    assert hits["recorded"] > 10, hits  # the recorded step decided many steps
+    print(name, hits)
+    assert hits["admitted"] > 60, hits
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_recorded_step_random_configs(seed):
+    run_pair(100 + seed, steps=60, capture=dict(queue_capacity=16, running_capacity=64))
+
+
+class NoHostRead(TorchDispatchMode):
+    """Raises on ops that read data to the host or whose output shape depends on data."""
+
+    BANNED = ("_local_scalar_dense", "nonzero", "masked_select", "_unique", "unique_", "repeat_interleave",
+              "bincount", "item")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if any(b in name for b in self.BANNED):
+            raise AssertionError(f"host read in the step: {name}")
+        if name.startswith(("aten.index.", "aten.index_put", "aten._index_put")):
+            for t in args[1]:  # the indices: a boolean mask means nonzero inside
+                if isinstance(t, torch.Tensor) and t.dtype == torch.bool:
+                    raise AssertionError(f"boolean-mask indexing in the step: {name}")
+        return func(*args, **(kwargs or {}))
+
+
+def _loaded_graph(cfg: SchedulerConfig, seed: int):
+    rng = random.Random(seed)
+    s = GpuScheduler(cfg, 4000)
+    g = s.capture(queue_capacity=64, running_capacity=16, max_len=512)
+    base = [rng.randrange(7) for _ in range(200)]
+    s.seed_cache(base[:150])
+    reqs = [Request(rid=f"r{i}", prompt_ids=base[: rng.randrange(1, 200)] + [rng.randrange(7) for _ in range(rng.randrange(1, 30))],
+                    max_new_tokens=rng.randrange(1, 50), priority=rng.randrange(3), ignore_eos=rng.random() < 0.5)
+            for i in range(40)]
+    s.submit(reqs, now=0.0)
+    s.step(0.7)  # fills the pools and records nothing on CPU
+    assert g.runs == 1
+    return s, g
+
+
+@pytest.mark.parametrize("policy,extra", [("lpm", {}), ("fcfs", {"enable_priority_scheduling": True}),
+                                          ("lof", {}), ("lpm", {"disable_radix_cache": True})])
+def test_step_has_no_host_read(policy, extra):
+    cfg = SchedulerConfig(schedule_policy=policy, chunked_prefill_size=64, max_prefill_tokens=256,
+                          in_batch_prefix_caching_deprioritize_threshold=8, **extra)
+    s, g = _loaded_graph(cfg, 3)
+    before = g.out.clone()
+    with NoHostRead():
+        g.compute()
+    assert torch.equal(g.out, before)  # same inputs, same step
+    with pytest.raises(AssertionError, match="host read"):
+        with NoHostRead():
+            int(g.out[0])  # the mode does catch a host read
+
+
+def test_capture_arguments_checked():
+    s = GpuScheduler(SchedulerConfig(), 100)
+    with pytest.raises(ValueError, match="queue_capacity"):
+        s.capture(queue_capacity=0)
+    with pytest.raises(ValueError, match="running_capacity"):
+        s.capture(running_capacity=-1)
+    with pytest.raises(ValueError, match="max_len"):
+        s.capture(max_len=0)
+
+
+def test_unsupported_policy_takes_eager_path():
+    s = GpuScheduler(SchedulerConfig(schedule_policy="dfs-weight"), 1000)
+    g = s.capture(8, 8)
+    s.submit([Request(rid="a", prompt_ids=[1, 2, 3], max_new_tokens=4)], now=0.0)
+    plan = s.step(0.5)
+    assert g.runs == 0 and [a[0] for a in plan.admitted] == ["a"]
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["lpm-page4-mixed", "fcfs-priority-preempt", "nocache-ignore-eos"])
+def test_cuda_graph_replay_matches_reference(name, backend):
+    hits = run_long(name, seed=2, backend=backend, device="cuda",
+                    capture=dict(queue_capacity=64, running_capacity=64, max_len=4096))
+    assert hits["recorded"] >= 100, hits
