@@ -251,12 +251,15 @@ def stage_fns(s, stage: str, max_len: int):
         if not isinstance(s, GpuScheduler) or s.config.effective_policy not in GRAPH_POLICIES:
             return None
         queue0 = list(s.queue)
-        g = s.capture(queue_capacity=len(queue0), running_capacity=max(1, len(s.running)), max_len=max_len)
+        g = s._graph
+        if g is None or g.Q != len(queue0):  # one recording serves both recorded stages
+            g = s.capture(queue_capacity=len(queue0), running_capacity=max(1, len(s.running)), max_len=max_len)
         if stage == "gstep":
             return (lambda: s.step(RATIO)), Restorer(s, queue0)
+        runs = g.runs
         s.step(RATIO)  # loads the inputs, records the graph on CUDA (untimed)
         Restorer(s, queue0)()
-        if g.runs != 1:
+        if g.runs != runs + 1:
             raise RuntimeError("the recorded step was not taken")
         if s.device.type == "cuda":
             return g.graph.replay, None
@@ -389,6 +392,9 @@ def main(argv=None):
     ap.add_argument("--min-exp", type=int, default=7)
     ap.add_argument("--max-exp", type=int, default=20)
     ap.add_argument("--ref-max-exp", type=int, default=15, help="largest 2^k the reference runs at")
+    ap.add_argument("--eager-max-exp", type=int, default=None,
+                    help="largest 2^k GpuScheduler's eager stages (order, admit, step) run at "
+                         "(default: no limit; the recorded stages run at every size)")
     ap.add_argument("--max-seconds", type=float, default=60.0, help="stop a backend/policy past this per call")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--stages", default=",".join(STAGES))
@@ -422,6 +428,7 @@ def main(argv=None):
     for st in stages:
         if st not in STAGES:
             ap.error(f"unknown stage {st!r}; choose from {', '.join(STAGES)}")
+    stages.sort(key=STAGES.index)  # eager stages first, then the recorded ones
     backends = [parse_backend(b) for b in args.backends.split(",")]
     if any(d == "cuda" for _, d in backends) and not torch.cuda.is_available():
         ap.error("a cuda backend was asked for but torch.cuda.is_available() is False")
@@ -494,6 +501,10 @@ def main(argv=None):
                     continue
                 s.config = SchedulerConfig(**POLICIES[pol])
                 for st in stages:
+                    if isinstance(s, GpuScheduler) and st not in RECORDED_STAGES:
+                        if args.eager_max_exp is not None and e > args.eager_max_exp:
+                            continue
+                        s._graph = None  # these stages time the eager path
                     fns = stage_fns(s, st, wl.max_len)
                     if fns is None:
                         continue
@@ -525,12 +536,12 @@ def main(argv=None):
                             row["note"] = d[:80]
                     if e == exps[0] and st == "step":
                         s.check_integrity()  # the restores left a consistent state
-                    if isinstance(s, GpuScheduler):
-                        s._graph = None  # the other stages time the eager path
                     rows.append(row)
                     print_row(row)
                     if max(times) > args.max_seconds or warm_t > args.max_seconds:
                         stopped.add((backend, device, pol))
+                if isinstance(s, GpuScheduler):
+                    s._graph = None  # its buffers hold this n's queue
                 if (backend, device, pol) in stopped:
                     print(f"# {backend}/{device} {pol}: a call took over {args.max_seconds} s at n={n}; "
                           f"larger n skipped", flush=True)

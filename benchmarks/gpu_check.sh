@@ -10,9 +10,11 @@
 #
 # Every section runs under `timeout`; a failing or timed-out section is recorded in
 # status.tsv and the next one still runs. The script exits non-zero if any section failed.
-# Section limits (s): env 20, install 60 (only where gpu_sched is not importable), kernel tests
-# $GPU_CHECK_KERNELS_S (100), differential tests $GPU_CHECK_DIFF_S (60), bench $GPU_CHECK_BENCH_S
-# (150; no new row in its last 30 s), plot 20: at most 410 s plus kill grace.
+# Section limits (s; 0 skips a section): env 20, install 60 (only where gpu_sched is not
+# importable, a few seconds), radix kernel tests $GPU_CHECK_RADIX_S (50), recorded-step / CUDA
+# graph tests $GPU_CHECK_GRAPH_S (110), other kernel tests $GPU_CHECK_KERNELS_S (80),
+# differential tests $GPU_CHECK_DIFF_S (50), bench $GPU_CHECK_BENCH_S (140; no new row in its
+# last 30 s), plot 20: at most 470 s plus kill grace.
 set -euo pipefail
 
 OUT="${1:?usage: benchmarks/gpu_check.sh OUTDIR}"
@@ -68,12 +70,13 @@ print("cuda available:", torch.cuda.is_available(),
 EOF
 }
 
-# Test files, in two pytest processes (kernel tests compile every kernel once, the differential
-# tests reuse them). Without CUDA the test files choose Triton's interpreter themselves.
+# Test files, in four pytest processes, the GPU-specific ones first (a process compiles each
+# kernel it uses once). Without CUDA the test files choose Triton's interpreter themselves.
 pick() { local f; for f in "$@"; do [[ -f "$f" ]] && printf '%s\n' "$f"; done; return 0; }
-mapfile -t T_KERNELS < <(pick tests/test_kernels_sort_keys.py tests/test_kernels_admission.py \
-    tests/test_kernels_radix.py tests/test_step_core.py tests/test_step_graph.py tests/test_policy_device.py \
-    tests/test_radix_device.py tests/test_state.py tests/test_conformance_device.py)
+mapfile -t T_RADIX < <(pick tests/test_kernels_radix.py)
+mapfile -t T_GRAPH < <(pick tests/test_step_graph.py tests/test_step_core.py tests/test_kernels_admission.py)
+mapfile -t T_KERNELS < <(pick tests/test_kernels_sort_keys.py tests/test_policy_device.py tests/test_radix_device.py \
+    tests/test_state.py tests/test_conformance_device.py)
 mapfile -t T_DIFF < <(pick tests/test_step_differential.py tests/test_scheduler_differential.py \
     tests/test_ordering_mooncake.py tests/test_radix_mooncake.py)
 
@@ -100,20 +103,23 @@ if [[ "$DRY" == 1 ]]; then
 else
     unset TRITON_INTERPRET
     TEST_DEV=cuda
-    PYTEST_ARGS=(-q -rfE --maxfail=10 -p no:cacheprovider)
-    # torch and triton on CUDA to 2^20, the reference to 2^12 for ratios; Mooncake prefixes
-    # capped at 2048 tokens so that the padded [2^20, L] fills fit; a call over 10 s ends a
-    # backend/policy; no new row after 130 s
-    BENCH_ARGS=(--backends reference,torch-cuda,triton-cuda --min-exp 7 --max-exp 20 --ref-max-exp 12
-                --warm 500 --max-prompt-len 2048 --reps 3 --budget-s 0.3 --max-seconds 10
-                --slow-s 1 --slow-reps 1 --deadline-s "$(( ${GPU_CHECK_BENCH_S:-150} - 30 ))")
+    # failures print as they happen (-x would stop the section at the first one)
+    PYTEST_ARGS=(-q -rfE --tb=short --maxfail=3 -p no:cacheprovider)
+    # torch and triton on CUDA from 2^12 to 2^20: the recorded step (graph: one CUDA-graph
+    # replay; gstep: the whole step() through it) at every size, the eager step at 2^12, the
+    # reference to 2^14 for ratios; Mooncake prefixes capped at 2048 tokens; a call over 10 s
+    # ends a backend/policy; no new row in the section's last 30 s
+    BENCH_ARGS=(--backends reference,torch-cuda,triton-cuda --policies "${GPU_CHECK_POLICIES:-lpm,fcfs,lof}"
+                --stages step,graph,gstep --min-exp "${GPU_CHECK_MIN_EXP:-12}" --max-exp "${GPU_CHECK_MAX_EXP:-20}"
+                --ref-max-exp 14 --eager-max-exp 12 --warm 500 --max-prompt-len 2048 --reps 5 --budget-s 0.2
+                --max-seconds 10 --slow-s 1 --slow-reps 1 --deadline-s "$(( ${GPU_CHECK_BENCH_S:-140} - 30 ))")
 fi
 
-run_pytest() {  # run_pytest NAME LIMIT FILES...
+run_pytest() {  # run_pytest NAME LIMIT FILES... (LIMIT 0: skipped)
     local name="$1" limit="$2"
     shift 2
-    if [[ $# == 0 ]]; then
-        printf '%s\tskipped (no files)\t0\n' "$name" >> "$STATUS"
+    if [[ $# == 0 || "$limit" == 0 ]]; then
+        printf '%s\tskipped\t0\n' "$name" >> "$STATUS"
         return 0
     fi
     section "$name" "$limit" "$OUT/$name.log" env GPU_SCHED_TEST_DEVICE="$TEST_DEV" \
@@ -127,11 +133,15 @@ if ! "$PY" -c "import gpu_sched.kernels" > /dev/null 2>&1; then
     # a bare GPU machine: its own torch/triton, this checkout installed in place, nothing fetched
     section install 60 "$OUT/install.log" "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
 fi
-run_pytest pytest_kernels "${GPU_CHECK_KERNELS_S:-100}" "${T_KERNELS[@]}"
-run_pytest pytest_differential "${GPU_CHECK_DIFF_S:-60}" "${T_DIFF[@]}"
+run_pytest pytest_radix "${GPU_CHECK_RADIX_S:-50}" "${T_RADIX[@]}"
+run_pytest pytest_graph "${GPU_CHECK_GRAPH_S:-110}" "${T_GRAPH[@]}"
+run_pytest pytest_kernels "${GPU_CHECK_KERNELS_S:-80}" "${T_KERNELS[@]}"
+run_pytest pytest_differential "${GPU_CHECK_DIFF_S:-50}" "${T_DIFF[@]}"
 rm -f "$OUT/bench_queue_cuda.json"
-section bench "${GPU_CHECK_BENCH_S:-150}" "$OUT/bench_queue.log" "$PY" benchmarks/bench_queue.py "${QUEUE_ARGS[@]}" "${BENCH_ARGS[@]}" \
+if [[ "${GPU_CHECK_BENCH_S:-140}" != 0 ]]; then
+section bench "${GPU_CHECK_BENCH_S:-140}" "$OUT/bench_queue.log" "$PY" benchmarks/bench_queue.py "${QUEUE_ARGS[@]}" "${BENCH_ARGS[@]}" \
     --threads 1 --out "$OUT/bench_queue_cuda.json"
+fi
 if [[ -s "$OUT/bench_queue_cuda.json" ]]; then
     section plot 20 "$OUT/plot.log" "$PY" benchmarks/plot_bench.py "$OUT/bench_queue_cuda.json" \
         --out "$OUT/bench_queue_cuda.png"

@@ -108,7 +108,7 @@ class GpuScheduler(ReferenceScheduler):
         if not self.cache.disable:
             while True:
                 gen = self._qgen
-                ents = [self._fill_hashes(r) for r in q]
+                ents = self._fill_hashes_many(q)
                 if gen == self._qgen:
                     break  # else the pools were rebuilt midway: offsets moved, again
         mixed = len(self.running) if cfg.enable_mixed_chunk and cfg.chunked_prefill_size is not None else 0
@@ -157,23 +157,46 @@ class GpuScheduler(ReferenceScheduler):
             buf[i, :n] = r.fill()[:n]
         return torch.from_numpy(buf).to(self.device), self._col(lens, torch.int64)
 
-    def _fill_hashes(self, r: ReqState):
-        """(ReqState, fill length, token offset, chunk-hash offset, namespace id) of a request's
-        fill in the scheduler's CSR pools
-        (`_qtok` int32 tokens, `_qch` int64 chunk hashes at depths C, 2C, ...), written once per
-        fill length: matching then costs O(log L) probes, not O(L), and a queue's CSR is a
-        gather of offsets, not a concatenation of its tokens."""
-        ent = self._hash_cache.get(r.rid)
-        if ent is None or ent[0] is not r or ent[1] != r.fill_len:
-            tree = self.cache.tree
-            n = r.fill_len
-            toks = torch.from_numpy(np.array(r.fill(), dtype=np.int32)).to(self.device)
-            ns = self.cache.ns_id(r.req.extra_key)
-            ch = tree.prefix_hashes(toks[None], self._col([n], torch.int64), self._col([ns], torch.int64), tree.C)[0]
-            toff, coff = self._pool_append(toks, ch)
-            ent = (r, n, toff, coff, ns)
-            self._hash_cache[r.rid] = ent
-        return ent
+    def _fill_hashes_many(self, rs: Sequence[ReqState], max_batch_tokens: int = 1 << 24) -> list:
+        """Each request's entry (ReqState, fill length, token offset, chunk-hash offset,
+        namespace id) for its fill in the scheduler's CSR pools (`_qtok` int32 tokens, `_qch`
+        int64 chunk hashes at depths C, 2C, ...), written once per fill length: matching then
+        costs O(log L) probes, not O(L), and a queue's CSR is a gather of offsets, not a
+        concatenation of its tokens. Missing entries are hashed in padded batches (one
+        `prefix_hashes` and one pool append per ~`max_batch_tokens` padded tokens). Offsets
+        hold until the pools are next rebuilt (`_qgen` counts rebuilds)."""
+        tree = self.cache.tree
+        C = tree.C
+        miss = []
+        for r in rs:
+            ent = self._hash_cache.get(r.rid)
+            if ent is None or ent[0] is not r or ent[1] != r.fill_len:
+                miss.append(r)
+        i = 0
+        while i < len(miss):
+            j, L = i, 1
+            while j < len(miss) and (j - i + 1) * max(L, miss[j].fill_len) <= max_batch_tokens or j == i:
+                L = max(L, miss[j].fill_len)
+                j += 1
+            batch = miss[i:j]
+            lens = np.array([r.fill_len for r in batch], dtype=np.int64)
+            buf = np.zeros((len(batch), L), dtype=np.int32)
+            for k, r in enumerate(batch):
+                buf[k, : lens[k]] = r.fill()
+            ns = np.array([self.cache.ns_id(r.req.extra_key) for r in batch], dtype=np.int64)
+            toks = torch.from_numpy(buf).to(self.device)
+            ch = tree.prefix_hashes(toks, torch.from_numpy(lens).to(self.device), torch.from_numpy(ns).to(self.device), C)
+            cnt = lens // C
+            ar = np.arange(L)
+            tmask = torch.from_numpy(ar[None, :] < lens[:, None]).to(self.device)
+            cmask = torch.from_numpy(ar[None, : ch.shape[1]] < cnt[:, None]).to(self.device)
+            t0, c0 = self._pool_append(toks[tmask], ch[cmask])
+            toff = t0 + np.cumsum(lens) - lens
+            coff = c0 + np.cumsum(cnt) - cnt
+            for k, r in enumerate(batch):
+                self._hash_cache[r.rid] = (r, int(lens[k]), int(toff[k]), int(coff[k]), int(ns[k]))
+            i = j
+        return [self._hash_cache[r.rid] for r in rs]
 
     def _pool_append(self, toks: torch.Tensor, ch: torch.Tensor):
         """Append one fill to the CSR pools (grown by doubling; entries of requests no longer
@@ -209,7 +232,7 @@ class GpuScheduler(ReferenceScheduler):
         C = self.cache.tree.C
         while True:
             gen = self._qgen
-            ents = [self._fill_hashes(r) for r in queue]
+            ents = self._fill_hashes_many(queue)
             if gen == self._qgen:
                 break  # else the pools were rebuilt midway and earlier offsets moved: again
         rows = np.array([(e[2], e[3], e[1], e[4]) for e in ents], dtype=np.int64).reshape(-1, 4).T.copy()

@@ -235,7 +235,7 @@ def run_long(name: str, seed: int, steps: int = 200, backend: str = "torch", cap
                 check(t, "finish")
         check(t, "end of step", full=True)
     if graph is not None:
-        hits["recorded"] = graph.runs
+        hits["recorded"], hits["captures"] = graph.runs, graph.captures
     return hits
 
 
