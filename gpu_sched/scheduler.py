@@ -121,11 +121,11 @@ class GpuScheduler(ReferenceScheduler):
         if policy != "lpm":
             return OrderResult(policy, oq)
         if n:
-            _, last = self.cache.tree._apply(g.m_full[:n], g.pos_full[:n])
-            for r, a, b in zip(q, out.prefix_len, last.tolist()):
-                r.prefix_len, r.last_node = a, b
-        for r in q:
-            r.num_matched = min(r.prefix_len, r.max_prefix_len())
+            # splits and stamps; the last nodes are not read back: only admitted requests need
+            # theirs, and admission re-matches them (`_admit_run`)
+            self.cache.tree._apply(g.m_full[:n], g.pos_full[:n])
+            for r, a, c in zip(q, out.prefix_len, g._caps.tolist()):
+                r.prefix_len, r.last_node, r.num_matched = a, None, min(a, c)
         dep_rids = {r.rid for r, d in zip(q, out.deprioritized) if d}
         return OrderResult(policy, oq, [r.num_matched for r in oq], [r.rid for r in oq if r.rid in dep_rids])
 
@@ -368,12 +368,13 @@ class GpuScheduler(ReferenceScheduler):
         i, n = 0, len(queue)
         while i < n:
             rest = queue[i:]
-            caps = [r.max_prefix_len() for r in rest]
             Q = len(rest)
+            caps = None  # max_prefix_len of `rest`, built only where needed
             if pending is not None:  # the recorded step decided this segment already
                 vals = pending.head[:12] + pending.extend_end
                 pending = None
             else:
+                caps = [r.max_prefix_len() for r in rest]
                 res = self._static_admission(rest, caps, adder, running_bs, scfg)
                 head = torch.stack([res.stop, res.stop_index, res.chunk_index, res.batch_full.to(torch.int64),
                                     res.I, res.cur_off, res.rem_input, res.rem_chunk, res.hit_tokens,
@@ -384,7 +385,8 @@ class GpuScheduler(ReferenceScheduler):
                 raise RuntimeError("admit_step did not reach the end of the loop (rounds too few)")
             ends = vals[12 : 12 + Q]
             refused = na == k and k < Q and stop in (STOP_NO_TOKEN, STOP_OTHER)  # re-matched, then refused
-            self._admit_run(rest[:na], caps[:na], ends[:na], adder, rematch=rest[k] if refused else None)
+            run_caps = caps[:na] if caps is not None else [r.max_prefix_len() for r in rest[:na]]
+            self._admit_run(rest[:na], run_caps, ends[:na], adder, rematch=rest[k] if refused else None)
             adder.I, adder.cur_off, adder.rem_input = I, cur, rin
             if adder.rem_chunk is not None:
                 adder.rem_chunk = rc

@@ -96,6 +96,8 @@ class StepGraph:
         self.graph = None
         self._sig = None
         self._n = 0
+        self._rows = {}  # (rid, out_len, pool generation) -> (ReqState, its queue row)
+        self._caps = np.zeros(0, dtype=np.int64)  # max_prefix_len of the loaded queue
         self.captures = 0  # graphs recorded so far
         self.runs = 0  # steps computed (replays on CUDA)
 
@@ -108,20 +110,33 @@ class StepGraph:
     def load(self, queue: Sequence, ents: Optional[Sequence], adder, batch_full: bool, chunked) -> None:
         """Write one step's inputs into the buffers (one host-to-device copy each).
 
-        queue: the waiting requests (ReqState) in queue order; ents: their `_fill_hashes`
+        queue: the waiting requests (ReqState) in queue order; ents: their `_fill_hashes_many`
         entries (None with the cache disabled); adder: a fresh `PrefillAdder` (budgets at the
-        loop's start, before the in-flight chunked request); chunked: that request or None."""
+        loop's start, before the in-flight chunked request); chunked: that request or None.
+        A request's row is built once per (fill length, pool generation) and kept (`_rows`),
+        so a step costs one dict lookup per waiting request on the host."""
         n = len(queue)
         self._n = n
+        gen = self.s._qgen
+        rows, cache = [], self._rows
+        for k, r in enumerate(queue):
+            key = (r.rid, r.out_len, gen)
+            row = cache.get(key)
+            if row is None or row[0] is not r:
+                e = ents[k] if ents is not None else (None, 0, 0, 0, 0)
+                row = (r, (r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.priority,
+                           r.max_prefix_len(), e[4], e[2], e[3]))
+                cache[key] = row
+            rows.append(row[1])
+        if len(cache) > 4 * max(n, 1024):  # drop rows of requests gone or of older generations
+            live = {(r.rid, r.out_len, gen) for r in queue}
+            self._rows = {k: v for k, v in cache.items() if k in live}
         qi = np.zeros((_Q_ROWS, self.Q), dtype=np.int64)
         qt = np.zeros(self.Q, dtype=np.float64)
         if n:
-            qi[:_Q_CAP + 1, :n] = np.array(
-                [[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.priority,
-                  r.max_prefix_len()] for r in queue], dtype=np.int64).T
-            if ents is not None:
-                qi[_Q_NS:, :n] = np.array([(e[4], e[2], e[3]) for e in ents], dtype=np.int64).T
+            qi[:, :n] = np.array(rows, dtype=np.int64).T
             qt[:n] = [r.enqueue_time for r in queue]
+        self._caps = qi[_Q_CAP, :n]
         run = self.s.running
         hi = np.zeros((4, self.R), dtype=np.int64)
         if run:
@@ -133,7 +148,7 @@ class StepGraph:
                        len(run), int(c is not None),
                        *((c.fill_len, c.prefix_len, c.max_new, c.out_len, c.prompt_len, int(c.req.ignore_eos))
                          if c is not None else (0,) * 6)], dtype=np.int64)
-        self.qi.copy_(torch.from_numpy(qi), non_blocking=False)
+        self.qi.copy_(torch.from_numpy(qi))
         self.qt.copy_(torch.from_numpy(qt))
         self.hi.copy_(torch.from_numpy(hi))
         self.sc.copy_(torch.from_numpy(sc))

@@ -128,7 +128,10 @@ def probe(h: torch.Tensor, hkeys: torch.Tensor, hvals: torch.Tensor, max_probe: 
 
 
 # ---- find (binary search + in-chunk extension) ----------------------------------------------------
-@triton.jit
+# chunk_pages is never specialised: Triton turns an int argument equal to 1 into a constant, the
+# extension loop below then folds away, and Triton 3.6 fails to compile the dead loop
+# ("PassManager::run failed" in TritonGPUCoalesce); page sizes >= 16 default to chunk_pages 1.
+@triton.jit(do_not_specialize=["chunk_pages"])
 def _find_kernel(tok_ptr, tok_start_ptr, tok_span_ptr, len_ptr, ns_ptr, ch_ptr, ch_start_ptr, ch_cnt_ptr,
                  hkeys_ptr, hvals_ptr, d_ptr, pos_ptr, n, H, max_probe, P, C, chunk_pages, B1, B2,
                  BLOCK: tl.constexpr):
@@ -324,6 +327,9 @@ def _split_kernel(piece_ptr, cover_ptr, stamp_ptr, newcid_ptr, head_ptr,
         o = b + tl.arange(0, FILL)
         tl.store(owner_ptr + off + o, hv, mask=o < c)
         b += FILL
+    # every warp has read key_off[x] (above) before it moves: a warp that started late must
+    # not see the new offset
+    tl.debug_barrier()
     tl.store(key_off_ptr + x, off + c)
     tl.store(key_len_ptr + x, tl.load(key_len_ptr + x) - c)
     tl.store(start_ptr + x, st + c)

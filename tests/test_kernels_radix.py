@@ -164,7 +164,7 @@ def csr_args(tokens, lengths, ch):
 
 
 @pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
-@pytest.mark.parametrize("page_size,chunk_pages", [(1, 3), (4, 2)])
+@pytest.mark.parametrize("page_size,chunk_pages", [(1, 3), (4, 2), (16, 1)])
 def test_find(n, block, page_size, chunk_pages):
     rng = random.Random(n * 13 + page_size)
     tree, bases = build_tree(page_size, 25, rng, chunk_pages=chunk_pages, vocab=3)
