@@ -32,6 +32,12 @@ TRITON_BLOCK = 16  # small block: the triton sizes straddle it and 8 * 16 + 1
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
 
 
+def _gen() -> torch.Generator:
+    """A generator on the default device (CUDA under `cuda_default_device`): random tensors are
+    drawn where the tests' tensors live."""
+    return torch.Generator(device=torch.get_default_device())
+
+
 # with CUDA the compiled kernels need CUDA tensors: the tests' tensors go there (conftest.py)
 pytestmark = pytest.mark.usefixtures("cuda_default_device")
 
@@ -180,8 +186,9 @@ def test_random_order_is_seeded_permutation(n):
     c = P.random_order(n, torch.Generator().manual_seed(12), backend="triton")
     assert a.dtype == torch.int64 and a.shape == (n,)
     assert torch.equal(a, b)
-    assert torch.equal(torch.sort(a).values, torch.arange(n))
-    assert torch.equal(torch.sort(c).values, torch.arange(n))
+    # the generator's device decides the permutation's (a CPU generator here, whatever the default)
+    assert torch.equal(torch.sort(a).values, torch.arange(n, device=a.device))
+    assert torch.equal(torch.sort(c).values, torch.arange(n, device=c.device))
     if n > 100:
         assert not torch.equal(a, c)
         # and the reference accepts it as a shuffle
@@ -284,7 +291,7 @@ def test_head_hashes_ignore_padding_and_separate_prefixes():
     assert h[3] == h[4]  # padding after the length does not count
     assert h[5] != h[3]  # a real token 0 differs from padding
     # the documented formula, in Python ints
-    g = torch.Generator().manual_seed(4)
+    g = _gen().manual_seed(4)
     toks = torch.randint(0, 2**31, (40, 150), generator=g, dtype=torch.int32)
     toks[:, 0] = 2**31 - 1  # the largest token id
     lens = torch.randint(0, 160, (40,), generator=g)
@@ -373,7 +380,7 @@ def test_dfs_weight_shuffled_node_numbering_and_sibling_ties():
     want = ref_perm(queue, res.queue)
     parent, rank, depth, index = flatten_tree(cache.root)
     N = parent.numel()
-    relabel = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(N - 1, generator=torch.Generator().manual_seed(5))])
+    relabel = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(N - 1, generator=_gen().manual_seed(5))])
     new_parent = torch.full((N,), -1, dtype=torch.int64)
     new_parent[relabel[1:]] = relabel[parent[1:]]
     new_rank = torch.zeros(N, dtype=torch.int64)
@@ -391,7 +398,7 @@ def test_dfs_weight_100k_chain():
     N = 100_000
     parent = torch.arange(-1, N - 1, dtype=torch.int64)
     rank = torch.zeros(N, dtype=torch.int64)
-    g = torch.Generator().manual_seed(1)
+    g = _gen().manual_seed(1)
     n = 3000
     last = torch.randint(0, N, (n,), generator=g)
     last[:5] = torch.tensor([0, N - 1, N - 1, 0, 1])
@@ -463,7 +470,7 @@ def test_torch_backend_compiles_without_graph_breaks():
     shapes): every torch-backend function traces as one graph. (`random_order` is a single
     torch.randperm; dynamo does not trace Generator arguments, so it is not compiled here.)"""
     n = 257
-    g = torch.Generator().manual_seed(0)
+    g = _gen().manual_seed(0)
     prio = torch.randint(-2, 3, (n,), generator=g)
     t = torch.randint(0, 4, (n,), generator=g).to(torch.float64)
     max_new = torch.randint(0, 4, (n,), generator=g)
