@@ -24,9 +24,15 @@ class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
-def make_scheduler_factory(backend: str, device: Optional[str] = None):
-    """`factory(config, kv_pool_size, shuffle=None)` for a backend name (one of BACKENDS)."""
+def make_scheduler_factory(backend: str, device: Optional[str] = None, capture: int = 0):
+    """`factory(config, kv_pool_size, shuffle=None)` for a backend name (one of BACKENDS).
+    capture > 0: device backends take the recorded step (`GpuScheduler.capture`) with that
+    queue capacity (and running capacity)."""
+    if capture < 0:
+        raise CliError(f"--capture must be >= 0, got {capture}")
     if backend == "reference":
+        if capture:
+            raise CliError("--capture needs a device backend (torch or triton), not the reference")
         from .reference import ReferenceScheduler
 
         return lambda cfg, kv, shuffle=None: ReferenceScheduler(cfg, kv, shuffle=shuffle)
@@ -34,7 +40,14 @@ def make_scheduler_factory(backend: str, device: Optional[str] = None):
         from .scheduler import GpuScheduler
 
         dev = device or "cpu"
-        return lambda cfg, kv, shuffle=None: GpuScheduler(cfg, kv, shuffle=shuffle, backend=backend, device=dev)
+
+        def factory(cfg, kv, shuffle=None):
+            s = GpuScheduler(cfg, kv, shuffle=shuffle, backend=backend, device=dev)
+            if capture:
+                s.capture(queue_capacity=capture, running_capacity=capture)
+            return s
+
+        return factory
     raise CliError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
 
@@ -136,7 +149,7 @@ def cmd_replay(args) -> int:
     from .sim.engine import SimulationError, get_cost_model, replay
     from .sim.metrics import format_comparison, format_summary, write_results
 
-    factory = make_scheduler_factory(args.backend, args.device)
+    factory = make_scheduler_factory(args.backend, args.device, args.capture)
     try:
         if args.kv_tokens < 1:
             raise ValueError(f"--kv-tokens must be >= 1, got {args.kv_tokens}")
@@ -213,7 +226,7 @@ def cmd_trace_stats(args) -> int:
 def cmd_conformance(args) -> int:
     from .conformance import run_file
 
-    factory = make_scheduler_factory(args.backend, args.device)
+    factory = make_scheduler_factory(args.backend, args.device, args.capture)
     try:
         _, failed = run_file(args.file, factory)
     except FileNotFoundError as e:
@@ -244,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kv-tokens", type=int, default=1_000_000, metavar="N", help="KV pool size [tokens]")
     r.add_argument("--backend", default="reference", help=f"scheduler backend: {', '.join(BACKENDS)}")
     r.add_argument("--device", default=None, help="torch device for device backends")
+    r.add_argument("--capture", type=int, default=0, metavar="N",
+                   help="device backends: the recorded step (CUDA graph on CUDA) for queues up to N")
     r.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
                    help=f"step-cost preset: {', '.join(COST_MODELS)} (default {DEFAULT_COST_MODEL})")
     r.add_argument("--check", action="store_true", help="check scheduler integrity after every step")
@@ -263,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("file", help="scenario file (.jsonl or .jsonl.gz)")
     c.add_argument("--backend", default="reference", help=f"scheduler backend: {', '.join(BACKENDS)}")
     c.add_argument("--device", default=None, help="torch device for device backends")
+    c.add_argument("--capture", type=int, default=0, metavar="N",
+                   help="device backends: the recorded step (CUDA graph on CUDA) for queues up to N")
     c.set_defaults(func=cmd_conformance)
     return p
 

@@ -115,6 +115,8 @@ def _bad_rows(tmp_path):
     (["replay", "--schedule-conservativeness", "nan"], "schedule_conservativeness"),
     (["replay", "--cost-model", "gpt-17"], "cost model"),
     (["replay", "--backend", "cuda-magic"], "backend"),
+    (["replay", "--capture", "64"], "--capture needs a device backend"),
+    (["replay", "--backend", "torch", "--capture", "-1"], "--capture must be >= 0"),
     (["replay", "--rate-scale", "0"], "rate-scale"),
     (["replay", "--trace", "BAD", "--no-progress"], "line 2"),
     (["trace-stats", "BAD"], "line 2"),

@@ -3,10 +3,10 @@ ranges, chunked and preempted requests) is identical for the reference, torch an
 backends, for lpm, fcfs and dfs-weight. KV pool small enough that eviction, chunking and
 retraction all happen."""
 
-import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpu_sched.config import SchedulerConfig
 from gpu_sched.reference import ReferenceScheduler
@@ -35,10 +35,32 @@ def test_torch_backend_digest_equals_reference(policy):
 
 
 def test_triton_backend_digest_equals_reference():
+    """Triton kernels: compiled on CUDA, else in the interpreter (conftest.py chose it)."""
     if not TRACE.exists():
         pytest.skip("Mooncake trace not found")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     trace = read_mooncake(TRACE, limit=12, rate_scale=4.0)
     a, _ = run(trace, "lpm", lambda c, k: ReferenceScheduler(c, k), kv=200_000)
-    b, _ = run(trace, "lpm", lambda c, k: GpuScheduler(c, k, backend="triton"), kv=200_000)
+    b, _ = run(trace, "lpm", lambda c, k: GpuScheduler(c, k, backend="triton", device=dev), kv=200_000)
     assert a == b
+
+
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+def test_recorded_step_digest_equals_reference(policy):
+    """`gpu-sched replay --capture N`: the recorded step (a CUDA graph on CUDA) decides like the
+    reference over a real trace slice."""
+    if not TRACE.exists():
+        pytest.skip("Mooncake trace not found")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    trace = read_mooncake(TRACE, limit=40, rate_scale=4.0)
+    a, _ = run(trace, policy, lambda c, k: ReferenceScheduler(c, k))
+    graphs = []
+
+    def make(c, k):
+        s = GpuScheduler(c, k, backend="torch", device=dev)
+        graphs.append(s.capture(queue_capacity=64, running_capacity=64))
+        return s
+
+    b, sb = run(trace, policy, make)
+    assert a == b
+    assert sb["completed"] == 40 and graphs[0].runs > 10
