@@ -37,7 +37,15 @@ class GpuScheduler(ReferenceScheduler):
         backend: "torch" (any device) or "triton" (Triton kernels for keys and tree passes;
             on CPU only under TRITON_INTERPRET=1).
         device: torch device (default "cpu").
+
+    Attributes:
+        admit_window: ordered requests the admission scans first (256); a loop that admits them
+            all goes on with the next window, twice as long. The sequential loop never reads
+            past its stop point, so the decisions do not depend on it; the cost of a step's
+            admission is then O(admitted), not O(queue).
     """
+
+    admit_window = 256
 
     def __init__(self, config: SchedulerConfig, kv_pool_size: int,
                  shuffle: Optional[Callable[[int], Sequence[int]]] = None,
@@ -148,14 +156,6 @@ class GpuScheduler(ReferenceScheduler):
     # ---- ordering (R-ORD) on the device ------------------------------------------------------
     def _col(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
-
-    def _padded_fills(self, queue: List[ReqState], caps: Optional[List[int]] = None):
-        lens = [r.fill_len if caps is None else min(r.fill_len, c) for r, c in zip(queue, caps or [None] * len(queue))]
-        L = max(lens + [1])
-        buf = np.zeros((len(queue), L), np.int32)
-        for i, (r, n) in enumerate(zip(queue, lens)):
-            buf[i, :n] = r.fill()[:n]
-        return torch.from_numpy(buf).to(self.device), self._col(lens, torch.int64)
 
     def _fill_hashes_many(self, rs: Sequence[ReqState], max_batch_tokens: int = 1 << 24) -> list:
         """Each request's entry (ReqState, fill length, token offset, chunk-hash offset,
@@ -285,29 +285,32 @@ class GpuScheduler(ReferenceScheduler):
                 q = [q[i] for i in perm.tolist()]
             return OrderResult("fcfs", q)
         if policy in ("lpm", "dfs-weight"):
-            self.batch_match(q)
-            for r in q:
-                r.num_matched = min(r.prefix_len, r.max_prefix_len())
+            if n == 0:
+                return OrderResult(policy, q, [], [])
+            # R-ORD-8: match in queue order (splits and stamps as sequential matching), then
+            # keys, deprioritization and the order on the device; one read-back at the end
+            tok, toff, lens, ns, ch, coff, _ = self._csr(q, None)
+            m, last = self.cache.tree.match_csr(tok, toff, lens, ns, ch, coff)
+            num = torch.minimum(m, self._col([r.max_prefix_len() for r in q], torch.int64))
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
-            if n:
-                heads, hl = self._padded_fills(q, [T] * n) if T > 0 else (torch.zeros((n, 0), dtype=torch.int32, device=self.device), self._col([0] * n, torch.int64))
-                dep = dpolicy.in_batch_deprioritize(
-                    self._col([r.prefix_len for r in q], torch.int64), self._col([r.fill_len for r in q], torch.int64),
-                    self._col([self.cache.ns_id(r.req.extra_key) for r in q], torch.int64),
-                    dpolicy.head_hashes(heads, hl) if T > 0 else torch.zeros(n, dtype=torch.int64, device=self.device),
-                    cfg.in_batch_prefix_caching_check_threshold, T, backend=be).tolist()
+            if T > 0:  # R-ORD-9 heads: the first T fill tokens, gathered from the token pool
+                cols = (toff[:, None] + torch.arange(T, device=self.device)).clamp(0, max(tok.numel() - 1, 0))
+                heads = tok[cols] if tok.numel() else torch.zeros((n, T), dtype=torch.int32, device=self.device)
+                hh = dpolicy.head_hashes(heads, torch.clamp(lens, max=T))
             else:
-                dep = []
-            dep_rids = {r.rid for r, d in zip(q, dep) if d}
-            if n and policy == "lpm":
-                perm = dpolicy.lpm_order(self._col([r.num_matched for r in q], torch.int64),
-                                         torch.tensor(dep, dtype=torch.bool, device=self.device), backend=be)
-                q = [q[i] for i in perm.tolist()]
-            elif n:
+                hh = torch.zeros(n, dtype=torch.int64, device=self.device)
+            dep = dpolicy.in_batch_deprioritize(m, lens, ns, hh, cfg.in_batch_prefix_caching_check_threshold, T,
+                                                backend=be)
+            if policy == "lpm":
+                perm = dpolicy.lpm_order(num, dep, backend=be)
+            else:
                 parent, rank, remap = self._child_ranks()
-                last = remap[self._col([r.last_node for r in q], torch.int64)]
-                perm = dpolicy.dfs_weight_order(parent, rank, None, last, backend=be)
-                q = [q[i] for i in perm.tolist()]
+                perm = dpolicy.dfs_weight_order(parent, rank, None, remap[last], backend=be)
+            vals = torch.cat([m, last, num, dep.to(torch.int64), perm]).tolist()
+            for r, a, b, c in zip(q, vals[:n], vals[n : 2 * n], vals[2 * n : 3 * n]):
+                r.prefix_len, r.last_node, r.num_matched = a, b, c
+            dep_rids = {r.rid for r, d in zip(q, vals[3 * n : 4 * n]) if d}
+            q = [q[i] for i in vals[4 * n :]]
             return OrderResult(policy, q, [r.num_matched for r in q], [r.rid for r in q if r.rid in dep_rids])
         if n == 0 or policy == "fcfs":  # fcfs here: the lpm fallback sorts nothing (R-ORD-2)
             return OrderResult(policy, q)
@@ -360,26 +363,31 @@ class GpuScheduler(ReferenceScheduler):
         the batch full with priority preemption on (`STOP_PREEMPT`) goes through
         `_admit_preempting` (device victim choice, host release), after which the rest of the
         queue is decided again."""
-        from .admission import STOP_NAMES, STOP_NO_TOKEN, STOP_OTHER, STOP_PREEMPT, StepConfig
+        from .admission import STOP_NAMES, STOP_NO_TOKEN, STOP_OTHER, STOP_PREEMPT, STOP_QUEUE_END, StepConfig
 
         running_bs = len(self.running)  # SGLang reads the batch size once, before the loop
         scfg = StepConfig.from_config(self.config)
         pending = self._take_pending(queue, adder)
         i, n = 0, len(queue)
+        W = max(1, int(self.admit_window))
         while i < n:
-            rest = queue[i:]
-            Q = len(rest)
             caps = None  # max_prefix_len of `rest`, built only where needed
             if pending is not None:  # the recorded step decided this segment already
+                rest = queue[: pending.window]
                 vals = pending.head[:12] + pending.extend_end
                 pending = None
             else:
+                # a window of the queue: the loop never reads past its stop point, and one that
+                # gets through the window goes on with the next (twice as long)
+                rest = queue[i : i + W]
+                W *= 2
                 caps = [r.max_prefix_len() for r in rest]
                 res = self._static_admission(rest, caps, adder, running_bs, scfg)
                 head = torch.stack([res.stop, res.stop_index, res.chunk_index, res.batch_full.to(torch.int64),
                                     res.I, res.cur_off, res.rem_input, res.rem_chunk, res.hit_tokens,
                                     res.input_tokens, res.decided.to(torch.int64), res.admitted.sum()])
                 vals = torch.cat([head, res.extend_end]).tolist()  # the one read-back
+            Q = len(rest)
             stop, k, ci, full, I, cur, rin, rc, hit, inp, decided, na = vals[:12]
             if not decided:
                 raise RuntimeError("admit_step did not reach the end of the loop (rounds too few)")
@@ -395,6 +403,9 @@ class GpuScheduler(ReferenceScheduler):
             if ci >= 0:
                 adder.new_chunked = rest[ci]
             self.batch_is_full = bool(full)
+            if stop == STOP_QUEUE_END and i + Q < n:  # the window, not the queue, ended
+                i += Q
+                continue
             if stop != STOP_PREEMPT:
                 return STOP_NAMES[stop]
             stop = self._admit_preempting(rest[k], adder)

@@ -54,9 +54,11 @@ class StepOutput(NamedTuple):
 
     head: List[int]  # HEAD values, see the module constant
     order: List[int]  # [n] queue positions in policy order
-    extend_end: List[int]  # [n] extend end of the ordered queue's entries (admitted ones)
+    extend_end: List[int]  # [min(n, window)] extend end of the ordered queue's entries (admitted ones)
     prefix_len: List[int]  # [n] full-length match, queue order (lpm only; else zeros)
     deprioritized: List[bool]  # [n] R-ORD-9 flags, queue order (lpm only)
+    window: int  # ordered entries the admission scanned: a stop at queue_end with window < n
+    #              means the host goes on from there (`GpuScheduler._admission_loop`)
 
 
 class StepGraph:
@@ -78,6 +80,10 @@ class StepGraph:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         self.s = sched
         self.Q, self.R = int(queue_capacity), int(running_capacity)
+        # The sequential loop never looks past its stop point, so admission scans the first W
+        # ordered entries only (exact: nothing after an entry changes what it sees); a loop
+        # that gets through all W goes on eagerly from there.
+        self.W = min(self.Q, int(getattr(sched, "admit_window", self.Q)))
         tree = sched.cache.tree
         self.max_len = int(max_len) if max_len is not None else int(tree.token_capacity)
         if self.max_len < 1:
@@ -178,8 +184,6 @@ class StepGraph:
             if tok is None:  # nothing hashed yet (an empty queue): empty pools
                 tok = torch.zeros(0, dtype=torch.int32, device=dev)
                 ch = torch.zeros(0, dtype=i64, device=dev)
-            capped = torch.where(valid, torch.minimum(fill, cap).clamp(min=0), 0)
-            m_cap, pos_cap = tree.find_static(tok, toff, capped, ns, ch, coff, self.max_len, backend=be)
         # ---- ordering (R-ORD) ----
         dep = torch.zeros(Q, dtype=torch.bool, device=dev)
         m_full, pos_full = zeros, zeros - 1
@@ -208,11 +212,15 @@ class StepGraph:
                 perm = ar
             # padding last, the order of the real entries kept
             perm = perm[torch.sort((~valid[perm]).to(torch.int8), stable=True).indices]
-        # ---- admission (R-STEP-3) on the ordered queue ----
-        g = lambda x: torch.index_select(x, 0, perm)  # noqa: E731
+        # ---- admission (R-STEP-3) on the first W ordered entries ----
+        W = self.W
+        pw = perm[:W]
+        g = lambda x: torch.index_select(x, 0, pw)  # noqa: E731
         ovalid = g(valid)
-        if cache_on:
-            om, opos = g(m_cap), g(pos_cap)
+        zeros = zeros[:W]
+        if cache_on:  # the match capped at max_prefix_len (R-STEP-3.4)
+            capped = torch.where(ovalid, torch.minimum(g(fill), g(cap)).clamp(min=0), 0)
+            om, opos = tree.find_static(tok, g(toff), capped, g(ns), ch, g(coff), self.max_len, backend=be)
             has = ovalid & (om > 0)
             p = torch.where(has, opos, 0)
             node = torch.where(has, tree.owner[p], 0)
@@ -228,7 +236,7 @@ class StepGraph:
         st = StepState(available=sc[_S_AVAIL], evictable=ev, I=sc[_S_I], cur_off=sc[_S_CUR], rem_input=sc[_S_RIN],
                        rem_chunk=sc[_S_RC], ratio=self.ratio, N=sc[_S_NRES], can_run=torch.zeros_like(n),
                        running_bs=sc[_S_RBS], batch_full=sc[_S_FULL] != 0)
-        q = QueueCols(n=n, fill_len=g(fill), out_len=g(outl), prompt_len=g(prompt), max_new=g(maxn), prefix_len=om,
+        q = QueueCols(n=torch.clamp(n, max=W), fill_len=g(fill), out_len=g(outl), prompt_len=g(prompt), max_new=g(maxn), prefix_len=om,
                       drop=drop, ignore_eos=g(ie) != 0)
         held = None
         if scfg.ignore_eos_path:
@@ -245,7 +253,8 @@ class StepGraph:
         head = torch.stack([res.stop, res.stop_index, res.chunk_index, res.batch_full.to(i64), res.I, res.cur_off,
                             res.rem_input, res.rem_chunk, res.hit_tokens, res.input_tokens - in_flight, res.decided.to(i64),
                             res.admitted.sum(), res.inflight_end, res.inflight_left.to(i64)])
-        self.out.copy_(torch.cat([head, perm, res.extend_end, m_full, dep.to(i64)]))
+        ends = torch.cat([res.extend_end, res.extend_end.new_zeros(Q - W)])
+        self.out.copy_(torch.cat([head, perm, ends, m_full, dep.to(i64)]))
         self.m_full.copy_(m_full)
         self.pos_full.copy_(pos_full)
 
@@ -284,8 +293,9 @@ class StepGraph:
         head = vals[:HEAD]
         n = self._n
         b = HEAD
-        return StepOutput(head, vals[b : b + n], vals[b + Q : b + Q + n], vals[b + 2 * Q : b + 2 * Q + n],
-                          [bool(x) for x in vals[b + 3 * Q : b + 3 * Q + n]])
+        w = min(n, self.W)
+        return StepOutput(head, vals[b : b + n], vals[b + Q : b + Q + w], vals[b + 2 * Q : b + 2 * Q + n],
+                          [bool(x) for x in vals[b + 3 * Q : b + 3 * Q + n]], self.W)
 
     def _record(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -251,3 +251,14 @@ def test_200_step_runs_match_reference(name):
         assert hits["retracted"] > 0, hits
     if cfg.get("chunked_prefill_size", 8192) is not None:
         assert hits["chunked"] > 0, hits
+
+
+@pytest.mark.parametrize("name", ["lpm", "fcfs-priority-preempt", "nocache-ignore-eos", "lpm-page4-mixed"])
+def test_admission_windows_match_reference(name, monkeypatch):
+    """Admission scans windows of 2, 4, 8, ... ordered requests (`GpuScheduler.admit_window`):
+    most loops cross several windows, eager and recorded, and every step stays the reference's."""
+    monkeypatch.setattr(GpuScheduler, "admit_window", 2)
+    hits = run_long(name, seed=3)
+    assert hits["admitted"] > 60, hits
+    hits = run_long(name, seed=4, capture=dict(queue_capacity=32, running_capacity=32))
+    assert hits["recorded"] > 10, hits
