@@ -10,11 +10,13 @@ padding) and computes, with static shapes and no host read:
      length for ordering (R-ORD-8) and capped at max_prefix_len for admission (R-STEP-3.4);
   2. the policy's order (`gpu_sched.policy`: fcfs with or without priority, lof, lpm with
      in-batch deprioritization R-ORD-9 and the R-ORD-2 fallback); padding sorts last;
-  3. the admission of the ordered queue (`gpu_sched.admission.admit_step`, with the in-flight
-     chunked request R-ADM-5 and lock-aware evictable drops `lock_drops`).
+  3. the admission of the first W ordered entries (`gpu_sched.admission.admit_step`, with the
+     in-flight chunked request R-ADM-5 and lock-aware evictable drops `lock_drops`; W =
+     `GpuScheduler.admit_window` capped at the capacity: the loop never reads past its stop
+     point, and one that admits all W goes on eagerly on the host).
 
-Everything lands in one int64 output buffer (`HEAD` scalars, then the order, extend ends, full
-match lengths and deprioritized flags, each [Q]), so the host reads the step back once. On
+Everything lands in one int64 output buffer (`HEAD` scalars, then the order, extend ends (first
+W), full match lengths and deprioritized flags, each [Q]), so the host reads the step back once. On
 CUDA the computation is recorded once in a `torch.cuda.CUDAGraph` and replayed; the graph is
 recorded again when a tensor it reads was reallocated (the tree's hash table grown, the
 scheduler's token pools rebuilt): `signature()` names them by address.
