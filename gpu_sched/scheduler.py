@@ -46,6 +46,8 @@ class GpuScheduler(ReferenceScheduler):
     """
 
     admit_window = 256
+    #: smallest token pool of the per-request fills (chunk-hash pool: a sixteenth of it)
+    POOL_MIN_TOKENS = 1 << 16
 
     def __init__(self, config: SchedulerConfig, kv_pool_size: int,
                  shuffle: Optional[Callable[[int], Sequence[int]]] = None,
@@ -112,16 +114,9 @@ class GpuScheduler(ReferenceScheduler):
         cfg = self.config
         q = list(self.queue)
         n = len(q)
-        ents = None
-        if not self.cache.disable:
-            while True:
-                gen = self._qgen
-                ents = self._fill_hashes_many(q)
-                if gen == self._qgen:
-                    break  # else the pools were rebuilt midway: offsets moved, again
         mixed = len(self.running) if cfg.enable_mixed_chunk and cfg.chunked_prefill_size is not None else 0
         adder = PrefillAdder(cfg, self.cache, self.pool, self.running, float(self._step_ratio), mixed)
-        g.load(q, ents, adder, self.batch_is_full, self.chunked)
+        g.load(q, adder, self.batch_is_full, self.chunked)  # hashes new requests' fills too
         out = g.run()
         oq = [q[i] for i in out.order]
         self._pending = (out, oq)
@@ -207,8 +202,8 @@ class GpuScheduler(ReferenceScheduler):
             C = self.cache.tree.C
             need_t = sum(e[1] for e in live.values()) + nt
             need_c = sum(e[1] // C for e in live.values()) + nc
-            cap_t = max(1 << 16, 2 * need_t)
-            cap_c = max(1 << 12, 2 * need_c)
+            cap_t = max(self.POOL_MIN_TOKENS, 2 * need_t)
+            cap_c = max(self.POOL_MIN_TOKENS // 16, 2 * need_c)
             tok = torch.zeros(cap_t, dtype=torch.int32, device=self.device)
             chs = torch.zeros(cap_c, dtype=torch.int64, device=self.device)
             t = c = 0

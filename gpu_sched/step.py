@@ -76,6 +76,9 @@ class StepGraph:
         ValueError: a capacity below 1, or max_len below 1.
     """
 
+    #: fewest slots of the row store (twice the queue capacity at least)
+    MIN_STORE = 1024
+
     def __init__(self, sched, queue_capacity: int, running_capacity: int, max_len: Optional[int] = None):
         for name, v in (("queue_capacity", queue_capacity), ("running_capacity", running_capacity)):
             if int(v) < 1:
@@ -92,7 +95,9 @@ class StepGraph:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         dev = sched.device
         self.device = dev
-        self.qi = torch.zeros((_Q_ROWS, self.Q), dtype=torch.int64, device=dev)
+        self.sidx = torch.zeros(self.Q, dtype=torch.int64, device=dev)  # row-store slot per queue position
+        self._store_cap = 0
+        self._grow(max(2 * self.Q, self.MIN_STORE))
         self.qt = torch.zeros(self.Q, dtype=torch.float64, device=dev)
         self.hi = torch.zeros((4, self.R), dtype=torch.int64, device=dev)
         self.sc = torch.zeros(_S_LEN, dtype=torch.int64, device=dev)
@@ -104,7 +109,8 @@ class StepGraph:
         self.graph = None
         self._sig = None
         self._n = 0
-        self._rows = {}  # (rid, out_len, pool generation) -> (ReqState, its queue row)
+        self._slot = {}  # rid -> (ReqState, out_len, pool generation, row-store slot)
+        self._top = 0  # next free slot
         self._caps = np.zeros(0, dtype=np.int64)  # max_prefix_len of the loaded queue
         self.captures = 0  # graphs recorded so far
         self.runs = 0  # steps computed (replays on CUDA)
@@ -115,36 +121,55 @@ class StepGraph:
         cfg = self.s.config
         return cfg.effective_policy in GRAPH_POLICIES and n_queue <= self.Q and n_running <= self.R
 
-    def load(self, queue: Sequence, ents: Optional[Sequence], adder, batch_full: bool, chunked) -> None:
-        """Write one step's inputs into the buffers (one host-to-device copy each).
+    def load(self, queue: Sequence, adder, batch_full: bool, chunked) -> None:
+        """Write one step's inputs into the buffers.
 
-        queue: the waiting requests (ReqState) in queue order; ents: their `_fill_hashes_many`
-        entries (None with the cache disabled); adder: a fresh `PrefillAdder` (budgets at the
-        loop's start, before the in-flight chunked request); chunked: that request or None.
-        A request's row is built once per (fill length, pool generation) and kept (`_rows`),
-        so a step costs one dict lookup per waiting request on the host."""
+        queue: the waiting requests (ReqState) in queue order; adder: a fresh `PrefillAdder`
+        (budgets at the loop's start, before the in-flight chunked request); chunked: that
+        request or None. Each request's row (lengths, priority, cap, namespace, pool offsets)
+        lives in a device row store from the first step that sees it until its fill length or
+        the scheduler's token pools change; a step sends only the queue's slot numbers and the
+        rows of new requests, so the host work is one dict lookup per waiting request."""
+        s = self.s
         n = len(queue)
         self._n = n
-        gen = self.s._qgen
-        rows, cache = [], self._rows
-        for k, r in enumerate(queue):
-            key = (r.rid, r.out_len, gen)
-            row = cache.get(key)
-            if row is None or row[0] is not r:
-                e = ents[k] if ents is not None else (None, 0, 0, 0, 0)
-                row = (r, (r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.priority,
-                           r.max_prefix_len(), e[4], e[2], e[3]))
-                cache[key] = row
-            rows.append(row[1])
-        if len(cache) > 4 * max(n, 1024):  # drop rows of requests gone or of older generations
-            live = {(r.rid, r.out_len, gen) for r in queue}
-            self._rows = {k: v for k, v in cache.items() if k in live}
-        qi = np.zeros((_Q_ROWS, self.Q), dtype=np.int64)
-        qt = np.zeros(self.Q, dtype=np.float64)
-        if n:
-            qi[:, :n] = np.array(rows, dtype=np.int64).T
+        gen = s._qgen
+        get = self._slot.get
+        found = []
+        add = found.append
+        for r in queue:
+            e = get(r.rid)
+            add(e[3] if e is not None and e[0] is r and e[2] == gen and e[1] == len(r.req.output_ids) else -1)
+        slots = np.zeros(self.Q, dtype=np.int64)
+        slots[:n] = found
+        miss = np.flatnonzero(slots[:n] < 0).tolist()
+        if miss:
+            reqs = [queue[k] for k in miss]
+            ents = s._fill_hashes_many(reqs) if not s.cache.disable else None
+            if s._qgen != gen or self._top + len(miss) > self._store_cap:
+                # pools rebuilt (offsets moved) or the store is full: start it over with this queue
+                self._slot.clear()
+                self._top = 0
+                if n > self._store_cap:
+                    self._grow(2 * n)
+                return self.load(queue, adder, batch_full, chunked)
+            m = len(reqs)
+            rows = np.array([(r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.priority,
+                              r.max_prefix_len(), *((e[4], e[2], e[3]) if ents is not None else (0, 0, 0)))
+                             for r, e in zip(reqs, ents if ents is not None else reqs)], dtype=np.int64).T
+            new = np.arange(self._top, self._top + m, dtype=np.int64)
+            self.store[:, self._top : self._top + m] = torch.from_numpy(rows).to(self.device)
+            self._cap_host[self._top : self._top + m] = rows[_Q_CAP]
+            for r, sl in zip(reqs, new.tolist()):
+                self._slot[r.rid] = (r, r.out_len, gen, sl)
+            slots[miss] = new
+            self._top += m
+        self._caps = self._cap_host[slots[:n]]
+        self.sidx.copy_(torch.from_numpy(slots))
+        if s.config.enable_priority_scheduling:
+            qt = np.zeros(self.Q, dtype=np.float64)
             qt[:n] = [r.enqueue_time for r in queue]
-        self._caps = qi[_Q_CAP, :n]
+            self.qt.copy_(torch.from_numpy(qt))
         run = self.s.running
         hi = np.zeros((4, self.R), dtype=np.int64)
         if run:
@@ -156,11 +181,15 @@ class StepGraph:
                        len(run), int(c is not None),
                        *((c.fill_len, c.prefix_len, c.max_new, c.out_len, c.prompt_len, int(c.req.ignore_eos))
                          if c is not None else (0,) * 6)], dtype=np.int64)
-        self.qi.copy_(torch.from_numpy(qi))
-        self.qt.copy_(torch.from_numpy(qt))
         self.hi.copy_(torch.from_numpy(hi))
         self.sc.copy_(torch.from_numpy(sc))
         self.ratio.fill_(float(adder.ratio))
+
+    def _grow(self, cap: int) -> None:
+        """A row store of `cap` slots (a new tensor: the graph is recorded again)."""
+        self._store_cap = int(cap)
+        self.store = torch.zeros((_Q_ROWS, self._store_cap), dtype=torch.int64, device=self.device)
+        self._cap_host = np.zeros(self._store_cap, dtype=np.int64)
 
     # ---- the device computation -------------------------------------------------------------------
     def compute(self) -> None:
@@ -172,7 +201,7 @@ class StepGraph:
         dev = self.device
         Q = self.Q
         i64 = torch.int64
-        qi, sc = self.qi, self.sc
+        qi, sc = self.store.index_select(1, self.sidx), self.sc
         fill, outl, prompt, maxn, ie, prio, cap, ns, toff, coff = qi.unbind(0)
         n = sc[_S_N]
         ar = torch.arange(Q, device=dev)
@@ -272,7 +301,7 @@ class StepGraph:
         node span: a change means the recorded graph would read stale memory or shapes."""
         tree = self.s.cache.tree
         ts = [v for v in vars(tree).values() if isinstance(v, torch.Tensor)]
-        ts += [t for t in (self.s._qtok, self.s._qch) if t is not None]
+        ts += [t for t in (self.s._qtok, self.s._qch, self.store) if t is not None]
         return tuple((t.data_ptr(), t.numel()) for t in ts) + (self._node_span(),)
 
     def run(self) -> StepOutput:

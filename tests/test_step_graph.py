@@ -78,8 +78,19 @@ cpu_runs = pytest.mark.skipif(os.environ.get("GPU_SCHED_TEST_DEVICE") == "cuda",
 def test_recorded_step_runs_match_reference(name):
     hits = run_long(name, seed=1, capture=dict(queue_capacity=32, running_capacity=24))
     assert hits["recorded"] > 10, hits  # the recorded step decided many steps
-    print(name, hits)
     assert hits["admitted"] > 60, hits
+
+
+@cpu_runs
+@pytest.mark.parametrize("name", ["lpm", "fcfs-priority-preempt", "nocache-ignore-eos"])
+def test_row_store_and_pool_rebuilds(name, monkeypatch):
+    """A row store of 8 slots and token pools of 64 tokens: the store starts over and the
+    scheduler's pools are rebuilt (moving every request's offsets) again and again, and every
+    step is still the reference's."""
+    monkeypatch.setattr(StepGraph, "MIN_STORE", 8)
+    monkeypatch.setattr(GpuScheduler, "POOL_MIN_TOKENS", 64)
+    hits = run_long(name, seed=7, capture=dict(queue_capacity=8, running_capacity=24))
+    assert hits["recorded"] >= 5, hits
 
 
 @cpu_runs
