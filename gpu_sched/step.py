@@ -21,8 +21,9 @@ CUDA the computation is recorded once in a `torch.cuda.CUDAGraph` and replayed; 
 recorded again when a tensor it reads was reallocated (the tree's hash table grown, the
 scheduler's token pools rebuilt): `signature()` names them by address.
 
-What stays on the host: writing the inputs (one host-to-device copy per step), and after the
-read-back the tree's splits and stamps, locks and the per-request bookkeeping
+What stays on the host: the queue's slot numbers in a device row store (each request's row is
+written once, when first seen), the budgets, and after the read-back the tree's splits and
+stamps, locks and the per-request bookkeeping
 (`GpuScheduler` applies them exactly as its eager path does). Policies routing-key, random and
 dfs-weight are not recorded (`supports` says False and the scheduler takes its eager path).
 """
