@@ -108,7 +108,7 @@ class GpuScheduler(ReferenceScheduler):
     def _order_recorded(self, g) -> OrderResult:
         """R-STEP-2 by the recorded step (which also decides the admission loop's first segment,
         kept in `_pending`); the ordering match's splits and stamps are applied here, in queue
-        order, as `batch_match` would."""
+        order, as sequential matching would."""
         from .reference.adder import PrefillAdder
 
         cfg = self.config
@@ -126,7 +126,7 @@ class GpuScheduler(ReferenceScheduler):
         if n:
             # splits and stamps; the last nodes are not read back: only admitted requests need
             # theirs, and admission re-matches them (`_admit_run`)
-            self.cache.tree._apply(g.m_full[:n], g.pos_full[:n])
+            self.cache.tree._apply(g.m_full[:n], g.pos_full[:n], self.cache.tree.backend)
             for r, a, c in zip(q, out.prefix_len, g._caps.tolist()):
                 r.prefix_len, r.last_node, r.num_matched = a, None, min(a, c)
         dep_rids = {r.rid for r, d in zip(q, out.deprioritized) if d}
@@ -249,19 +249,6 @@ class GpuScheduler(ReferenceScheduler):
         mc = int(cl.max()) if cl.numel() else 0
         return self.cache.tree._find_csr(tok, toff, lens, lens, ns, ch, coff, cl, mc)
 
-    def batch_match(self, queue: List[ReqState], caps: Optional[List[int]] = None):
-        """Match every request of `queue` in order (R-RC-4 batched); sets prefix_len/last_node."""
-        if not queue:
-            return
-        if self.cache.disable:
-            for r in queue:
-                r.prefix_len, r.last_node = 0, self.cache.root
-            return
-        tok, toff, lens, ns, ch, coff, _ = self._csr(queue, caps)
-        m, last = self.cache.tree.match_csr(tok, toff, lens, ns, ch, coff)
-        for r, a, b in zip(queue, m.tolist(), last.tolist()):
-            r.prefix_len, r.last_node = a, b
-
     def _order(self) -> OrderResult:
         g = self._graph
         if (g is not None and self._step_ratio is not None and not self._custom_shuffle
@@ -353,9 +340,9 @@ class GpuScheduler(ReferenceScheduler):
     # ---- admission (R-STEP-3) as one static step ------------------------------------------------
     def _admission_loop(self, queue: List[ReqState], adder) -> str:
         """R-STEP-3: `gpu_sched.admission.admit_step` decides the whole loop on the device (admitted
-        prefix, chunks, stop, budgets); one read-back, then the host applies it (`_admit_run`:
-        batched re-match with splits and stamps, locks, can_run, commits). A request that finds
-        the batch full with priority preemption on (`STOP_PREEMPT`) goes through
+        prefix, chunks, stop, budgets); one read-back, then the host applies it (`_admit_run`: the
+        admission's own matches applied with splits and stamps, locks, can_run, commits). A request
+        that finds the batch full with priority preemption on (`STOP_PREEMPT`) goes through
         `_admit_preempting` (device victim choice, host release), after which the rest of the
         queue is decided again."""
         from .admission import STOP_NAMES, STOP_NO_TOKEN, STOP_OTHER, STOP_PREEMPT, STOP_QUEUE_END, StepConfig
@@ -370,6 +357,7 @@ class GpuScheduler(ReferenceScheduler):
             if pending is not None:  # the recorded step decided this segment already
                 rest = queue[: pending.window]
                 vals = pending.head[:12] + pending.extend_end
+                matched = None if self.cache.disable else (self._graph.m_cap, self._graph.pos_cap)
                 pending = None
             else:
                 # a window of the queue: the loop never reads past its stop point, and one that
@@ -377,7 +365,7 @@ class GpuScheduler(ReferenceScheduler):
                 rest = queue[i : i + W]
                 W *= 2
                 caps = [r.max_prefix_len() for r in rest]
-                res = self._static_admission(rest, caps, adder, running_bs, scfg)
+                res, matched = self._static_admission(rest, caps, adder, running_bs, scfg)
                 head = torch.stack([res.stop, res.stop_index, res.chunk_index, res.batch_full.to(torch.int64),
                                     res.I, res.cur_off, res.rem_input, res.rem_chunk, res.hit_tokens,
                                     res.input_tokens, res.decided.to(torch.int64), res.admitted.sum()])
@@ -388,8 +376,11 @@ class GpuScheduler(ReferenceScheduler):
                 raise RuntimeError("admit_step did not reach the end of the loop (rounds too few)")
             ends = vals[12 : 12 + Q]
             refused = na == k and k < Q and stop in (STOP_NO_TOKEN, STOP_OTHER)  # re-matched, then refused
-            run_caps = caps[:na] if caps is not None else [r.max_prefix_len() for r in rest[:na]]
-            self._admit_run(rest[:na], run_caps, ends[:na], adder, rematch=rest[k] if refused else None)
+            if matched is not None:  # the admission's own capped match of the rows applied
+                rows = torch.tensor(list(range(na)) + ([k] if refused else []), dtype=torch.int64,
+                                    device=self.device)
+                matched = (matched[0][rows], matched[1][rows])
+            self._admit_run(rest[:na], ends[:na], adder, rematch=rest[k] if refused else None, matched=matched)
             adder.I, adder.cur_off, adder.rem_input = I, cur, rin
             if adder.rem_chunk is not None:
                 adder.rem_chunk = rc
@@ -462,6 +453,7 @@ class GpuScheduler(ReferenceScheduler):
         cols = torch.from_numpy(np.array(
             [[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos)] for r in rest],
             dtype=np.int64).reshape(Q, 5).T.copy()).to(dev)
+        matched = None
         if self.cache.disable:
             m = torch.zeros(Q, dtype=torch.int64, device=dev)
             drop = torch.zeros_like(m)
@@ -469,6 +461,7 @@ class GpuScheduler(ReferenceScheduler):
         else:
             tree = self.cache.tree
             m, pos = self.find(rest, caps)
+            matched = (m, pos)
             has = m > 0
             p = torch.where(has, pos, 0)
             node = torch.where(has, tree.owner[p], 0)
@@ -495,20 +488,28 @@ class GpuScheduler(ReferenceScheduler):
                                            dtype=np.int64).reshape(len(hs), 4).T.copy()).to(dev)
             held = HeldCols(valid=torch.ones(len(hs), dtype=torch.bool, device=dev), max_new=hc[0], out_len=hc[1],
                             prompt_len=hc[2], ignore_eos=hc[3] != 0)
-        return admit_step(scfg, st, q, held, None, backend=self.backend)
+        return admit_step(scfg, st, q, held, None, backend=self.backend), matched
 
-    def _admit_run(self, run: List[ReqState], caps: List[int], ends: List[int], adder,
-                   rematch: Optional[ReqState] = None) -> None:
-        """Apply the admissions `admit_step` decided, in queue order: batched re-match (splits and
-        stamps as sequential matching in this order, `rematch` last: the refused request the loop
-        re-matched before refusing it), batched locks, extend ranges and can_run. Budgets and
-        counters come from the step's result."""
+    def _admit_run(self, run: List[ReqState], ends: List[int], adder, rematch: Optional[ReqState] = None,
+                   matched=None) -> None:
+        """Apply the admissions `admit_step` decided, in queue order: the admission's capped
+        matches applied in this order (splits and stamps as sequential matching; `rematch` last:
+        the refused request the loop re-matched before refusing it), batched locks, extend ranges
+        and can_run. `matched`: (matched length, pool position) int64 device tensors of
+        run + [rematch], found on the tree as it was at admission (splits since do not move
+        tokens, so the positions still hold). Budgets and counters come from the step's result."""
         if self.cache.disable:
             for r in run:
                 r.prefix_len, r.last_node = 0, self.cache.root
         else:
             extra = [rematch] if rematch is not None else []
-            self.batch_match(run + extra, caps + [r.max_prefix_len() for r in extra])
+            rs = run + extra
+            if rs:
+                tree = self.cache.tree
+                m, last = tree._apply(matched[0], matched[1], tree.backend)
+                vals = torch.cat([m, last]).tolist()
+                for r, a, b in zip(rs, vals[: len(rs)], vals[len(rs):]):
+                    r.prefix_len, r.last_node = a, b
             if run:
                 self.cache.tree.lock(self._col([r.last_node for r in run], torch.int64))
         for r, end in zip(run, ends):

@@ -107,6 +107,9 @@ class StepGraph:
         # full-length match (queue order) for the host's splits and stamps after the read-back
         self.m_full = torch.zeros(self.Q, dtype=torch.int64, device=dev)
         self.pos_full = torch.zeros(self.Q, dtype=torch.int64, device=dev)
+        # capped match of the admission window (ordered), applied by the host to what was admitted
+        self.m_cap = torch.zeros(self.W, dtype=torch.int64, device=dev)
+        self.pos_cap = torch.zeros(self.W, dtype=torch.int64, device=dev)
         self.graph = None
         self._sig = None
         self._n = 0
@@ -253,6 +256,8 @@ class StepGraph:
         if cache_on:  # the match capped at max_prefix_len (R-STEP-3.4)
             capped = torch.where(ovalid, torch.minimum(g(fill), g(cap)).clamp(min=0), 0)
             om, opos = tree.find_static(tok, g(toff), capped, g(ns), ch, g(coff), self.max_len, backend=be)
+            self.m_cap.copy_(om)
+            self.pos_cap.copy_(opos)
             has = ovalid & (om > 0)
             p = torch.where(has, opos, 0)
             node = torch.where(has, tree.owner[p], 0)
