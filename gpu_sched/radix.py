@@ -62,6 +62,7 @@ Host syncs: the operations here are vectorised over the batch but read a few sca
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -77,6 +78,9 @@ BACKENDS = ("torch", "triton")
 HASH_MIX = -7046029254386353131
 #: slots read per probe step of the torch backend (8 int64 = one 64-byte cache line)
 PROBE_WINDOW = 8
+
+
+_VERSIONS = itertools.count(1)  # FlatRadixTree.version values
 
 
 def home_slot(h: torch.Tensor, H: int) -> torch.Tensor:
@@ -170,6 +174,10 @@ class FlatRadixTree:
         self.alive[ROOT] = True
         self.lock_ref[ROOT] = 1
         self.clock = 0
+        # what the tree holds changed (insert, removal, compaction) since a match found on
+        # version v iff self.version != v: numbers are unique across trees (splits, locks and
+        # stamps keep every match's length and pool position, so they keep the version)
+        self.version = next(_VERSIONS)
         self.next_cid = 1
         self.next_order = 1
         self.top = 0  # bump pointer of the token pool
@@ -360,6 +368,7 @@ class FlatRadixTree:
 
     def compact(self) -> None:
         """Move the live token ranges to the front of the pool (one gather per array)."""
+        self.version = next(_VERSIONS)
         b = self._hwm
         ids = torch.nonzero(self.alive[:b] & (self.key_len[:b] > 0)).flatten()
         ids = ids[torch.argsort(self.key_off[ids])]
@@ -431,9 +440,31 @@ class FlatRadixTree:
             return lo * self.C, lo_pos
         # 2. inside the next chunk: the page-end hashes from the chunk-boundary hash, all at once
         # for every row (one [B, C - P] token window), then the same search over them
-        seed_h = ch[(ch_start + lo - 1).clamp(0, max(ch.numel() - 1, 0))] if ch.numel() else zero
+        n_in = self.chunk_pages - 1
+        d0 = lo * self.C
+        hin = self._chunk_page_hashes(tok, tok_start, ns, ch, ch_start, lo)  # [B, n_in]
+        hi2 = torch.minimum((Lq - d0) // self.P, torch.full_like(lo, n_in))
+        flat = hin.reshape(-1)
+        key2 = lambda rows, q: flat[rows * n_in + q - 1]  # noqa: E731
+        if static:
+            lo2, pos2 = self._search_static(hi2, key2, n_in)
+        else:
+            lo2, pos2 = self._search(hi2, key2, max(arity, n_in) if B * n_in <= 2048 else arity)
+        return d0 + lo2 * self.P, torch.where(lo2 > 0, pos2, lo_pos)
+
+    def _chunk_page_hashes(self, tok, tok_start, ns, ch, ch_start, lo) -> torch.Tensor:
+        """Prefix hashes at the chunk_pages - 1 page ends inside chunk lo of each row (depths
+        lo*C + P, ..., lo*C + C - P), rolled on from the boundary hash at depth lo*C (the
+        namespace seed for lo == 0) over one [B, C - P] token window. int64 [B, chunk_pages - 1];
+        entries past a row's length are garbage (callers bound them)."""
+        B = lo.numel()
+        dev = self.device
         n_in = self.chunk_pages - 1
         W = n_in * self.P
+        if n_in == 0:
+            return torch.zeros((B, 0), dtype=torch.int64, device=dev)
+        zero = torch.zeros(B, dtype=torch.int64, device=dev)
+        seed_h = ch[(ch_start + lo - 1).clamp(0, max(ch.numel() - 1, 0))] if ch.numel() else zero
         self._ensure_pow(W + 1)
         d0 = lo * self.C
         if tok.numel():
@@ -447,15 +478,57 @@ class FlatRadixTree:
             base = torch.where(lo > 0, (seed_h >> 31) if sh else (seed_h & (2**31 - 1)), self._seed(ns, p))
             cs = torch.cumsum(x * ipw[1 : W + 1] % p, dim=1)[:, ends - 1] % p
             hs.append((base[:, None] + cs) % p * pw[ends] % p)
-        hin = (hs[0] << 31) | hs[1]  # [B, n_in]
-        hi2 = torch.minimum((Lq - d0) // self.P, torch.full_like(lo, n_in))
-        flat = hin.reshape(-1)
-        key2 = lambda rows, q: flat[rows * n_in + q - 1]  # noqa: E731
-        if static:
-            lo2, pos2 = self._search_static(hi2, key2, n_in)
-        else:
-            lo2, pos2 = self._search(hi2, key2, max(arity, n_in) if B * n_in <= 2048 else arity)
-        return d0 + lo2 * self.P, torch.where(lo2 > 0, pos2, lo_pos)
+        return (hs[0] << 31) | hs[1]
+
+    def depth_hashes(self, tok, tok_start, ns, ch, ch_start, d) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Prefix hashes of queries at depths d and d + P (what `check_matches` probes), from
+        the chunk hash at or below d and one chunk's token window. Queries in CSR form as
+        `_find_csr`; d int64 [B], multiples of P. Returns two int64 [B]; a depth of 0 or past
+        a query's length gives garbage (never probed)."""
+        C, P = self.C, self.P
+        lo = d // C
+        hin = self._chunk_page_hashes(tok, tok_start, ns, ch, ch_start, lo)
+        n_in = hin.shape[1]
+        last = max(ch.numel() - 1, 0)
+
+        def at(x):  # depth x in [lo*C, lo*C + C]
+            bound = ch[(ch_start + x // C - 1).clamp(0, last)] if ch.numel() else torch.zeros_like(x)
+            if n_in == 0:
+                return bound
+            r = x - lo * C
+            inner = hin.gather(1, (r // P - 1).clamp(0, n_in - 1)[:, None])[:, 0]
+            return torch.where(r % C == 0, bound, inner)
+
+        return at(d), at(d + P)
+
+    def check_matches(self, lengths: torch.Tensor, guess: torch.Tensor, h_guess: torch.Tensor,
+                      h_next: torch.Tensor, *, backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Which guessed match lengths are still the queries' matches on the current tree, by
+        two lookups per query instead of a search: present page-end depths form a prefix of
+        each query's page ends (every page end of every tree path is in the table), so g is
+        the match iff depth g is present (or g == 0) and depth g + P is absent (or past
+        floorP(length)).
+
+        Args:
+            lengths: int64 [B] query lengths [tokens].
+            guess: int64 [B] guessed matches (e.g. an earlier step's); rows with g < 0,
+                g > floorP(length) or g not a multiple of P are not ok.
+            h_guess, h_next: int64 [B], the queries' prefix hashes at depths g and g + P
+                (`depth_hashes`), kept from when the guess was made: they depend on the
+                tokens only, not on the tree.
+        Returns:
+            (ok bool [B], position int64 [B]: pool position of the match's last token where
+            ok and g > 0, else -1).
+        """
+        be = self._be(backend)
+        P = self.P
+        Lq = lengths // P * P
+        g = guess
+        B = g.numel()
+        found = self.lookup(torch.cat([h_guess, h_next]), backend=be)
+        pos1, pos2 = found[:B], found[B:]
+        ok = (g >= 0) & (g <= Lq) & (g % P == 0) & ((g == 0) | (pos1 >= 0)) & ((g + P > Lq) | (pos2 < 0))
+        return ok, torch.where(ok & (g > 0), pos1, torch.full_like(g, -1))
 
     @staticmethod
     def _arity(n: int) -> int:
@@ -541,6 +614,22 @@ class FlatRadixTree:
         count = lengths // self.C
         return self._find_csr(tok, tok_start, lengths, lengths, ns, ch, ch_start, count, int(max_len) // self.C,
                               be, static=True)
+
+    def path_position(self, m: torch.Tensor, pos: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """Pool position of the last token at depth d of matched paths: row i's path is the
+        match (m[i] tokens, last token at pool position pos[i]) and 0 <= d[i] <= m[i]; -1 where
+        d[i] == 0. It is what a match capped at d[i] returns (the position stored for that page
+        end), read off the path: within the last node by offset, else a few parent steps
+        (a host read per level climbed). int64 [B] each."""
+        has = m > 0
+        X = torch.where(has, self.owner[pos.clamp(min=0)], 0)
+        start = torch.where(has, m - (pos - self.key_off[X] + 1), 0)  # depth where node X begins
+        need = (d > 0) & (d <= start)
+        while bool(need.any()):
+            X = torch.where(need, self.parent[X], X)
+            start = torch.where(need, start - self.key_len[X], start)
+            need = (d > 0) & (d <= start)
+        return torch.where(d > 0, self.key_off[X] + (d - start) - 1, torch.full_like(d, -1))
 
     def match(self, tokens: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
               chunk_hashes: Optional[torch.Tensor] = None, *,
@@ -753,6 +842,7 @@ class FlatRadixTree:
 
     def _insert_wave(self, tok, val, lens, nsv, full_h, be: str) -> List[int]:
         """insert_many for W sequences with pairwise different first pages (disjoint subtrees)."""
+        self.version = next(_VERSIONS)
         dev, P = self.device, self.P
         W, Lmax = tok.shape
         npg = Lmax // P
@@ -929,6 +1019,7 @@ class FlatRadixTree:
         return u, cnt, lastpos
 
     def _remove(self, nodes: torch.Tensor, be: str = "torch") -> torch.Tensor:
+        self.version = next(_VERSIONS)
         lens = self.key_len[nodes]
         total = int(lens.sum())
         rng = torch.repeat_interleave(self.key_off[nodes], lens) + (

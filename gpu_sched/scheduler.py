@@ -3,6 +3,10 @@
 Same calls as `ReferenceScheduler` (submit / step / complete_prefill / decode / retract_decode /
 finish / abort / seed_* / check_integrity); tests hold one against the other. What runs where:
   * the radix cache is a `FlatRadixTree` on `device` (batched, hash-based matching);
+  * each request's columns, pool offsets and latest match live in a host row table
+    (`_rows_of`), written once per fill: a step gathers its queue's columns with numpy, and a
+    match kept from an earlier step is checked with two lookups (`check_matches`) before
+    any search; admission takes the ordering's matches while the tree's content is unchanged;
   * ordering builds the queue's columns as tensors and applies `gpu_sched.policy`
     (sort keys, in-batch deprioritization, dfs-weight), with `backend` "torch" or "triton";
   * admission is one static-shaped device computation over the ordered queue
@@ -13,6 +17,8 @@ The engine-facing bookkeeping (KV slots of running requests) stays on the host.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import os
 from typing import Callable, List, Optional, Sequence
 
@@ -27,6 +33,27 @@ from .reference.state import ReqState
 from . import policy as dpolicy
 
 BACKENDS = ("torch", "triton")
+#: columns of GpuScheduler's row table: fill length, output length, prompt length,
+#: max_new_tokens, ignore_eos, max_prefix_len (R-ORD-8), namespace id, token and chunk-hash
+#: pool offsets, and the last full-length match (tree version, or -1 for none; length; pool
+#: position; the fill's prefix hashes at that length and one page further) and the R-ORD-9
+#: head hash of the first T fill tokens (T, or -1 for none; hash)
+(RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_TOFF, RT_COFF,
+ RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_HEADT, RT_HEAD) = range(16)
+RT_COLS = 16
+_DEV_ROW = operator.attrgetter("dev_row")
+_OUTPUT_IDS = operator.attrgetter("req.output_ids")
+_PRIORITY = operator.attrgetter("priority")
+_ENQUEUE_TIME = operator.attrgetter("enqueue_time")
+_MAX_NEW = operator.attrgetter("req.max_new_tokens")
+_ROUTING_KEY = operator.attrgetter("req.routing_key")
+
+
+def _take(items: Sequence, idx: List[int]) -> list:
+    """[items[i] for i in idx], one C call (faster on long permutations)."""
+    if len(idx) < 2:
+        return [items[i] for i in idx]
+    return list(operator.itemgetter(*idx)(items))
 
 
 class GpuScheduler(ReferenceScheduler):
@@ -64,7 +91,10 @@ class GpuScheduler(ReferenceScheduler):
         self._torch_gen = torch.Generator(device=self.device)
         self._torch_gen.manual_seed(config.random_seed)
         self._custom_shuffle = shuffle is not None
-        self._hash_cache = {}  # rid -> (ReqState, fill_len, token offset, chunk-hash offset, ns id)
+        # the row table (`_rows_of`): per-request columns, rows owned by ReqState.dev_row
+        self._rt = np.zeros((1024, RT_COLS), dtype=np.int64)
+        self._rt_owner: List[Optional[ReqState]] = [None] * 1024
+        self._rt_free: List[int] = list(range(1023, -1, -1))
         self._qtok: Optional[torch.Tensor] = None
         self._qch: Optional[torch.Tensor] = None
         self._qtop = [0, 0]
@@ -132,6 +162,17 @@ class GpuScheduler(ReferenceScheduler):
         dep_rids = {r.rid for r, d in zip(q, out.deprioritized) if d}
         return OrderResult(policy, oq, [r.num_matched for r in oq], [r.rid for r in oq if r.rid in dep_rids])
 
+    def _unadmitted(self, queue: List[ReqState], can_run: List[ReqState]) -> List[ReqState]:
+        """R-STEP-4. The admission loop admits a leading run of the ordered queue (it stops at
+        the first request it does not admit), so the rest is a slice: checked in O(admitted)
+        (the in-flight chunked request, first in can_run, is not in the queue); anything else
+        takes the general filter."""
+        run = can_run[1:] if can_run and can_run[0] is self.chunked else can_run
+        k = len(run)
+        if k <= len(queue) and all(a is b for a, b in zip(run, queue)):
+            return queue[k:]
+        return super()._unadmitted(queue, can_run)
+
     def _take_pending(self, queue: List[ReqState], adder):
         """The recorded step's output for this admission loop, if it computed one; its
         in-flight chunk (R-ADM-5) must agree with what the host's adder did."""
@@ -152,68 +193,115 @@ class GpuScheduler(ReferenceScheduler):
     def _col(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def _fill_hashes_many(self, rs: Sequence[ReqState], max_batch_tokens: int = 1 << 24) -> list:
-        """Each request's entry (ReqState, fill length, token offset, chunk-hash offset,
-        namespace id) for its fill in the scheduler's CSR pools (`_qtok` int32 tokens, `_qch`
-        int64 chunk hashes at depths C, 2C, ...), written once per fill length: matching then
-        costs O(log L) probes, not O(L), and a queue's CSR is a gather of offsets, not a
-        concatenation of its tokens. Missing entries are hashed in padded batches (one
-        `prefix_hashes` and one pool append per ~`max_batch_tokens` padded tokens). Offsets
-        hold until the pools are next rebuilt (`_qgen` counts rebuilds)."""
+    def _rows_of(self, rs: Sequence[ReqState], max_batch_tokens: int = 1 << 24) -> np.ndarray:
+        """Row of each request in the host row table `_rt` (int64 [rows, RT_COLS]: its fill
+        length, output length, prompt length, max_new_tokens, ignore_eos, max_prefix_len,
+        namespace id and, with the cache on, its offsets in the CSR pools `_qtok` (int32 tokens)
+        and `_qch` (int64 chunk hashes at depths C, 2C, ...)). A row is written once per fill
+        length: a step then reads its queue's columns with one numpy gather instead of one
+        Python call per request and field, and matching costs O(log L) probes, not O(L).
+        Requests without a current row are hashed in padded batches (one `prefix_hashes` and
+        one pool append per ~`max_batch_tokens` padded tokens). Rows keep their numbers while
+        their request is held; offsets move when the pools are rebuilt (`_qgen` counts
+        rebuilds). Returns int64 [len(rs)]."""
+        n = len(rs)
+        idx = np.fromiter(map(_DEV_ROW, rs), np.int64, n)
+        outs = np.fromiter(map(len, map(_OUTPUT_IDS, rs)), np.int64, n)
+        stale = (idx < 0) | (self._rt[np.maximum(idx, 0), RT_OUT] != outs) if n else np.zeros(0, bool)
+        miss = np.flatnonzero(stale)
+        if miss.size:
+            reqs = [rs[k] for k in miss.tolist()]
+            for r in reqs:
+                if r.dev_row < 0:
+                    r.dev_row = self._new_row(r)
+            self._write_rows(reqs, max_batch_tokens)
+            idx[miss] = [r.dev_row for r in reqs]
+        return idx
+
+    def _new_row(self, r: ReqState) -> int:
+        if not self._rt_free:
+            old = len(self._rt_owner)
+            cap = max(1024, 2 * old)
+            grown = np.zeros((cap, RT_COLS), dtype=np.int64)
+            grown[:old] = self._rt
+            self._rt = grown
+            self._rt_owner.extend([None] * (cap - old))
+            self._rt_free = list(range(cap - 1, old - 1, -1))
+        k = self._rt_free.pop()
+        self._rt_owner[k] = r
+        return k
+
+    def _write_rows(self, reqs: Sequence[ReqState], max_batch_tokens: int) -> None:
+        """(Re)write the rows of `reqs` (each already owns one): columns, and with the cache on
+        the fill's tokens and chunk hashes appended to the pools."""
+        rt = self._rt
+        rows = np.array([r.dev_row for r in reqs], dtype=np.int64)
+        rt[rows, :RT_NS] = np.array([[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos),
+                                      r.max_prefix_len()] for r in reqs], dtype=np.int64).reshape(len(reqs), RT_NS)
+        rt[rows, RT_NS] = [self.cache.ns_id(r.req.extra_key) for r in reqs] if not self.cache.disable else 0
+        rt[rows, RT_MVER] = -1  # no match known for this fill
+        rt[rows, RT_HEADT] = -1  # no head hash either
+        rt[rows, RT_TOFF] = -1  # not in the pools yet (a rebuild meanwhile skips these rows)
+        if self.cache.disable:
+            return
         tree = self.cache.tree
         C = tree.C
-        miss = []
-        for r in rs:
-            ent = self._hash_cache.get(r.rid)
-            if ent is None or ent[0] is not r or ent[1] != r.fill_len:
-                miss.append(r)
         i = 0
-        while i < len(miss):
+        while i < len(reqs):
             j, L = i, 1
-            while j < len(miss) and (j - i + 1) * max(L, miss[j].fill_len) <= max_batch_tokens or j == i:
-                L = max(L, miss[j].fill_len)
+            while j < len(reqs) and (j - i + 1) * max(L, int(rt[rows[j], RT_FILL])) <= max_batch_tokens or j == i:
+                L = max(L, int(rt[rows[j], RT_FILL]))
                 j += 1
-            batch = miss[i:j]
-            lens = np.array([r.fill_len for r in batch], dtype=np.int64)
+            batch, brow = reqs[i:j], rows[i:j]
+            lens = rt[brow, RT_FILL]
             buf = np.zeros((len(batch), L), dtype=np.int32)
             for k, r in enumerate(batch):
                 buf[k, : lens[k]] = r.fill()
-            ns = np.array([self.cache.ns_id(r.req.extra_key) for r in batch], dtype=np.int64)
             toks = torch.from_numpy(buf).to(self.device)
-            ch = tree.prefix_hashes(toks, torch.from_numpy(lens).to(self.device), torch.from_numpy(ns).to(self.device), C)
+            ch = tree.prefix_hashes(toks, torch.from_numpy(lens).to(self.device),
+                                    torch.from_numpy(rt[brow, RT_NS]).to(self.device), C)
             cnt = lens // C
             ar = np.arange(L)
             tmask = torch.from_numpy(ar[None, :] < lens[:, None]).to(self.device)
             cmask = torch.from_numpy(ar[None, : ch.shape[1]] < cnt[:, None]).to(self.device)
             t0, c0 = self._pool_append(toks[tmask], ch[cmask])
-            toff = t0 + np.cumsum(lens) - lens
-            coff = c0 + np.cumsum(cnt) - cnt
-            for k, r in enumerate(batch):
-                self._hash_cache[r.rid] = (r, int(lens[k]), int(toff[k]), int(coff[k]), int(ns[k]))
+            rt[brow, RT_TOFF] = t0 + np.cumsum(lens) - lens
+            rt[brow, RT_COFF] = c0 + np.cumsum(cnt) - cnt
             i = j
-        return [self._hash_cache[r.rid] for r in rs]
 
     def _pool_append(self, toks: torch.Tensor, ch: torch.Tensor):
-        """Append one fill to the CSR pools (grown by doubling; entries of requests no longer
-        held, or of an older fill length, are dropped when the pools are rebuilt)."""
+        """Append fills to the CSR pools (grown by doubling). A rebuild keeps the fills of rows
+        whose request is still held (offsets rewritten in place, row numbers kept) and frees
+        the other rows."""
         nt, nc = toks.numel(), ch.numel()
         if self._qtok is None or self._qtop[0] + nt > self._qtok.numel() or self._qtop[1] + nc > self._qch.numel():
-            live = {rid: e for rid, e in self._hash_cache.items() if self.reqs.get(rid) is e[0]}
+            rt = self._rt
             C = self.cache.tree.C
-            need_t = sum(e[1] for e in live.values()) + nt
-            need_c = sum(e[1] // C for e in live.values()) + nc
+            live = []
+            for k, r in enumerate(self._rt_owner):
+                if r is None or rt[k, RT_TOFF] < 0:
+                    continue
+                if self.reqs.get(r.rid) is r and rt[k, RT_FILL] == r.fill_len:
+                    live.append(k)
+                else:  # dropped (or about to be rewritten: its fill grew)
+                    r.dev_row = -1
+                    self._rt_owner[k] = None
+                    self._rt_free.append(k)
+            need_t = int(rt[live, RT_FILL].sum()) + nt
+            need_c = int((rt[live, RT_FILL] // C).sum()) + nc
             cap_t = max(self.POOL_MIN_TOKENS, 2 * need_t)
             cap_c = max(self.POOL_MIN_TOKENS // 16, 2 * need_c)
             tok = torch.zeros(cap_t, dtype=torch.int32, device=self.device)
             chs = torch.zeros(cap_c, dtype=torch.int64, device=self.device)
             t = c = 0
-            for rid, (r, n, toff, coff, ns) in live.items():
-                k = n // C
+            for k in live:
+                n, toff, coff = (int(v) for v in rt[k, [RT_FILL, RT_TOFF, RT_COFF]])
+                q = n // C
                 tok[t : t + n] = self._qtok[toff : toff + n]
-                chs[c : c + k] = self._qch[coff : coff + k]
-                live[rid] = (r, n, t, c, ns)
-                t, c = t + n, c + k
-            self._hash_cache, self._qtok, self._qch, self._qtop = live, tok, chs, [t, c]
+                chs[c : c + q] = self._qch[coff : coff + q]
+                rt[k, RT_TOFF], rt[k, RT_COFF] = t, c
+                t, c = t + n, c + q
+            self._qtok, self._qch, self._qtop = tok, chs, [t, c]
             self._qgen += 1
         t, c = self._qtop
         self._qtok[t : t + nt] = toks
@@ -221,31 +309,29 @@ class GpuScheduler(ReferenceScheduler):
         self._qtop = [t + nt, c + nc]
         return t, c
 
-    def _csr(self, queue: List[ReqState], caps: Optional[List[int]]):
-        """The queue's fills (capped) as CSR tensors for `FlatRadixTree.match_csr`/_find_csr:
-        rows point into the persistent pools, so nothing is concatenated per call."""
-        C = self.cache.tree.C
-        while True:
-            gen = self._qgen
-            ents = self._fill_hashes_many(queue)
-            if gen == self._qgen:
-                break  # else the pools were rebuilt midway and earlier offsets moved: again
-        rows = np.array([(e[2], e[3], e[1], e[4]) for e in ents], dtype=np.int64).reshape(-1, 4).T.copy()
-        if caps is not None:
-            rows[2] = np.minimum(rows[2], np.asarray(caps, dtype=np.int64))
-        cols = torch.from_numpy(rows).to(self.device)
-        toff, coff, lengths, ns = cols[0], cols[1], cols[2], cols[3]
+    def _pools(self):
+        """(tokens int32 [T], chunk hashes int64 [K]): the CSR pools' used parts."""
         if self._qtok is None:
-            tok = torch.zeros(0, dtype=torch.int32, device=self.device)
-            ch = torch.zeros(0, dtype=torch.int64, device=self.device)
-        else:
-            tok, ch = self._qtok[: self._qtop[0]], self._qch[: self._qtop[1]]
+            return (torch.zeros(0, dtype=torch.int32, device=self.device),
+                    torch.zeros(0, dtype=torch.int64, device=self.device))
+        return self._qtok[: self._qtop[0]], self._qch[: self._qtop[1]]
+
+    def _csr(self, rows: np.ndarray, capped: bool):
+        """The fills of table rows `rows` (capped at max_prefix_len if `capped`) as CSR tensors
+        for `FlatRadixTree.match_csr`/_find_csr: rows point into the persistent pools, so
+        nothing is concatenated per call."""
+        C = self.cache.tree.C
+        sel = self._rt[rows]
+        lens = np.minimum(sel[:, RT_FILL], sel[:, RT_CAP]) if capped else sel[:, RT_FILL]
+        cols = torch.from_numpy(np.stack([sel[:, RT_TOFF], sel[:, RT_COFF], lens, sel[:, RT_NS]])).to(self.device)
+        toff, coff, lengths, ns = cols[0], cols[1], cols[2], cols[3]
+        tok, ch = self._pools()
         return tok, toff, lengths, ns, ch, coff, lengths // C
 
-    def find(self, queue: List[ReqState], caps: Optional[List[int]] = None):
-        """Matched lengths and last pool positions against the current tree, without splits or
-        stamps (splits never change what the tree holds)."""
-        tok, toff, lens, ns, ch, coff, cl = self._csr(queue, caps)
+    def find(self, rows: np.ndarray, capped: bool = True):
+        """Matched lengths and last pool positions of table rows `rows` against the current
+        tree, without splits or stamps (splits never change what the tree holds)."""
+        tok, toff, lens, ns, ch, coff, cl = self._csr(rows, capped)
         mc = int(cl.max()) if cl.numel() else 0
         return self.cache.tree._find_csr(tok, toff, lens, lens, ns, ch, coff, cl, mc)
 
@@ -262,23 +348,28 @@ class GpuScheduler(ReferenceScheduler):
         be = self.backend
         if cfg.effective_policy == "fcfs":
             if cfg.enable_priority_scheduling and n:
-                perm = dpolicy.fcfs_priority_order(self._col([r.priority for r in q], torch.int64),
-                                                   self._col([r.enqueue_time for r in q], torch.float64), sign, backend=be)
-                q = [q[i] for i in perm.tolist()]
+                perm = dpolicy.fcfs_priority_order(
+                    torch.from_numpy(np.fromiter(map(_PRIORITY, q), np.int64, n)).to(self.device),
+                    torch.from_numpy(np.fromiter(map(_ENQUEUE_TIME, q), np.float64, n)).to(self.device), sign,
+                    backend=be)
+                q = _take(q, perm.tolist())
             return OrderResult("fcfs", q)
         if policy in ("lpm", "dfs-weight"):
             if n == 0:
                 return OrderResult(policy, q, [], [])
             # R-ORD-8: match in queue order (splits and stamps as sequential matching), then
             # keys, deprioritization and the order on the device; one read-back at the end
-            tok, toff, lens, ns, ch, coff, _ = self._csr(q, None)
-            m, last = self.cache.tree.match_csr(tok, toff, lens, ns, ch, coff)
-            num = torch.minimum(m, self._col([r.max_prefix_len() for r in q], torch.int64))
+            tree = self.cache.tree
+            rows = self._rows_of(q)
+            sel = self._rt[rows]
+            tok, toff, lens, ns, ch, coff, cl = self._csr(rows, False)
+            m, pos = self._full_match(rows, sel, (tok, toff, lens, ns, ch, coff, cl))
+            version = tree.version  # the matches hold until the tree's content changes
+            m, last = tree._apply(m, pos, tree.backend)
+            num = torch.minimum(m, torch.from_numpy(sel[:, RT_CAP].copy()).to(self.device))
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
-            if T > 0:  # R-ORD-9 heads: the first T fill tokens, gathered from the token pool
-                cols = (toff[:, None] + torch.arange(T, device=self.device)).clamp(0, max(tok.numel() - 1, 0))
-                heads = tok[cols] if tok.numel() else torch.zeros((n, T), dtype=torch.int32, device=self.device)
-                hh = dpolicy.head_hashes(heads, torch.clamp(lens, max=T))
+            if T > 0:  # R-ORD-9 heads: hashes of the first T fill tokens, kept per row
+                hh = self._head_hashes(rows, sel, T)
             else:
                 hh = torch.zeros(n, dtype=torch.int64, device=self.device)
             dep = dpolicy.in_batch_deprioritize(m, lens, ns, hh, cfg.in_batch_prefix_caching_check_threshold, T,
@@ -288,32 +379,92 @@ class GpuScheduler(ReferenceScheduler):
             else:
                 parent, rank, remap = self._child_ranks()
                 perm = dpolicy.dfs_weight_order(parent, rank, None, remap[last], backend=be)
-            vals = torch.cat([m, last, num, dep.to(torch.int64), perm]).tolist()
-            for r, a, b, c in zip(q, vals[:n], vals[n : 2 * n], vals[2 * n : 3 * n]):
+            vals = torch.stack([m, last, num, dep.to(torch.int64), perm, pos]).cpu().numpy()  # the read-back
+            # admission reuses these matches while the tree holds the same content (`_window_match`)
+            self._rt[rows, RT_MVER] = version
+            self._rt[rows, RT_MLEN] = vals[0]
+            self._rt[rows, RT_MPOS] = vals[5]
+            for r, a, b, c in zip(q, *vals[:3].tolist()):
                 r.prefix_len, r.last_node, r.num_matched = a, b, c
-            dep_rids = {r.rid for r, d in zip(q, vals[3 * n : 4 * n]) if d}
-            q = [q[i] for i in vals[4 * n :]]
-            return OrderResult(policy, q, [r.num_matched for r in q], [r.rid for r in q if r.rid in dep_rids])
+            dflag = vals[3]
+            q = _take(q, vals[4].tolist())
+            dep_rids = [q[i].rid for i in np.flatnonzero(dflag[vals[4]]).tolist()]
+            return OrderResult(policy, q, vals[2][vals[4]].tolist(), dep_rids)
         if n == 0 or policy == "fcfs":  # fcfs here: the lpm fallback sorts nothing (R-ORD-2)
             return OrderResult(policy, q)
         if policy == "lof":
-            prio = self._col([r.priority for r in q], torch.int64) if cfg.enable_priority_scheduling else None
-            perm = dpolicy.lof_order(self._col([r.max_new for r in q], torch.int64), prio, sign, backend=be)
+            prio = (torch.from_numpy(np.fromiter(map(_PRIORITY, q), np.int64, n)).to(self.device)
+                    if cfg.enable_priority_scheduling else None)
+            maxn = torch.from_numpy(np.fromiter(map(_MAX_NEW, q), np.int64, n)).to(self.device)
+            perm = dpolicy.lof_order(maxn, prio, sign, backend=be)
         elif policy == "random":
             if self._custom_shuffle:
                 perm = torch.as_tensor(list(self.shuffle(n)), dtype=torch.int64)
             else:
                 perm = dpolicy.random_order(n, self._torch_gen, backend=be)
         else:  # routing-key
-            keys = sorted({k for k in [r.req.routing_key for r in q + self.running] if k})
-            kid = {k: i for i, k in enumerate(keys)}
+            rk = list(map(_ROUTING_KEY, q))
+            keys = sorted({k for k in rk if k} | {k for k in map(_ROUTING_KEY, self.running) if k})
+            kid = {k: i for i, k in enumerate(keys)}  # a falsy key (none, "") is absent: -1
             perm = dpolicy.routing_key_order(
-                self._col([kid.get(r.req.routing_key, -1) if r.req.routing_key else -1 for r in q], torch.int64),
+                torch.from_numpy(np.fromiter(map(kid.get, rk, itertools.repeat(-1)), np.int64, n)).to(self.device),
                 self._col(list(range(len(keys))), torch.int64),
                 self._col([kid[r.req.routing_key] for r in self.running if r.req.routing_key], torch.int64),
                 backend=be)
-        q = [q[i] for i in perm.tolist()]
+        q = _take(q, perm.tolist())
         return OrderResult(policy, q)
+
+    def _head_hashes(self, rows: np.ndarray, sel: np.ndarray, T: int) -> torch.Tensor:
+        """R-ORD-9 head hashes (`policy.head_hashes` of the first T fill tokens, gathered from
+        the token pool) of table rows `rows`, computed once per fill and T. int64 [B]."""
+        miss = np.flatnonzero(sel[:, RT_HEADT] != T)
+        if miss.size:
+            tok, _ = self._pools()
+            toff = torch.from_numpy(sel[miss, RT_TOFF]).to(self.device)
+            cols = (toff[:, None] + torch.arange(T, device=self.device)).clamp(0, max(tok.numel() - 1, 0))
+            heads = tok[cols] if tok.numel() else torch.zeros((miss.size, T), dtype=torch.int32, device=self.device)
+            lens = torch.from_numpy(np.minimum(sel[miss, RT_FILL], T)).to(self.device)
+            sel[miss, RT_HEAD] = dpolicy.head_hashes(heads, lens).cpu().numpy()
+            sel[miss, RT_HEADT] = T
+            self._rt[rows[miss], RT_HEAD] = sel[miss, RT_HEAD]
+            self._rt[rows[miss], RT_HEADT] = T
+        return torch.from_numpy(sel[:, RT_HEAD].copy()).to(self.device)
+
+    def _full_match(self, rows: np.ndarray, sel: np.ndarray, csr):
+        """Full-length matches (R-ORD-8) of table rows `rows` (`sel` = their columns) given as
+        CSR tensors (`_csr`): (length, last pool position) int64 device tensors [B], kept in
+        the rows for later steps and for admission (`_window_match`). A row matched before
+        (any earlier step) has its old length checked first (`check_matches`: two lookups);
+        only rows without one, or whose match changed with the tree, are searched."""
+        tok, toff, lens, ns, ch, coff, cl = csr
+        tree = self.cache.tree
+        be = tree.backend
+        dev = self.device
+        hinted = sel[:, RT_MVER] != -1
+        if hinted.any():
+            hint = torch.from_numpy(np.stack([np.where(hinted, sel[:, RT_MLEN], -1), sel[:, RT_H1],
+                                              sel[:, RT_H2]])).to(dev)
+            ok, pos = tree.check_matches(lens, hint[0], hint[1], hint[2], backend=be)
+            m = torch.where(ok, hint[0], 0)
+            miss = torch.nonzero(~ok).flatten()
+        else:
+            m = pos = None
+            miss = torch.arange(len(rows), device=dev)
+        if miss.numel():
+            mc = int(sel[:, RT_FILL].max(initial=0)) // tree.C
+            sub = (toff[miss], lens[miss], ns[miss], coff[miss])
+            fm, fp = tree._find_csr(tok, sub[0], sub[1], sub[1], sub[2], ch, sub[3], cl[miss], mc, be)
+            h1, h2 = tree.depth_hashes(tok, sub[0], sub[2], ch, sub[3], fm)
+            if m is None:
+                m, pos = fm, fp
+            else:
+                m, pos = m.index_copy(0, miss, fm), pos.index_copy(0, miss, fp)
+            mi = miss.cpu().numpy()
+            hh = torch.stack([h1, h2]).cpu().numpy()
+            self._rt[rows[mi], RT_MVER] = -1  # no hint until the caller writes the new lengths
+            self._rt[rows[mi], RT_H1] = hh[0]
+            self._rt[rows[mi], RT_H2] = hh[1]
+        return m, pos
 
     def _child_ranks(self):
         """(parent, child_rank) over the live nodes only (compacted ids, root first) and the map
@@ -353,7 +504,6 @@ class GpuScheduler(ReferenceScheduler):
         i, n = 0, len(queue)
         W = max(1, int(self.admit_window))
         while i < n:
-            caps = None  # max_prefix_len of `rest`, built only where needed
             if pending is not None:  # the recorded step decided this segment already
                 rest = queue[: pending.window]
                 vals = pending.head[:12] + pending.extend_end
@@ -364,8 +514,7 @@ class GpuScheduler(ReferenceScheduler):
                 # gets through the window goes on with the next (twice as long)
                 rest = queue[i : i + W]
                 W *= 2
-                caps = [r.max_prefix_len() for r in rest]
-                res, matched = self._static_admission(rest, caps, adder, running_bs, scfg)
+                res, matched = self._static_admission(rest, adder, running_bs, scfg)
                 head = torch.stack([res.stop, res.stop_index, res.chunk_index, res.batch_full.to(torch.int64),
                                     res.I, res.cur_off, res.rem_input, res.rem_chunk, res.hit_tokens,
                                     res.input_tokens, res.decided.to(torch.int64), res.admitted.sum()])
@@ -443,16 +592,16 @@ class GpuScheduler(ReferenceScheduler):
         adder.preempted.extend(in_order)
         return True
 
-    def _static_admission(self, rest: List[ReqState], caps: List[int], adder, running_bs: int, scfg):
+    def _static_admission(self, rest: List[ReqState], adder, running_bs: int, scfg):
         """Columns of the ordered queue and the adder's budgets as device tensors, then
         `admit_step` (no host read inside; backend "triton" runs its per-request kernels)."""
         from .admission import HeldCols, QueueCols, StepState, admit_step, lock_drops
 
         dev = self.device
         Q = len(rest)
-        cols = torch.from_numpy(np.array(
-            [[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos)] for r in rest],
-            dtype=np.int64).reshape(Q, 5).T.copy()).to(dev)
+        rows = self._rows_of(rest)
+        sel = self._rt[rows]
+        cols = torch.from_numpy(sel[:, [RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN]].T.copy()).to(dev)
         matched = None
         if self.cache.disable:
             m = torch.zeros(Q, dtype=torch.int64, device=dev)
@@ -460,13 +609,14 @@ class GpuScheduler(ReferenceScheduler):
             ev = torch.zeros((), dtype=torch.int64, device=dev)
         else:
             tree = self.cache.tree
-            m, pos = self.find(rest, caps)
+            m, pos = self._window_match(rows, sel)
             matched = (m, pos)
             has = m > 0
             p = torch.where(has, pos, 0)
             node = torch.where(has, tree.owner[p], 0)
             cover = p - tree.key_off[node] + 1
-            depth = max(caps, default=0) // self.config.page_size  # nodes on any matched path
+            # nodes on any matched path
+            depth = int(np.minimum(sel[:, RT_FILL], sel[:, RT_CAP]).max(initial=0)) // self.config.page_size
             # live node ids lie below node_bound(): scan that prefix, rounded up to a power of
             # two (few distinct shapes), not the whole capacity
             b = min(1 << max(tree.node_bound() - 1, 1).bit_length(), tree.parent.numel())
@@ -489,6 +639,32 @@ class GpuScheduler(ReferenceScheduler):
             held = HeldCols(valid=torch.ones(len(hs), dtype=torch.bool, device=dev), max_new=hc[0], out_len=hc[1],
                             prompt_len=hc[2], ignore_eos=hc[3] != 0)
         return admit_step(scfg, st, q, held, None, backend=self.backend), matched
+
+    def _window_match(self, rows: np.ndarray, sel: np.ndarray):
+        """R-STEP-3.4 matches (capped at max_prefix_len) of table rows `rows` (`sel` = their
+        columns): (length, last pool position) int64 device tensors. A row whose full-length
+        match is known on the tree's current content (this step's lpm/dfs-weight ordering, or
+        an earlier one if nothing was inserted or removed since) takes it: present depths are
+        a prefix of the page ends, so the capped match is min(full, floorP(cap)), and its
+        position lies on the full match's path (`FlatRadixTree.path_position`). The other rows
+        are searched (`find`)."""
+        tree = self.cache.tree
+        P = self.config.page_size
+        known = sel[:, RT_MVER] == tree.version
+        if not known.any():
+            return self.find(rows)
+        capped = np.minimum(sel[:, RT_FILL], sel[:, RT_CAP]) // P * P
+        full = np.stack([sel[:, RT_MLEN], sel[:, RT_MPOS], np.minimum(capped, sel[:, RT_MLEN])])
+        full[:, ~known] = 0  # searched below
+        ft = torch.from_numpy(full).to(self.device)
+        m = ft[2]
+        pos = tree.path_position(ft[0], ft[1], m)
+        if known.all():
+            return m, pos
+        miss = np.flatnonzero(~known)
+        fm, fp = self.find(rows[miss])
+        mi = torch.from_numpy(miss).to(self.device)
+        return m.index_copy(0, mi, fm), pos.index_copy(0, mi, fp)
 
     def _admit_run(self, run: List[ReqState], ends: List[int], adder, rematch: Optional[ReqState] = None,
                    matched=None) -> None:

@@ -37,6 +37,7 @@ import torch
 
 from . import policy as dpolicy
 from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, lock_drops
+from .scheduler import RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PROMPT, RT_TOFF
 
 #: policies the recorded step computes (others: the scheduler's eager path)
 GRAPH_POLICIES = ("fcfs", "lof", "lpm")
@@ -149,7 +150,7 @@ class StepGraph:
         miss = np.flatnonzero(slots[:n] < 0).tolist()
         if miss:
             reqs = [queue[k] for k in miss]
-            ents = s._fill_hashes_many(reqs) if not s.cache.disable else None
+            sel = s._rt[s._rows_of(reqs)]
             if s._qgen != gen or self._top + len(miss) > self._store_cap:
                 # pools rebuilt (offsets moved) or the store is full: start it over with this queue
                 self._slot.clear()
@@ -158,9 +159,10 @@ class StepGraph:
                     self._grow(2 * n)
                 return self.load(queue, adder, batch_full, chunked)
             m = len(reqs)
-            rows = np.array([(r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.priority,
-                              r.max_prefix_len(), *((e[4], e[2], e[3]) if ents is not None else (0, 0, 0)))
-                             for r, e in zip(reqs, ents if ents is not None else reqs)], dtype=np.int64).T
+            rows = np.stack([sel[:, RT_FILL], sel[:, RT_OUT], sel[:, RT_PROMPT], sel[:, RT_MAXNEW], sel[:, RT_IGN],
+                             np.array([r.priority for r in reqs], dtype=np.int64), sel[:, RT_CAP],
+                             *((sel[:, RT_NS], sel[:, RT_TOFF], sel[:, RT_COFF]) if not s.cache.disable
+                               else (np.zeros(len(reqs), dtype=np.int64),) * 3)])
             new = np.arange(self._top, self._top + m, dtype=np.int64)
             self.store[:, self._top : self._top + m] = torch.from_numpy(rows).to(self.device)
             self._cap_host[self._top : self._top + m] = rows[_Q_CAP]

@@ -16,6 +16,7 @@ The same calls (`submit`, `step`, `complete_prefill`, `decode`, `retract_decode`
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import numpy as np
@@ -27,6 +28,8 @@ from .adder import AddResult, PrefillAdder
 from .policy import order_queue
 from .radix_cache import KVPool, RadixCache, TreeNode
 from .state import ReqState
+
+_RID = operator.attrgetter("rid")
 
 RETRACT_DECODE_STEPS = 20  # reserve per remaining request when releasing (R-ADM-7, R-DEC-2)
 
@@ -120,7 +123,7 @@ class ReferenceScheduler:
         if now is not None:
             self.now = max(self.now, float(now))
         cfg = self.config
-        plan = PrefillPlan(queue_order=[r.rid for r in self.queue])
+        plan = PrefillPlan(queue_order=list(map(_RID, self.queue)))
         # R-STEP-1
         if cfg.enable_priority_preemption or not self.running:
             self.batch_is_full = False
@@ -137,7 +140,7 @@ class ReferenceScheduler:
         order = self._order()
         plan.ordered = True
         plan.active_policy = order.active_policy
-        plan.queue_order = [r.rid for r in order.queue]
+        plan.queue_order = list(map(_RID, order.queue))
         if order.num_matched is not None:
             plan.num_matched = order.num_matched
             plan.deprioritized = order.deprioritized
@@ -152,8 +155,7 @@ class ReferenceScheduler:
         batch_at_start = list(self.running)
         plan.stop = self._admission_loop(order.queue, adder)
         # R-STEP-4
-        admitted = {id(r) for r in adder.can_run}
-        self.queue = [r for r in order.queue if id(r) not in admitted]
+        self.queue = self._unadmitted(order.queue, adder.can_run)
         victims = adder.preempted_in_batch_order(batch_at_start)
         for v in victims:
             self._requeue(v)
@@ -171,6 +173,11 @@ class ReferenceScheduler:
         plan.preempt_evicted_tokens = adder.preempt_evicted_tokens
         self.prefilling = list(adder.can_run)
         return self._close(plan)
+
+    def _unadmitted(self, queue: List[ReqState], can_run: List[ReqState]) -> List[ReqState]:
+        """R-STEP-4: the ordered queue without the requests admitted this step."""
+        admitted = {id(r) for r in can_run}
+        return [r for r in queue if id(r) not in admitted] if admitted else list(queue)
 
     def _order(self):
         """R-STEP-2 ordering (R-ORD); device schedulers override it."""

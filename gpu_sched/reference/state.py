@@ -22,7 +22,7 @@ class ReqState:
     __slots__ = (
         "req", "rid", "priority", "enqueue_time", "prefix_len", "last_node", "lock_node",
         "kv", "kv_len", "cached_len", "extend_start", "extend_end", "retracted", "num_matched",
-        "_fill", "_fill_n",
+        "_fill", "_fill_n", "dev_row",
     )
 
     def __init__(self, req: Request, priority: int, enqueue_time: float):
@@ -42,6 +42,7 @@ class ReqState:
         self.num_matched = 0
         self._fill = None
         self._fill_n = -1
+        self.dev_row = -1  # a device scheduler's row of this request (-1: none); unused here
 
     # ---- token views -----------------------------------------------------------------------
     @property
