@@ -66,13 +66,17 @@ class GpuScheduler(ReferenceScheduler):
         device: torch device (default "cpu").
 
     Attributes:
-        admit_window: ordered requests the admission scans first (256); a loop that admits them
-            all goes on with the next window, twice as long. The sequential loop never reads
-            past its stop point, so the decisions do not depend on it; the cost of a step's
-            admission is then O(admitted), not O(queue).
+        admit_window: ordered requests the admission scans first (256; with `adaptive_window`,
+            at least the power of two above the previous loop's admission count); a loop that
+            admits them all goes on with the next window, twice as long. The sequential loop
+            never reads past its stop point, so the decisions do not depend on it; the cost of
+            a step's admission is then O(admitted), not O(queue).
     """
 
     admit_window = 256
+    #: start instead with the power of two above the previous loop's admissions when larger
+    #: (steps admit similar counts: one window instead of several doublings)
+    adaptive_window = True
     #: smallest token pool of the per-request fills (chunk-hash pool: a sixteenth of it)
     POOL_MIN_TOKENS = 1 << 16
 
@@ -102,6 +106,7 @@ class GpuScheduler(ReferenceScheduler):
         self._graph = None  # StepGraph after capture()
         self._pending = None  # (StepOutput, ordered queue) of this step's recorded computation
         self._step_ratio: Optional[float] = None
+        self._last_admitted = 0  # requests the previous admission loop admitted
 
     # ---- the recorded step (gpu_sched.step) ------------------------------------------------------
     def capture(self, queue_capacity: int = 4096, running_capacity: int = 1024, max_len: Optional[int] = None):
@@ -490,6 +495,13 @@ class GpuScheduler(ReferenceScheduler):
 
     # ---- admission (R-STEP-3) as one static step ------------------------------------------------
     def _admission_loop(self, queue: List[ReqState], adder) -> str:
+        start = len(adder.can_run)
+        try:
+            return self._admission_scan(queue, adder)
+        finally:
+            self._last_admitted = len(adder.can_run) - start
+
+    def _admission_scan(self, queue: List[ReqState], adder) -> str:
         """R-STEP-3: `gpu_sched.admission.admit_step` decides the whole loop on the device (admitted
         prefix, chunks, stop, budgets); one read-back, then the host applies it (`_admit_run`: the
         admission's own matches applied with splits and stamps, locks, can_run, commits). A request
@@ -503,6 +515,8 @@ class GpuScheduler(ReferenceScheduler):
         pending = self._take_pending(queue, adder)
         i, n = 0, len(queue)
         W = max(1, int(self.admit_window))
+        if self.adaptive_window:
+            W = max(W, 1 << self._last_admitted.bit_length())
         while i < n:
             if pending is not None:  # the recorded step decided this segment already
                 rest = queue[: pending.window]

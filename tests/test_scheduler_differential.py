@@ -255,10 +255,15 @@ def test_200_step_runs_match_reference(name):
 
 @pytest.mark.parametrize("name", ["lpm", "fcfs-priority-preempt", "nocache-ignore-eos", "lpm-page4-mixed"])
 def test_admission_windows_match_reference(name, monkeypatch):
-    """Admission scans windows of 2, 4, 8, ... ordered requests (`GpuScheduler.admit_window`):
-    most loops cross several windows, eager and recorded, and every step stays the reference's."""
+    """Admission scans windows of 2, 4, 8, ... ordered requests (`GpuScheduler.admit_window`),
+    fixed or starting from the previous step's admission count (`adaptive_window`): most loops
+    cross several windows, eager and recorded, and every step stays the reference's."""
     monkeypatch.setattr(GpuScheduler, "admit_window", 2)
+    monkeypatch.setattr(GpuScheduler, "adaptive_window", False)
     hits = run_long(name, seed=3)
+    assert hits["admitted"] > 60, hits
+    monkeypatch.setattr(GpuScheduler, "adaptive_window", True)  # first windows sized by the last step
+    hits = run_long(name, seed=5)
     assert hits["admitted"] > 60, hits
     hits = run_long(name, seed=4, capture=dict(queue_capacity=32, running_capacity=32))
     assert hits["recorded"] > 10, hits
