@@ -37,10 +37,11 @@ BACKENDS = ("torch", "triton")
 #: max_new_tokens, ignore_eos, max_prefix_len (R-ORD-8), namespace id, token and chunk-hash
 #: pool offsets, and the last full-length match (tree version, or -1 for none; length; pool
 #: position; the fill's prefix hashes at that length and one page further) and the R-ORD-9
-#: head hash of the first T fill tokens (T, or -1 for none; hash)
+#: head hash of the first T fill tokens (T, or -1 for none; hash); a stamp that moves whenever
+#: the row is written or its pool offsets move (device mirrors upload rows by it)
 (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_TOFF, RT_COFF,
- RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_HEADT, RT_HEAD) = range(16)
-RT_COLS = 16
+ RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_HEADT, RT_HEAD, RT_STAMP) = range(17)
+RT_COLS = 17
 _DEV_ROW = operator.attrgetter("dev_row")
 _OUTPUT_IDS = operator.attrgetter("req.output_ids")
 _PRIORITY = operator.attrgetter("priority")
@@ -77,6 +78,8 @@ class GpuScheduler(ReferenceScheduler):
     #: start instead with the power of two above the previous loop's admissions when larger
     #: (steps admit similar counts: one window instead of several doublings)
     adaptive_window = True
+    #: rows of the row table at first (grown by doubling)
+    ROW_TABLE_MIN = 1024
     #: smallest token pool of the per-request fills (chunk-hash pool: a sixteenth of it)
     POOL_MIN_TOKENS = 1 << 16
 
@@ -96,9 +99,11 @@ class GpuScheduler(ReferenceScheduler):
         self._torch_gen.manual_seed(config.random_seed)
         self._custom_shuffle = shuffle is not None
         # the row table (`_rows_of`): per-request columns, rows owned by ReqState.dev_row
-        self._rt = np.zeros((1024, RT_COLS), dtype=np.int64)
-        self._rt_owner: List[Optional[ReqState]] = [None] * 1024
-        self._rt_free: List[int] = list(range(1023, -1, -1))
+        self._rt = np.zeros((0, RT_COLS), dtype=np.int64)
+        self._rt_owner: List[Optional[ReqState]] = []
+        self._rt_free: List[int] = []
+        self._stamp = 0  # the latest row stamp
+        self._new_row(None)  # allocates ROW_TABLE_MIN rows; row 0 stays unused
         self._qtok: Optional[torch.Tensor] = None
         self._qch: Optional[torch.Tensor] = None
         self._qtop = [0, 0]
@@ -153,7 +158,7 @@ class GpuScheduler(ReferenceScheduler):
         adder = PrefillAdder(cfg, self.cache, self.pool, self.running, float(self._step_ratio), mixed)
         g.load(q, adder, self.batch_is_full, self.chunked)  # hashes new requests' fills too
         out = g.run()
-        oq = [q[i] for i in out.order]
+        oq = _take(q, out.order)
         self._pending = (out, oq)
         policy = active_policy(cfg, n)
         if policy != "lpm":
@@ -226,7 +231,7 @@ class GpuScheduler(ReferenceScheduler):
     def _new_row(self, r: ReqState) -> int:
         if not self._rt_free:
             old = len(self._rt_owner)
-            cap = max(1024, 2 * old)
+            cap = max(self.ROW_TABLE_MIN, 2 * old)
             grown = np.zeros((cap, RT_COLS), dtype=np.int64)
             grown[:old] = self._rt
             self._rt = grown
@@ -246,6 +251,8 @@ class GpuScheduler(ReferenceScheduler):
         rt[rows, RT_NS] = [self.cache.ns_id(r.req.extra_key) for r in reqs] if not self.cache.disable else 0
         rt[rows, RT_MVER] = -1  # no match known for this fill
         rt[rows, RT_HEADT] = -1  # no head hash either
+        self._stamp += 1
+        rt[rows, RT_STAMP] = self._stamp
         rt[rows, RT_TOFF] = -1  # not in the pools yet (a rebuild meanwhile skips these rows)
         if self.cache.disable:
             return
@@ -305,8 +312,10 @@ class GpuScheduler(ReferenceScheduler):
                 tok[t : t + n] = self._qtok[toff : toff + n]
                 chs[c : c + q] = self._qch[coff : coff + q]
                 rt[k, RT_TOFF], rt[k, RT_COFF] = t, c
+                rt[k, RT_STAMP] = self._stamp + 1
                 t, c = t + n, c + q
             self._qtok, self._qch, self._qtop = tok, chs, [t, c]
+            self._stamp += 1
             self._qgen += 1
         t, c = self._qtop
         self._qtok[t : t + nt] = toks

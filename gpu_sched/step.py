@@ -37,7 +37,7 @@ import torch
 
 from . import policy as dpolicy
 from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, lock_drops
-from .scheduler import RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PROMPT, RT_TOFF
+from .scheduler import _ENQUEUE_TIME, RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PROMPT, RT_STAMP, RT_TOFF
 
 #: policies the recorded step computes (others: the scheduler's eager path)
 GRAPH_POLICIES = ("fcfs", "lof", "lpm")
@@ -78,7 +78,7 @@ class StepGraph:
         ValueError: a capacity below 1, or max_len below 1.
     """
 
-    #: fewest slots of the row store (twice the queue capacity at least)
+    #: fewest slots of the row store (twice the queue capacity and the row table's rows at least)
     MIN_STORE = 1024
 
     def __init__(self, sched, queue_capacity: int, running_capacity: int, max_len: Optional[int] = None):
@@ -99,7 +99,7 @@ class StepGraph:
         self.device = dev
         self.sidx = torch.zeros(self.Q, dtype=torch.int64, device=dev)  # row-store slot per queue position
         self._store_cap = 0
-        self._grow(max(2 * self.Q, self.MIN_STORE))
+        self._grow(max(2 * self.Q, self.MIN_STORE, sched._rt.shape[0]))
         self.qt = torch.zeros(self.Q, dtype=torch.float64, device=dev)
         self.hi = torch.zeros((4, self.R), dtype=torch.int64, device=dev)
         self.sc = torch.zeros(_S_LEN, dtype=torch.int64, device=dev)
@@ -114,8 +114,6 @@ class StepGraph:
         self.graph = None
         self._sig = None
         self._n = 0
-        self._slot = {}  # rid -> (ReqState, out_len, pool generation, row-store slot)
-        self._top = 0  # next free slot
         self._caps = np.zeros(0, dtype=np.int64)  # max_prefix_len of the loaded queue
         self.captures = 0  # graphs recorded so far
         self.runs = 0  # steps computed (replays on CUDA)
@@ -131,50 +129,35 @@ class StepGraph:
 
         queue: the waiting requests (ReqState) in queue order; adder: a fresh `PrefillAdder`
         (budgets at the loop's start, before the in-flight chunked request); chunked: that
-        request or None. Each request's row (lengths, priority, cap, namespace, pool offsets)
-        lives in a device row store from the first step that sees it until its fill length or
-        the scheduler's token pools change; a step sends only the queue's slot numbers and the
-        rows of new requests, so the host work is one dict lookup per waiting request."""
+        request or None. The device row store mirrors the scheduler's host row table
+        (`GpuScheduler._rows_of`: one row per request, written once per fill, its stamp moved
+        whenever the row or its pool offsets change): a step sends the queue's row numbers
+        and uploads only rows whose stamp moved since their last upload."""
         s = self.s
         n = len(queue)
         self._n = n
-        gen = s._qgen
-        get = self._slot.get
-        found = []
-        add = found.append
-        for r in queue:
-            e = get(r.rid)
-            add(e[3] if e is not None and e[0] is r and e[2] == gen and e[1] == len(r.req.output_ids) else -1)
+        idx = s._rows_of(queue)  # may grow the table and rebuild the pools
+        if s._rt.shape[0] > self._store_cap:
+            self._grow(2 * s._rt.shape[0])
+        sel = s._rt[idx]
+        stale = np.flatnonzero(self._upl[idx] != sel[:, RT_STAMP])
+        if stale.size:
+            u, su = idx[stale], sel[stale]
+            rows = np.stack([su[:, RT_FILL], su[:, RT_OUT], su[:, RT_PROMPT], su[:, RT_MAXNEW], su[:, RT_IGN],
+                             np.fromiter((queue[k].priority for k in stale.tolist()), np.int64, stale.size),
+                             su[:, RT_CAP],
+                             *((su[:, RT_NS], su[:, RT_TOFF], su[:, RT_COFF]) if not s.cache.disable
+                               else (np.zeros(stale.size, dtype=np.int64),) * 3)])
+            ut = torch.from_numpy(u).to(self.device)
+            self.store.index_copy_(1, ut, torch.from_numpy(rows).to(self.device))
+            self._upl[u] = su[:, RT_STAMP]
+        self._caps = np.minimum(sel[:, RT_FILL], sel[:, RT_CAP])
         slots = np.zeros(self.Q, dtype=np.int64)
-        slots[:n] = found
-        miss = np.flatnonzero(slots[:n] < 0).tolist()
-        if miss:
-            reqs = [queue[k] for k in miss]
-            sel = s._rt[s._rows_of(reqs)]
-            if s._qgen != gen or self._top + len(miss) > self._store_cap:
-                # pools rebuilt (offsets moved) or the store is full: start it over with this queue
-                self._slot.clear()
-                self._top = 0
-                if n > self._store_cap:
-                    self._grow(2 * n)
-                return self.load(queue, adder, batch_full, chunked)
-            m = len(reqs)
-            rows = np.stack([sel[:, RT_FILL], sel[:, RT_OUT], sel[:, RT_PROMPT], sel[:, RT_MAXNEW], sel[:, RT_IGN],
-                             np.array([r.priority for r in reqs], dtype=np.int64), sel[:, RT_CAP],
-                             *((sel[:, RT_NS], sel[:, RT_TOFF], sel[:, RT_COFF]) if not s.cache.disable
-                               else (np.zeros(len(reqs), dtype=np.int64),) * 3)])
-            new = np.arange(self._top, self._top + m, dtype=np.int64)
-            self.store[:, self._top : self._top + m] = torch.from_numpy(rows).to(self.device)
-            self._cap_host[self._top : self._top + m] = rows[_Q_CAP]
-            for r, sl in zip(reqs, new.tolist()):
-                self._slot[r.rid] = (r, r.out_len, gen, sl)
-            slots[miss] = new
-            self._top += m
-        self._caps = self._cap_host[slots[:n]]
+        slots[:n] = idx
         self.sidx.copy_(torch.from_numpy(slots))
         if s.config.enable_priority_scheduling:
             qt = np.zeros(self.Q, dtype=np.float64)
-            qt[:n] = [r.enqueue_time for r in queue]
+            qt[:n] = np.fromiter(map(_ENQUEUE_TIME, queue), np.float64, n)
             self.qt.copy_(torch.from_numpy(qt))
         run = self.s.running
         hi = np.zeros((4, self.R), dtype=np.int64)
@@ -192,10 +175,11 @@ class StepGraph:
         self.ratio.fill_(float(adder.ratio))
 
     def _grow(self, cap: int) -> None:
-        """A row store of `cap` slots (a new tensor: the graph is recorded again)."""
+        """A row store of `cap` slots (a new tensor: the graph is recorded again); every row is
+        uploaded again when next used."""
         self._store_cap = int(cap)
         self.store = torch.zeros((_Q_ROWS, self._store_cap), dtype=torch.int64, device=self.device)
-        self._cap_host = np.zeros(self._store_cap, dtype=np.int64)
+        self._upl = np.full(self._store_cap, -1, dtype=np.int64)  # row stamp at its last upload
 
     # ---- the device computation -------------------------------------------------------------------
     def compute(self) -> None:
@@ -334,7 +318,7 @@ class StepGraph:
         b = HEAD
         w = min(n, self.W)
         return StepOutput(head, vals[b : b + n], vals[b + Q : b + Q + w], vals[b + 2 * Q : b + 2 * Q + n],
-                          [bool(x) for x in vals[b + 3 * Q : b + 3 * Q + n]], self.W)
+                          list(map(bool, vals[b + 3 * Q : b + 3 * Q + n])), self.W)
 
     def _record(self) -> None:
         torch.cuda.synchronize(self.device)

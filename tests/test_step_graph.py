@@ -84,11 +84,12 @@ def test_recorded_step_runs_match_reference(name):
 @cpu_runs
 @pytest.mark.parametrize("name", ["lpm", "fcfs-priority-preempt", "nocache-ignore-eos"])
 def test_row_store_and_pool_rebuilds(name, monkeypatch):
-    """A row store of 8 slots and token pools of 64 tokens: the store starts over and the
-    scheduler's pools are rebuilt (moving every request's offsets) again and again, and every
-    step is still the reference's."""
+    """A row store of 8 slots, token pools of 64 tokens and a row table of 2 rows: the store
+    starts over, the scheduler's pools are rebuilt (moving every request's offsets) and its
+    row table grows, again and again, and every step is still the reference's."""
     monkeypatch.setattr(StepGraph, "MIN_STORE", 8)
     monkeypatch.setattr(GpuScheduler, "POOL_MIN_TOKENS", 64)
+    monkeypatch.setattr(GpuScheduler, "ROW_TABLE_MIN", 2)
     hits = run_long(name, seed=7, capture=dict(queue_capacity=8, running_capacity=24))
     assert hits["recorded"] >= 5, hits
 
