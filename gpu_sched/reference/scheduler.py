@@ -123,18 +123,20 @@ class ReferenceScheduler:
         if now is not None:
             self.now = max(self.now, float(now))
         cfg = self.config
-        plan = PrefillPlan(queue_order=list(map(_RID, self.queue)))
+        plan = PrefillPlan()  # queue_order: the queue as it is, or as ordered (R-STEP-2)
         # R-STEP-1
         if cfg.enable_priority_preemption or not self.running:
             self.batch_is_full = False
         if (not self.queue or self.batch_is_full) and self.chunked is None:
             plan.stop = "no_prefill_full" if self.batch_is_full else "no_prefill_empty"
+            plan.queue_order = list(map(_RID, self.queue))
             return self._close(plan)
         cap = cfg.max_running_requests
         if (cap is not None and len(self.running) >= cap and self.chunked is None
                 and not cfg.enable_priority_preemption):
             self.batch_is_full = True
             plan.stop = "no_prefill_max_running"
+            plan.queue_order = list(map(_RID, self.queue))
             return self._close(plan)
         # R-STEP-2
         order = self._order()
