@@ -163,14 +163,17 @@ class GpuScheduler(ReferenceScheduler):
         policy = active_policy(cfg, n)
         if policy != "lpm":
             return OrderResult(policy, oq)
-        if n:
-            # splits and stamps; the last nodes are not read back: only admitted requests need
-            # theirs, and admission re-matches them (`_admit_run`)
-            self.cache.tree._apply(g.m_full[:n], g.pos_full[:n], self.cache.tree.backend)
-            for r, a, c in zip(q, out.prefix_len, g._caps.tolist()):
-                r.prefix_len, r.last_node, r.num_matched = a, None, min(a, c)
-        dep_rids = {r.rid for r, d in zip(q, out.deprioritized) if d}
-        return OrderResult(policy, oq, [r.num_matched for r in oq], [r.rid for r in oq if r.rid in dep_rids])
+        if not n:
+            return OrderResult(policy, oq, [], [])
+        # splits and stamps; the last nodes are not read back: only admitted requests need
+        # theirs, and admission re-matches them (`_admit_run`)
+        self.cache.tree._apply(g.m_full[:n], g.pos_full[:n], self.cache.tree.backend)
+        num = np.minimum(np.asarray(out.prefix_len, dtype=np.int64), g._caps)
+        for r, a, c in zip(q, out.prefix_len, num.tolist()):
+            r.prefix_len, r.last_node, r.num_matched = a, None, c
+        order = np.asarray(out.order, dtype=np.int64)
+        dep = np.flatnonzero(np.asarray(out.deprioritized, dtype=bool)[order]).tolist()
+        return OrderResult(policy, oq, num[order].tolist(), [oq[i].rid for i in dep])
 
     def _unadmitted(self, queue: List[ReqState], can_run: List[ReqState]) -> List[ReqState]:
         """R-STEP-4. The admission loop admits a leading run of the ordered queue (it stops at
