@@ -75,7 +75,7 @@ EOF
 pick() { local f; for f in "$@"; do [[ -f "$f" ]] && printf '%s\n' "$f"; done; return 0; }
 mapfile -t T_RADIX < <(pick tests/test_kernels_radix.py)
 mapfile -t T_GRAPH < <(pick tests/test_step_graph.py tests/test_step_core.py tests/test_kernels_admission.py)
-mapfile -t T_KERNELS < <(pick tests/test_radix_device.py tests/test_policy_device.py tests/test_kernels_sort_keys.py \
+mapfile -t T_KERNELS < <(pick tests/test_radix_device.py tests/test_match_hints.py tests/test_policy_device.py tests/test_kernels_sort_keys.py \
     tests/test_state.py tests/test_conformance_device.py)
 mapfile -t T_DIFF < <(pick tests/test_step_differential.py tests/test_scheduler_differential.py \
     tests/test_ordering_mooncake.py tests/test_radix_mooncake.py)

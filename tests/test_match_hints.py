@@ -2,7 +2,8 @@
 path_position, version), against a fresh search (`_find`) on random trees, before and after
 the tree changes (inserts, evictions). GpuScheduler keeps each waiting request's match from
 one step to the next and checks it with two lookups instead of searching again; these tests
-pin the rule it relies on: a guess is accepted exactly when it is the match."""
+pin the rule it relies on: a guess is accepted exactly when it is the match. On CUDA when it is
+there; the lookups with backend torch and triton (the probe kernel)."""
 
 import random
 
@@ -13,18 +14,21 @@ import torch
 from gpu_sched.radix import FlatRadixTree
 
 CONFIGS = [(1, None), (1, 3), (4, None), (4, 2), (16, None), (16, 1)]
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def build(page_size, chunk_pages, seed):
     rng = random.Random(seed)
-    tree = FlatRadixTree(page_size, max_nodes=4096, token_capacity=1 << 15, chunk_pages=chunk_pages, seed=seed)
+    tree = FlatRadixTree(page_size, max_nodes=4096, token_capacity=1 << 15, chunk_pages=chunk_pages, seed=seed,
+                         device=DEV)
     bases = [[rng.randrange(6) for _ in range(rng.randrange(1, 120))] for _ in range(12)]
     slot = 0
     for _ in range(40):
         b = bases[rng.randrange(len(bases))]
         seq = b[: rng.randrange(len(b) + 1)] + [rng.randrange(6) for _ in range(rng.randrange(0, 40))]
         ns = rng.randrange(2)
-        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(slot, slot + len(seq)), ns)
+        tree.insert(torch.tensor(seq, dtype=torch.int32, device=DEV), torch.arange(slot, slot + len(seq), device=DEV),
+                    ns)
         slot += len(seq)
     return rng, tree, bases
 
@@ -47,20 +51,21 @@ class Csr:
         pad = torch.zeros((len(qs), L), dtype=torch.int32)
         for i, (q, _) in enumerate(qs):
             pad[i, : len(q)] = torch.tensor(q, dtype=torch.int32)
-        self.lens = torch.from_numpy(lens)
-        self.ns = torch.tensor([ns for _, ns in qs], dtype=torch.int64)
+        pad = pad.to(DEV)
+        self.lens = torch.from_numpy(lens).to(DEV)
+        self.ns = torch.tensor([ns for _, ns in qs], dtype=torch.int64, device=DEV)
         ch = tree.prefix_hashes(pad, self.lens, self.ns, tree.C)
         cnt = lens // tree.C
-        self.tok = pad[torch.arange(L)[None, :] < self.lens[:, None]]
-        self.ch = ch[torch.arange(ch.shape[1])[None, :] < torch.from_numpy(cnt)[:, None]]
-        self.toff = torch.from_numpy(np.cumsum(lens) - lens)
-        self.coff = torch.from_numpy(np.cumsum(cnt) - cnt)
-        self.cnt = torch.from_numpy(cnt)
+        self.tok = pad[torch.arange(L, device=DEV)[None, :] < self.lens[:, None]]
+        self.ch = ch[torch.arange(ch.shape[1], device=DEV)[None, :] < torch.from_numpy(cnt).to(DEV)[:, None]]
+        self.toff = torch.from_numpy(np.cumsum(lens) - lens).to(DEV)
+        self.coff = torch.from_numpy(np.cumsum(cnt) - cnt).to(DEV)
+        self.cnt = torch.from_numpy(cnt).to(DEV)
 
-    def find(self, tree, lengths=None):
+    def find(self, tree, lengths=None, be="torch"):
         lengths = self.lens if lengths is None else lengths
         return tree._find_csr(self.tok, self.toff, lengths, lengths, self.ns, self.ch, self.coff, self.cnt,
-                              int(self.cnt.max()) if self.cnt.numel() else 0)
+                              int(self.cnt.max()) if self.cnt.numel() else 0, be)
 
     def hashes(self, tree, d):
         return tree.depth_hashes(self.tok, self.toff, self.ns, self.ch, self.coff, d)
@@ -71,21 +76,22 @@ def guesses(rng, m, lens, P):
     out = []
     for mi, L in zip(m.tolist(), lens.tolist()):
         out.append([mi, mi - P, mi + P, rng.randrange(L // P + 1) * P, -1, mi + 1 if P > 1 else L + P])
-    return torch.tensor(out, dtype=torch.int64).T  # [6, B]
+    return torch.tensor(out, dtype=torch.int64, device=DEV).T  # [6, B]
 
 
-def check_all(tree, csr, g, h1, h2):
+def check_all(tree, csr, g, h1, h2, be):
     m, pos = csr.find(tree)
     for k in range(g.shape[0]):
-        ok, p = tree.check_matches(csr.lens, g[k], h1[k], h2[k])
+        ok, p = tree.check_matches(csr.lens, g[k], h1[k], h2[k], backend=be)
         want = g[k] == m
         assert torch.equal(ok, want), f"guess set {k}: accepted {ok.tolist()} != is-the-match {want.tolist()}"
         assert torch.equal(p[ok], torch.where(m > 0, pos, -1)[ok])
         assert bool((p[~ok] == -1).all())
 
 
+@pytest.mark.parametrize("be", ["torch", "triton"])
 @pytest.mark.parametrize("page_size,chunk_pages", CONFIGS)
-def test_check_matches_accepts_exactly_the_match(page_size, chunk_pages):
+def test_check_matches_accepts_exactly_the_match(page_size, chunk_pages, be):
     rng, tree, bases = build(page_size, chunk_pages, seed=page_size * 10 + (chunk_pages or 0))
     qs = queries(rng, bases, 200)
     csr = Csr(tree, qs)
@@ -93,21 +99,21 @@ def test_check_matches_accepts_exactly_the_match(page_size, chunk_pages):
     g = guesses(rng, m, csr.lens, page_size)
     hs = [csr.hashes(tree, torch.where((x >= 0) & (x % page_size == 0), x, 0)) for x in g]
     h1, h2 = torch.stack([h[0] for h in hs]), torch.stack([h[1] for h in hs])
-    check_all(tree, csr, g, h1, h2)
+    check_all(tree, csr, g, h1, h2, be)
     assert int((g[0] > 0).sum()) > 20  # the trees share prefixes with the queries
     # the tree changes under the kept hints: inserts extend some matches, evictions cut some
     v = tree.version
     for q, ns in qs[:30]:
         ext = q + [rng.randrange(6) for _ in range(rng.randrange(1, 20))]
-        tree.insert(torch.tensor(ext, dtype=torch.int32), torch.arange(len(ext)) + 10**6, ns)
+        tree.insert(torch.tensor(ext, dtype=torch.int32, device=DEV), torch.arange(len(ext), device=DEV) + 10**6, ns)
     assert tree.version != v
     m2, _ = csr.find(tree)
     assert bool((m2 != m).any())
-    check_all(tree, csr, g, h1, h2)
+    check_all(tree, csr, g, h1, h2, be)
     tree.evict(int(tree.evictable_size) // 2)
     m3, _ = csr.find(tree)
     assert bool((m3 != m2).any())
-    check_all(tree, csr, g, h1, h2)
+    check_all(tree, csr, g, h1, h2, be)
 
 
 @pytest.mark.parametrize("page_size,chunk_pages", CONFIGS)
@@ -117,7 +123,8 @@ def test_path_position_is_the_capped_match(page_size, chunk_pages):
     csr = Csr(tree, qs)
     m, pos = csr.find(tree)
     tree._apply(m, pos)  # splits: positions stay where they are
-    d = torch.tensor([rng.randrange(x // page_size + 1) * page_size for x in m.tolist()], dtype=torch.int64)
+    d = torch.tensor([rng.randrange(x // page_size + 1) * page_size for x in m.tolist()], dtype=torch.int64,
+                     device=DEV)
     d[:20] = m[:20]
     d[20:40] = 0
     want_m, want_pos = csr.find(tree, torch.minimum(csr.lens, d))  # a match capped at d
@@ -127,17 +134,17 @@ def test_path_position_is_the_capped_match(page_size, chunk_pages):
 
 
 def test_version_moves_with_content_only():
-    tree = FlatRadixTree(1, max_nodes=64, token_capacity=256)
+    tree = FlatRadixTree(1, max_nodes=64, token_capacity=256, device=DEV)
     v0 = tree.version
-    tree.insert(torch.arange(10, dtype=torch.int32), torch.arange(10), 0)
+    tree.insert(torch.arange(10, dtype=torch.int32, device=DEV), torch.arange(10, device=DEV), 0)
     v1 = tree.version
     assert v1 != v0
-    t = torch.arange(5, dtype=torch.int32)[None]
-    m, last = tree.match(t, torch.tensor([5]), torch.tensor([0]))  # splits the node
+    t = torch.arange(5, dtype=torch.int32, device=DEV)[None]
+    m, last = tree.match(t, torch.tensor([5], device=DEV), torch.tensor([0], device=DEV))  # splits the node
     tree.lock(last)
     tree.unlock(last)
     assert tree.version == v1
     tree.evict(3)
     assert tree.version != v1
-    other = FlatRadixTree(1, max_nodes=64, token_capacity=256)
+    other = FlatRadixTree(1, max_nodes=64, token_capacity=256, device=DEV)
     assert other.version not in (v0, v1, tree.version)  # unique across trees
