@@ -267,3 +267,20 @@ def test_admission_windows_match_reference(name, monkeypatch):
     assert hits["admitted"] > 60, hits
     hits = run_long(name, seed=4, capture=dict(queue_capacity=32, running_capacity=32))
     assert hits["recorded"] > 10, hits
+
+
+def test_unadmitted_slice_and_general_filter():
+    """R-STEP-4 on GpuScheduler: a leading run of admitted requests (after the in-flight chunk)
+    is cut off as a slice; anything else gives the reference's filter."""
+    ref, dev = ReferenceScheduler(SchedulerConfig(), 1000), GpuScheduler(SchedulerConfig(), 1000)
+    for s in (ref, dev):
+        s.submit([Request(rid=f"r{i}", prompt_ids=[1, 2, 3], max_new_tokens=4) for i in range(6)], now=0.0)
+    for s in (ref, dev):
+        q = list(s.queue)
+        chunk = s._state(Request(rid="c", prompt_ids=[5, 6], max_new_tokens=4), 0.0)
+        s.chunked = chunk
+        cases = [[], q[:2], [chunk] + q[:3], q[1:3], [q[4], q[0]], [chunk, q[2]], q]
+        got = [[r.rid for r in s._unadmitted(q, c)] for c in cases]
+        want = [[r.rid for r in q if all(r is not x for x in c)] for c in cases]
+        assert got == want, (type(s).__name__, got, want)
+        s.chunked = None
