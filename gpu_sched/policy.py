@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from .kernels._utils import check_tensor
+from .kernels._utils import check_tensor, gather
 
 __all__ = [
     "BACKENDS",
@@ -87,12 +87,7 @@ def _stable_perm(key: torch.Tensor) -> torch.Tensor:
 def _lex_perm(primary: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
     """Stable permutation by (primary, secondary): two stable sorts, least significant first."""
     p1 = _stable_perm(secondary)
-    return _take(p1, _stable_perm(_take(primary, p1)))
-
-
-def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """t[idx] for 1-D t and int64 idx (index_select: cheaper than advanced indexing)."""
-    return t.index_select(0, idx)
+    return gather(p1, _stable_perm(gather(primary, p1)))
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:
@@ -194,9 +189,9 @@ def routing_key_order(key_id: torch.Tensor, key_rank: torch.Tensor, running_key_
         q = key_id.to(torch.int64)
         valid = (q >= 0) & (q < K)
         qs = torch.where(valid, q, K)
-        c = torch.where(valid, _take(counts, qs), 0)
+        c = torch.where(valid, gather(counts, qs), 0)
         ranks = torch.cat([key_rank.to(torch.int64), torch.full((1,), empty_rank, dtype=torch.int64, device=dev)])
-        rank = _take(ranks, qs)
+        rank = gather(ranks, qs)
         g = torch.where(c > 0, m - c, m)
         key = g * 2**32 + (rank + 2**31)
     else:
@@ -319,7 +314,7 @@ def in_batch_deprioritize(prefix_len: torch.Tensor, fill_len: torch.Tensor, name
     if threshold == 0:
         return checked
     perm = _lex_perm(a, head_hash)
-    a_s, h_s = _take(a, perm), _take(head_hash.to(torch.int64), perm)
+    a_s, h_s = gather(a, perm), gather(head_hash.to(torch.int64), perm)
     if k is not None:
         return k.deprio_flags(a_s, h_s, perm, block=block)
     later = torch.zeros(n, dtype=torch.bool, device=dev)
@@ -335,14 +330,14 @@ def _sibling_offsets(parent: torch.Tensor, weight: torch.Tensor, skey: torch.Ten
     child_rank): a stable sort into sibling runs and a segmented exclusive prefix sum."""
     N = parent.numel()
     order = _stable_perm(skey) if child_rank is None else _lex_perm(skey, child_rank.to(torch.int64))
-    w_s = _take(weight, order)
-    p_s = _take(parent.to(torch.int64), order)
+    w_s = gather(weight, order)
+    p_s = gather(parent.to(torch.int64), order)
     excl = torch.cumsum(w_s, 0) - w_s
     idx = torch.arange(N, device=parent.device)
     first = torch.ones(N, dtype=torch.bool, device=parent.device)
     first[1:] = p_s[1:] != p_s[:-1]
     seg0 = torch.cummax(torch.where(first, idx, 0), 0).values
-    off_s = excl - _take(excl, seg0)
+    off_s = excl - gather(excl, seg0)
     return torch.empty_like(off_s).scatter_(0, order, off_s)
 
 
@@ -396,7 +391,7 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
             up = anc >= 0
             a = torch.where(up, anc, N)
             s = torch.cat([s, s.new_zeros(1)]).scatter_add_(0, a, s)[:N]
-            anc = torch.where(up, _take(anc, a.clamp(max=N - 1)), -1)
+            anc = torch.where(up, gather(anc, a.clamp(max=N - 1)), -1)
         weight = s
         skey = (p64 + 1) * (n + 1) + (n - weight)
         if pack_rank:
@@ -406,9 +401,9 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
         for _ in range(rounds):
             up = anc >= 0
             a = anc.clamp(min=0)
-            t = t + torch.where(up, _take(t, a), 0)
-            anc = torch.where(up, _take(anc, a), -1)
-        base = _take(t + weight - own, ln)
+            t = t + torch.where(up, gather(t, a), 0)
+            anc = torch.where(up, gather(anc, a), -1)
+        base = gather(t + weight - own, ln)
     else:
         ln = _contig(last_node)
         own = k.own_counts(ln, N, block=block)

@@ -69,6 +69,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .kernels._utils import gather
+
 P1, P2 = 2**31 - 1, 2147483629
 EMPTY, TOMB = -1, -2
 ROOT = 0
@@ -81,13 +83,6 @@ PROBE_WINDOW = 8
 
 
 _VERSIONS = itertools.count(1)  # FlatRadixTree.version values
-
-
-def _gather(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """src[idx] for 1-D src and int64 idx of any shape, values in [0, src.numel()): one
-    index_select (several times cheaper than advanced indexing for large random gathers on the
-    CPU; graph-capturable on CUDA)."""
-    return src.index_select(0, idx.reshape(-1)).view(idx.shape)
 
 
 def home_slot(h: torch.Tensor, H: int) -> torch.Tensor:
@@ -260,7 +255,7 @@ class FlatRadixTree:
         if h.numel() == 0 or self.max_probe <= 0:
             return slot
         pos = home_slot(h, H)
-        k = _gather(self.hkeys, pos)
+        k = gather(self.hkeys, pos)
         hit = k == h
         slot = torch.where(hit, pos, slot)
         more = torch.nonzero(~hit & (k != EMPTY)).flatten()
@@ -271,7 +266,7 @@ class FlatRadixTree:
         while idx.numel() and done < self.max_probe:
             w = min(2 * w, self.max_probe - done)
             cols = (pos[:, None] + torch.arange(w, device=h.device)) & (H - 1)
-            k = _gather(self.hkeys, cols)
+            k = gather(self.hkeys, cols)
             hit = k == hh[:, None]
             stop = hit | (k == EMPTY)
             first = stop.to(torch.int8).argmax(1)  # first stop in the window (0 if none)
@@ -288,7 +283,7 @@ class FlatRadixTree:
         if self._be(backend) == "triton":
             return self._kernels().probe(h.contiguous(), self.hkeys, self.hvals, self.max_probe)[1]
         slot = self._probe(h)
-        return torch.where(slot >= 0, _gather(self.hvals, slot.clamp(min=0)), torch.full_like(h, -1))
+        return torch.where(slot >= 0, gather(self.hvals, slot.clamp(min=0)), torch.full_like(h, -1))
 
     def _table_insert(self, h: torch.Tensor, v: torch.Tensor, be: str = "torch") -> None:
         """Insert absent keys. Round by round every pending key claims its slot if free; of
@@ -438,7 +433,7 @@ class FlatRadixTree:
         arity = self._arity(B)
         if ch.numel():
             ch_last = ch.numel() - 1
-            key1 = lambda rows, k: _gather(ch, (_gather(ch_start, rows) + k - 1).clamp(0, ch_last))  # noqa: E731
+            key1 = lambda rows, k: gather(ch, (gather(ch_start, rows) + k - 1).clamp(0, ch_last))  # noqa: E731
             lo, lo_pos = (self._search_static(nch, key1, max_count) if static else
                           self._search(nch, key1, arity))
         else:
@@ -452,7 +447,7 @@ class FlatRadixTree:
         hin = self._chunk_page_hashes(tok, tok_start, ns, ch, ch_start, lo)  # [B, n_in]
         hi2 = torch.minimum((Lq - d0) // self.P, torch.full_like(lo, n_in))
         flat = hin.reshape(-1)
-        key2 = lambda rows, q: _gather(flat, rows * n_in + q - 1)  # noqa: E731
+        key2 = lambda rows, q: gather(flat, rows * n_in + q - 1)  # noqa: E731
         if static:
             lo2, pos2 = self._search_static(hi2, key2, n_in)
         else:
@@ -471,12 +466,12 @@ class FlatRadixTree:
         if n_in == 0:
             return torch.zeros((B, 0), dtype=torch.int64, device=dev)
         zero = torch.zeros(B, dtype=torch.int64, device=dev)
-        seed_h = _gather(ch, (ch_start + lo - 1).clamp(0, max(ch.numel() - 1, 0))) if ch.numel() else zero
+        seed_h = gather(ch, (ch_start + lo - 1).clamp(0, max(ch.numel() - 1, 0))) if ch.numel() else zero
         self._ensure_pow(W + 1)
         d0 = lo * self.C
         if tok.numel():
             cols = (tok_start + d0)[:, None] + torch.arange(W, device=dev)
-            x = _gather(tok, cols.clamp(0, tok.numel() - 1)).to(torch.int64) + 1  # [B, W]
+            x = gather(tok, cols.clamp(0, tok.numel() - 1)).to(torch.int64) + 1  # [B, W]
         else:
             x = torch.ones((B, W), dtype=torch.int64, device=dev)
         ends = torch.arange(1, n_in + 1, device=dev) * self.P  # depths inside the chunk
@@ -499,7 +494,7 @@ class FlatRadixTree:
         last = max(ch.numel() - 1, 0)
 
         def at(x):  # depth x in [lo*C, lo*C + C]
-            bound = _gather(ch, (ch_start + x // C - 1).clamp(0, last)) if ch.numel() else torch.zeros_like(x)
+            bound = gather(ch, (ch_start + x // C - 1).clamp(0, last)) if ch.numel() else torch.zeros_like(x)
             if n_in == 0:
                 return bound
             r = x - lo * C
@@ -597,12 +592,12 @@ class FlatRadixTree:
         if h.numel() == 0 or self.max_probe <= 0:
             return out
         cols = (home_slot(h, H)[:, None] + torch.arange(self.max_probe, device=h.device)) & (H - 1)
-        k = _gather(self.hkeys, cols)
+        k = gather(self.hkeys, cols)
         hit = k == h[:, None]
         first = (hit | (k == EMPTY)).to(torch.int8).argmax(1, keepdim=True)
         found = hit.gather(1, first)[:, 0]
         slot = cols.gather(1, first)[:, 0]
-        return torch.where(found, _gather(self.hvals, slot), out)
+        return torch.where(found, gather(self.hvals, slot), out)
 
     def find_static(self, tok: torch.Tensor, tok_start: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
                     ch: torch.Tensor, ch_start: torch.Tensor, max_len: int, *,
@@ -629,7 +624,7 @@ class FlatRadixTree:
         end), read off the path: within the last node by offset, else a few parent steps
         (a host read per level climbed). int64 [B] each."""
         has = m > 0
-        X = torch.where(has, _gather(self.owner, pos.clamp(min=0)), 0)
+        X = torch.where(has, gather(self.owner, pos.clamp(min=0)), 0)
         start = torch.where(has, m - (pos - self.key_off[X] + 1), 0)  # depth where node X begins
         need = (d > 0) & (d <= start)
         while bool(need.any()):
@@ -696,7 +691,7 @@ class FlatRadixTree:
             self.clock += B
             self.next_cid += B
         has = m > 0
-        X = torch.where(has, _gather(self.owner, pos.clamp(min=0)), torch.zeros_like(m))
+        X = torch.where(has, gather(self.owner, pos.clamp(min=0)), torch.zeros_like(m))
         cover = pos - self.key_off[X] + 1
         interior = has & (cover < self.key_len[X])
         idx = torch.nonzero(interior).flatten()
@@ -722,7 +717,7 @@ class FlatRadixTree:
                 sel = idx[start : start + size]
                 start += size
                 self._split_round(sel, pos[sel], stamp[sel], cid[sel], be)
-        last = torch.where(has, _gather(self.owner, pos.clamp(min=0)), torch.zeros_like(m))
+        last = torch.where(has, gather(self.owner, pos.clamp(min=0)), torch.zeros_like(m))
         self._stamp_paths(last, stamp, be)
         return m, last
 

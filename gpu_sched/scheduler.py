@@ -50,7 +50,7 @@ _MAX_NEW = operator.attrgetter("req.max_new_tokens")
 _ROUTING_KEY = operator.attrgetter("req.routing_key")
 
 
-def _take(items: Sequence, idx: List[int]) -> list:
+def _pick(items: Sequence, idx: List[int]) -> list:
     """[items[i] for i in idx], one C call (faster on long permutations)."""
     if len(idx) < 2:
         return [items[i] for i in idx]
@@ -107,7 +107,6 @@ class GpuScheduler(ReferenceScheduler):
         self._qtok: Optional[torch.Tensor] = None
         self._qch: Optional[torch.Tensor] = None
         self._qtop = [0, 0]
-        self._qgen = 0  # pool rebuilds so far
         self._graph = None  # StepGraph after capture()
         self._pending = None  # (StepOutput, ordered queue) of this step's recorded computation
         self._step_ratio: Optional[float] = None
@@ -158,7 +157,7 @@ class GpuScheduler(ReferenceScheduler):
         adder = PrefillAdder(cfg, self.cache, self.pool, self.running, float(self._step_ratio), mixed)
         g.load(q, adder, self.batch_is_full, self.chunked)  # hashes new requests' fills too
         out = g.run()
-        oq = _take(q, out.order)
+        oq = _pick(q, out.order)
         self._pending = (out, oq)
         policy = active_policy(cfg, n)
         if policy != "lpm":
@@ -166,7 +165,7 @@ class GpuScheduler(ReferenceScheduler):
         if not n:
             return OrderResult(policy, oq, [], [])
         # splits and stamps; the last nodes are not read back: only admitted requests need
-        # theirs, and admission re-matches them (`_admit_run`)
+        # theirs, and `_admit_run` gets them from the admission's own capped match
         self.cache.tree._apply(g.m_full[:n], g.pos_full[:n], self.cache.tree.backend)
         num = np.minimum(np.asarray(out.prefix_len, dtype=np.int64), g._caps)
         for r, a, c in zip(q, out.prefix_len, num.tolist()):
@@ -215,8 +214,8 @@ class GpuScheduler(ReferenceScheduler):
         Python call per request and field, and matching costs O(log L) probes, not O(L).
         Requests without a current row are hashed in padded batches (one `prefix_hashes` and
         one pool append per ~`max_batch_tokens` padded tokens). Rows keep their numbers while
-        their request is held; offsets move when the pools are rebuilt (`_qgen` counts
-        rebuilds). Returns int64 [len(rs)]."""
+        their request is held; offsets move when the pools are rebuilt (the row's stamp moves
+        with them). Returns int64 [len(rs)]."""
         n = len(rs)
         idx = np.fromiter(map(_DEV_ROW, rs), np.int64, n)
         outs = np.fromiter(map(len, map(_OUTPUT_IDS, rs)), np.int64, n)
@@ -319,7 +318,6 @@ class GpuScheduler(ReferenceScheduler):
                 t, c = t + n, c + q
             self._qtok, self._qch, self._qtop = tok, chs, [t, c]
             self._stamp += 1
-            self._qgen += 1
         t, c = self._qtop
         self._qtok[t : t + nt] = toks
         self._qch[c : c + nc] = ch
@@ -369,7 +367,7 @@ class GpuScheduler(ReferenceScheduler):
                     torch.from_numpy(np.fromiter(map(_PRIORITY, q), np.int64, n)).to(self.device),
                     torch.from_numpy(np.fromiter(map(_ENQUEUE_TIME, q), np.float64, n)).to(self.device), sign,
                     backend=be)
-                q = _take(q, perm.tolist())
+                q = _pick(q, perm.tolist())
             return OrderResult("fcfs", q)
         if policy in ("lpm", "dfs-weight"):
             if n == 0:
@@ -404,7 +402,7 @@ class GpuScheduler(ReferenceScheduler):
             for r, a, b, c in zip(q, *vals[:3].tolist()):
                 r.prefix_len, r.last_node, r.num_matched = a, b, c
             dflag = vals[3]
-            q = _take(q, vals[4].tolist())
+            q = _pick(q, vals[4].tolist())
             dep_rids = [q[i].rid for i in np.flatnonzero(dflag[vals[4]]).tolist()]
             return OrderResult(policy, q, vals[2][vals[4]].tolist(), dep_rids)
         if n == 0 or policy == "fcfs":  # fcfs here: the lpm fallback sorts nothing (R-ORD-2)
@@ -428,7 +426,7 @@ class GpuScheduler(ReferenceScheduler):
                 self._col(list(range(len(keys))), torch.int64),
                 self._col([kid[r.req.routing_key] for r in self.running if r.req.routing_key], torch.int64),
                 backend=be)
-        q = _take(q, perm.tolist())
+        q = _pick(q, perm.tolist())
         return OrderResult(policy, q)
 
     def _head_hashes(self, rows: np.ndarray, sel: np.ndarray, T: int) -> torch.Tensor:

@@ -151,7 +151,7 @@ class StepGraph:
             ut = torch.from_numpy(u).to(self.device)
             self.store.index_copy_(1, ut, torch.from_numpy(rows).to(self.device))
             self._upl[u] = su[:, RT_STAMP]
-        self._caps = np.minimum(sel[:, RT_FILL], sel[:, RT_CAP])
+        self._caps = sel[:, RT_CAP]
         slots = np.zeros(self.Q, dtype=np.int64)
         slots[:n] = idx
         self.sidx.copy_(torch.from_numpy(slots))
