@@ -95,12 +95,19 @@ def _contig(t: torch.Tensor) -> torch.Tensor:
 
 
 def _time_bits(t: torch.Tensor) -> torch.Tensor:
-    """int64 with the order of t (float64 bits made monotone; -0.0 counts as +0.0)."""
+    """int64 with the order of t (float64 bits made monotone: negatives' magnitude bits
+    flipped; -0.0 folded into +0.0 first, IEEE -0.0 + 0.0 == +0.0). Integer keys, because
+    torch sorts them several times faster than floats on the CPU. No NaN by contract."""
     if t.dtype != torch.float64:
-        return t.to(torch.int64)
-    t = torch.where(t == 0, torch.zeros_like(t), t)
-    b = _contig(t).view(torch.int64)
-    return torch.where(b < 0, b ^ INT64_MAX, b)
+        return t
+    b = (t + 0.0).view(torch.int64)
+    return b ^ ((b >> 63) & INT64_MAX)
+
+
+def _neg(x: torch.Tensor, sign: int = -1) -> torch.Tensor:
+    """x (sign +1) or ~x (sign -1: reverses every integer order, no overflow), in x's own
+    dtype (int32 sorts faster than int64; ascending sorts faster than descending ones)."""
+    return x if sign > 0 else ~x
 
 
 # ---- R-ORD-4 fcfs with priority ------------------------------------------------------------------
@@ -121,11 +128,8 @@ def fcfs_priority_order(priority: torch.Tensor, enqueue_time: torch.Tensor, sign
                  numel=priority.numel(), device=priority.device, contiguous=False)
     k = _kernels(backend, "sort_keys")
     if k is None:
-        p = priority.to(torch.int64)
-        pk = p if sign > 0 else ~p
-        tk = _time_bits(enqueue_time)
-    else:
-        pk, tk = k.fcfs_keys(_contig(priority), _contig(enqueue_time), sign, block=block)
+        return _lex_perm(_neg(priority, sign), _time_bits(enqueue_time))
+    pk, tk = k.fcfs_keys(_contig(priority), _contig(enqueue_time), sign, block=block)
     return _lex_perm(pk, tk)
 
 
@@ -143,14 +147,10 @@ def lof_order(max_new_tokens: torch.Tensor, priority: Optional[torch.Tensor] = N
                      contiguous=False)
     k = _kernels(backend, "sort_keys")
     if k is None:
-        mk = ~max_new_tokens.to(torch.int64)
-        pk = None
-        if priority is not None:
-            p = priority.to(torch.int64)
-            pk = p if sign > 0 else ~p
-    else:
-        pk, mk = k.lof_keys(_contig(max_new_tokens), None if priority is None else _contig(priority),
-                            sign, block=block)
+        mk = _neg(max_new_tokens)
+        return _stable_perm(mk) if priority is None else _lex_perm(_neg(priority, sign), mk)
+    pk, mk = k.lof_keys(_contig(max_new_tokens), None if priority is None else _contig(priority),
+                        sign, block=block)
     return _stable_perm(mk) if pk is None else _lex_perm(pk, mk)
 
 
@@ -183,20 +183,20 @@ def routing_key_order(key_id: torch.Tensor, key_rank: torch.Tensor, running_key_
         raise ValueError(f"{where}: at most 2^30 running requests fit the packed key, got {m}")
     k = _kernels(backend, "sort_keys")
     if k is None:
-        r = running_key_ids.to(torch.int64)
-        slot = torch.where((r >= 0) & (r < K), r, K)
-        counts = torch.zeros(K + 1, dtype=torch.int64, device=dev).scatter_add_(0, slot, torch.ones_like(slot))
-        q = key_id.to(torch.int64)
-        valid = (q >= 0) & (q < K)
-        qs = torch.where(valid, q, K)
-        c = torch.where(valid, gather(counts, qs), 0)
-        ranks = torch.cat([key_rank.to(torch.int64), torch.full((1,), empty_rank, dtype=torch.int64, device=dev)])
-        rank = gather(ranks, qs)
-        g = torch.where(c > 0, m - c, m)
-        key = g * 2**32 + (rank + 2**31)
-    else:
-        counts = k.routing_counts(_contig(running_key_ids), K, block=block)
-        key = k.routing_keys(_contig(key_id), _contig(key_rank), counts, m, empty_rank, block=block)
+        # the packed key of each id is a table over slots 0 (absent), 1..K (ids 0..K-1) and
+        # K+1 (ids >= K, absent too): per request one gather and one sort
+        slot = (running_key_ids + 1).clamp_(0, K + 1)
+        counts = torch.zeros(K + 2, dtype=torch.int64, device=dev).index_add_(0, slot, torch.ones_like(slot,
+                                                                                         dtype=torch.int64))
+        counts[:: K + 1] = 0  # absent running keys are not counted
+        e = torch.full((1,), empty_rank, dtype=torch.int64, device=dev)
+        ranks = torch.cat([e, key_rank.to(torch.int64), e])
+        # (m - count) * 2^32 + rank + 2^31 (count 0: group m, the uncounted); all zero when no
+        # running key is counted, so the stable sort keeps queue order
+        table = torch.add(ranks, counts, alpha=-(2**32)).add_(m * 2**32 + 2**31).mul_(counts.any())
+        return _stable_perm(gather(table, (key_id + 1).clamp_(0, K + 1)))
+    counts = k.routing_counts(_contig(running_key_ids), K, block=block)
+    key = k.routing_keys(_contig(key_id), _contig(key_rank), counts, m, empty_rank, block=block)
     any_counted = counts[:K].sum() > 0
     return torch.where(any_counted, _stable_perm(key), torch.arange(n, device=dev))
 

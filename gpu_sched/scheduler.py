@@ -35,8 +35,9 @@ from . import policy as dpolicy
 BACKENDS = ("torch", "triton")
 #: columns of GpuScheduler's row table: fill length, output length, prompt length,
 #: max_new_tokens, ignore_eos, max_prefix_len (R-ORD-8), namespace id, token and chunk-hash
-#: pool offsets, and the last full-length match (tree version, or -1 for none; length; pool
-#: position; the fill's prefix hashes at that length and one page further) and the R-ORD-9
+#: pool offsets, and the last match (tree version: a full-length match trusted on that tree
+#: content; -2: a kept capped match, checked before use; -1: none; length; pool position;
+#: the fill's prefix hashes at that length and one page further) and the R-ORD-9
 #: head hash of the first T fill tokens (T, or -1 for none; hash); a stamp that moves whenever
 #: the row is written or its pool offsets move (device mirrors upload rows by it)
 (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_TOFF, RT_COFF,
@@ -671,24 +672,60 @@ class GpuScheduler(ReferenceScheduler):
         an earlier one if nothing was inserted or removed since) takes it: present depths are
         a prefix of the page ends, so the capped match is min(full, floorP(cap)), and its
         position lies on the full match's path (`FlatRadixTree.path_position`). The other rows
-        are searched (`find`)."""
+        go through `_checked_find`."""
         tree = self.cache.tree
         P = self.config.page_size
         known = sel[:, RT_MVER] == tree.version
         if not known.any():
-            return self.find(rows)
+            return self._checked_find(rows, sel)
         capped = np.minimum(sel[:, RT_FILL], sel[:, RT_CAP]) // P * P
         full = np.stack([sel[:, RT_MLEN], sel[:, RT_MPOS], np.minimum(capped, sel[:, RT_MLEN])])
-        full[:, ~known] = 0  # searched below
+        full[:, ~known] = 0  # matched below
         ft = torch.from_numpy(full).to(self.device)
         m = ft[2]
         pos = tree.path_position(ft[0], ft[1], m)
         if known.all():
             return m, pos
         miss = np.flatnonzero(~known)
-        fm, fp = self.find(rows[miss])
+        fm, fp = self._checked_find(rows[miss], sel[miss])
         mi = torch.from_numpy(miss).to(self.device)
         return m.index_copy(0, mi, fm), pos.index_copy(0, mi, fp)
+
+    def _checked_find(self, rows: np.ndarray, sel: np.ndarray):
+        """Capped matches (as `find`) of table rows without a trusted match. A row's kept
+        length (any earlier match of its fill, full or capped, on any tree content) that is
+        not past the capped length is checked first (`check_matches`: two lookups, exact for
+        any guess); the other rows are searched, and their new lengths kept (tree version
+        -2: checked before use, never trusted) for the next step, where most still hold."""
+        tree = self.cache.tree
+        be, dev, P = tree.backend, self.device, self.config.page_size
+        capped = np.minimum(sel[:, RT_FILL], sel[:, RT_CAP])
+        g = np.where((sel[:, RT_MVER] != -1) & (sel[:, RT_MLEN] <= capped // P * P), sel[:, RT_MLEN], -1)
+        miss = np.flatnonzero(g < 0)
+        if miss.size == len(rows):
+            m = pos = None
+        else:
+            t = torch.from_numpy(np.stack([capped, g, sel[:, RT_H1], sel[:, RT_H2]])).to(dev)
+            ok, pos = tree.check_matches(t[0], t[1], t[2], t[3], backend=be)
+            m = torch.where(ok, t[1], 0)
+            miss = np.flatnonzero(~ok.cpu().numpy())
+        if miss.size:
+            mrows = rows[miss]
+            tok, toff, lens, ns, ch, coff, cl = self._csr(mrows, True)
+            mc = int(cl.max()) if cl.numel() else 0
+            fm, fp = tree._find_csr(tok, toff, lens, lens, ns, ch, coff, cl, mc, be)
+            h1, h2 = tree.depth_hashes(tok, toff, ns, ch, coff, fm)
+            kept = torch.stack([fm, fp, h1, h2]).cpu().numpy()
+            self._rt[mrows, RT_MVER] = -2
+            self._rt[mrows, RT_MLEN] = kept[0]
+            self._rt[mrows, RT_MPOS] = kept[1]
+            self._rt[mrows, RT_H1] = kept[2]
+            self._rt[mrows, RT_H2] = kept[3]
+            if m is None:
+                return fm, fp
+            mi = torch.from_numpy(miss).to(dev)
+            m, pos = m.index_copy(0, mi, fm), pos.index_copy(0, mi, fp)
+        return m, pos
 
     def _admit_run(self, run: List[ReqState], ends: List[int], adder, rematch: Optional[ReqState] = None,
                    matched=None) -> None:

@@ -178,6 +178,31 @@ def test_routing_key_no_interned_ids():
     assert_perm_equal(got, range(5), "routing with no ids")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_routing_key_ids_outside_range_count_as_absent(backend, dtype):
+    """Documented: ids outside [0, K) are absent, on both sides (also the dtype's extremes,
+    where an id + 1 would wrap)."""
+    K = 5
+    big = torch.iinfo(dtype).max
+    low = torch.iinfo(dtype).min
+    gen = torch.Generator().manual_seed(3)
+    waiting = torch.randint(-1, K, (300,), generator=gen)
+    odd = torch.tensor([-2, -7, K, K + 3, big, low])
+    messy = waiting.clone()
+    messy[::7] = odd[torch.arange(messy[::7].numel()) % odd.numel()]
+    clean = torch.where((messy >= 0) & (messy < K), messy, -1)
+    run = torch.tensor([0, 0, 3, 1, -1], dtype=torch.int64)
+    run_messy = torch.cat([run, odd])
+    rank = torch.tensor([4, 2, 0, 3, 1], dtype=dtype)
+    want = P.routing_key_order(clean.to(dtype), rank, run.to(dtype), -1)
+    got = P.routing_key_order(messy.to(dtype), rank, run_messy.to(dtype), -1, **kw(backend))
+    assert_perm_equal(got, want.tolist(), f"routing {backend} {dtype} odd ids")
+    # only odd ids running: nothing counted, queue order kept
+    got = P.routing_key_order(messy.to(dtype), rank, odd.to(dtype), -1, **kw(backend))
+    assert_perm_equal(got, range(300), f"routing {backend} {dtype} only odd running ids")
+
+
 # ---- R-ORD-6 random ------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [0, 1, 2, 129, 5000])
 def test_random_order_is_seeded_permutation(n):

@@ -284,3 +284,28 @@ def test_unadmitted_slice_and_general_filter():
         want = [[r.rid for r in q if all(r is not x for x in c)] for c in cases]
         assert got == want, (type(s).__name__, got, want)
         s.chunked = None
+
+
+@pytest.mark.parametrize("name", ["fcfs-priority-preempt", "lof", "routing-key"])
+def test_kept_capped_matches_checked_in_windows(name, monkeypatch):
+    """Policies that do not match while ordering keep each admission window's capped matches
+    (`_checked_find`, tree version -2) and check them at the next step instead of searching:
+    across a 200-step run with inserts, evictions and retractions between steps, kept matches
+    must be both accepted and refused (the tree moved under them), and every step stays the
+    reference's."""
+    from gpu_sched.radix import FlatRadixTree
+
+    seen = {"ok": 0, "refused": 0}
+    orig = FlatRadixTree.check_matches
+
+    def spy(self, lengths, guess, *a, **k):
+        ok, pos = orig(self, lengths, guess, *a, **k)
+        hinted = guess >= 0
+        seen["ok"] += int((ok & hinted).sum())
+        seen["refused"] += int((~ok & hinted).sum())
+        return ok, pos
+
+    monkeypatch.setattr(FlatRadixTree, "check_matches", spy)
+    hits = run_long(name, seed=1)
+    assert hits["admitted"] > 60, hits
+    assert seen["ok"] > 20 and seen["refused"] > 0, seen
