@@ -200,6 +200,15 @@ def set_queue(s, reqs: List[Request]) -> None:
         s.queue.append(st)
 
 
+def queue_snapshot(s):
+    """A copy of s.queue to put back after each timed call. GpuScheduler's queue (a RowQueue)
+    is copied with its table rows looked up, as a serving loop's queue is between steps
+    (its requests were hashed when they arrived), so the timed step does not hash it again."""
+    if isinstance(s, GpuScheduler):
+        s._queue_rows(s.queue)
+    return s.queue.copy()
+
+
 class Restorer:
     """Undo an admit/step call (untimed): release the admitted requests' prefix locks, clear
     prefilling/chunked/batch_is_full, put the queue list back (step).
@@ -241,7 +250,7 @@ class Restorer:
         s.chunked = None
         s.batch_is_full = False
         if self.queue0 is not None:
-            s.queue = list(self.queue0)
+            s.queue = self.queue0.copy()
 
 
 def stage_fns(s, stage: str, max_len: int):
@@ -250,7 +259,7 @@ def stage_fns(s, stage: str, max_len: int):
     if stage in RECORDED_STAGES:
         if not isinstance(s, GpuScheduler) or s.config.effective_policy not in GRAPH_POLICIES:
             return None
-        queue0 = list(s.queue)
+        queue0 = queue_snapshot(s)
         g = s._graph
         if g is None or g.Q != len(queue0):  # one recording serves both recorded stages
             g = s.capture(queue_capacity=len(queue0), running_capacity=max(1, len(s.running)), max_len=max_len)
@@ -267,7 +276,7 @@ def stage_fns(s, stage: str, max_len: int):
     if stage == "order":
         return s._order, None
     if stage == "step":
-        return (lambda: s.step(RATIO)), Restorer(s, list(s.queue))
+        return (lambda: s.step(RATIO)), Restorer(s, queue_snapshot(s))
     ordered = s._order().queue
     restore = Restorer(s)
 

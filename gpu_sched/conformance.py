@@ -140,10 +140,10 @@ def result_fields(plan, start: dict) -> dict:
     """The plan as FORMAT.md's `expected` fields."""
     return {
         "ordered": plan.ordered,
-        "queue_order": None if plan.active_policy == "random" else plan.queue_order,
+        "queue_order": None if plan.active_policy == "random" else list(plan.queue_order),
         "active_policy": plan.active_policy,
-        "num_matched": plan.num_matched,
-        "deprioritized": plan.deprioritized,
+        "num_matched": None if plan.num_matched is None else list(plan.num_matched),
+        "deprioritized": None if plan.deprioritized is None else list(plan.deprioritized),
         "admitted": [list(a) for a in plan.admitted],
         "new_chunked_rid": plan.new_chunked_rid,
         "chunked_rid_after": plan.chunked_rid_after,

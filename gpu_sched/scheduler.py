@@ -17,9 +17,9 @@ The engine-facing bookkeeping (KV slots of running requests) stays on the host.
 
 from __future__ import annotations
 
-import itertools
 import operator
 import os
+import weakref
 from typing import Callable, List, Optional, Sequence
 
 import numpy as np
@@ -30,6 +30,7 @@ from .device_cache import DeviceRadixCache
 from .reference.policy import OrderResult, active_policy
 from .reference.scheduler import ReferenceScheduler
 from .reference.state import ReqState
+from .row_queue import LazyList, RowQueue, pick as _pick, rid_list
 from . import policy as dpolicy
 
 BACKENDS = ("torch", "triton")
@@ -39,23 +40,24 @@ BACKENDS = ("torch", "triton")
 #: content; -2: a kept capped match, checked before use; -1: none; length; pool position;
 #: the fill's prefix hashes at that length and one page further) and the R-ORD-9
 #: head hash of the first T fill tokens (T, or -1 for none; hash); a stamp that moves whenever
-#: the row is written or its pool offsets move (device mirrors upload rows by it)
+#: the row is written or its pool offsets move (device mirrors upload rows by it); then the
+#: ordering keys: priority, enqueue time (float64 bits; refreshed when the request is queued
+#: again) and the interned routing-key id (-1: none or "")
 (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_TOFF, RT_COFF,
- RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_HEADT, RT_HEAD, RT_STAMP) = range(17)
-RT_COLS = 17
+ RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_HEADT, RT_HEAD, RT_STAMP, RT_PRIO, RT_TIME, RT_RKEY) = range(20)
+RT_COLS = 20
 _DEV_ROW = operator.attrgetter("dev_row")
 _OUTPUT_IDS = operator.attrgetter("req.output_ids")
 _PRIORITY = operator.attrgetter("priority")
+
+
+class _Views(weakref.WeakValueDictionary):
+    """Live row-based views by identity (they compare by value, like lists, so are not
+    hashable): `add(v)`, `values()`."""
+
+    def add(self, v) -> None:
+        self[id(v)] = v
 _ENQUEUE_TIME = operator.attrgetter("enqueue_time")
-_MAX_NEW = operator.attrgetter("req.max_new_tokens")
-_ROUTING_KEY = operator.attrgetter("req.routing_key")
-
-
-def _pick(items: Sequence, idx: List[int]) -> list:
-    """[items[i] for i in idx], one C call (faster on long permutations)."""
-    if len(idx) < 2:
-        return [items[i] for i in idx]
-    return list(operator.itemgetter(*idx)(items))
 
 
 class GpuScheduler(ReferenceScheduler):
@@ -73,6 +75,16 @@ class GpuScheduler(ReferenceScheduler):
             admits them all goes on with the next window, twice as long. The sequential loop
             never reads past its stop point, so the decisions do not depend on it; the cost of
             a step's admission is then O(admitted), not O(queue).
+        queue: the waiting queue as a `RowQueue` (reads like a list; assigning any sequence
+            of ReqStates works too): the rows of its requests in the row table, so a step
+            orders, cuts and reports it with numpy on row numbers and looks requests up only
+            in the admission windows. The plan's queue_order, num_matched and deprioritized
+            are `LazyList`s (made on first use; equal to the reference's lists).
+
+    Unlike the reference, ordering does not write each waiting request's prefix_len,
+    last_node and num_matched (O(queue) host work per step): the step's matched lengths are
+    in the plan's num_matched, and an admitted request gets its own capped match (R-STEP-3.4)
+    as in the reference, which is what the rules read.
     """
 
     admit_window = 256
@@ -95,14 +107,18 @@ class GpuScheduler(ReferenceScheduler):
             # Triton kernels on CPU tensors run only in the interpreter; it must be chosen
             # before triton is first imported (the kernel modules import it lazily)
             os.environ.setdefault("TRITON_INTERPRET", "1")
+        # row-based views (RowQueue, LazyList) alive now: pinned before their rows are reused
+        self._views = _Views()
+        self._rt_owner: List[Optional[ReqState]] = []
         super().__init__(config, kv_pool_size, shuffle=shuffle)
         self._torch_gen = torch.Generator(device=self.device)
         self._torch_gen.manual_seed(config.random_seed)
         self._custom_shuffle = shuffle is not None
         # the row table (`_rows_of`): per-request columns, rows owned by ReqState.dev_row
         self._rt = np.zeros((0, RT_COLS), dtype=np.int64)
-        self._rt_owner: List[Optional[ReqState]] = []
         self._rt_free: List[int] = []
+        self._rk_id: dict = {}  # routing key -> interned id (RT_RKEY)
+        self._rk_names: List[str] = []
         self._stamp = 0  # the latest row stamp
         self._new_row(None)  # allocates ROW_TABLE_MIN rows; row 0 stays unused
         self._qtok: Optional[torch.Tensor] = None
@@ -112,6 +128,57 @@ class GpuScheduler(ReferenceScheduler):
         self._pending = None  # (StepOutput, ordered queue) of this step's recorded computation
         self._step_ratio: Optional[float] = None
         self._last_admitted = 0  # requests the previous admission loop admitted
+
+    # ---- the waiting queue as table rows ---------------------------------------------------------
+    @property
+    def queue(self) -> RowQueue:
+        return self._queue
+
+    @queue.setter
+    def queue(self, value) -> None:
+        if isinstance(value, RowQueue) and value._s is self:
+            self._queue = value
+        else:  # rows looked up at the next step
+            self._queue = RowQueue(self, tail=list(value))
+
+    def _queue_rows(self, q: RowQueue) -> np.ndarray:
+        """Rows of every request in `q` (int64 [len(q)]): its tail's rows are looked up
+        (`_rows_of`, written if new or stale) and their enqueue time and priority refreshed
+        (a requeued request gets a new enqueue time), then the tail joins the rows."""
+        if q.tail:
+            tail = q.tail
+            rows = self._rows_of(tail)
+            self._rt[rows, RT_PRIO] = np.fromiter(map(_PRIORITY, tail), np.int64, len(tail))
+            self._rt[rows, RT_TIME] = np.fromiter(map(_ENQUEUE_TIME, tail), np.float64, len(tail)).view(np.int64)
+            q.rows = np.concatenate([q.rows, rows]) if len(q.rows) else rows
+            q.tail = []
+            self._views.add(q)
+        return q.rows
+
+    def _rid_list(self, q) -> Sequence[str]:
+        if isinstance(q, RowQueue):
+            return rid_list(self, q.rows, q.tail)
+        return super()._rid_list(q)
+
+    def _rk_intern(self, key) -> int:
+        """Interned id of a routing key; -1 for none or "" (neither counts, R-ORD-7)."""
+        if not key:
+            return -1
+        k = self._rk_id.get(key)
+        if k is None:
+            k = self._rk_id[key] = len(self._rk_names)
+            self._rk_names.append(key)
+        return k
+
+    def _pin_views(self, freed: List[int]) -> None:
+        """Before rows `freed` are reused: views holding any of them keep their values."""
+        if not freed:
+            return
+        f = np.asarray(freed, dtype=np.int64)
+        for v in list(self._views.values()):
+            rows = v.rows
+            if rows is not None and len(rows) and np.isin(rows, f).any():
+                v.pin()
 
     # ---- the recorded step (gpu_sched.step) ------------------------------------------------------
     def capture(self, queue_capacity: int = 4096, running_capacity: int = 1024, max_len: Optional[int] = None):
@@ -152,11 +219,12 @@ class GpuScheduler(ReferenceScheduler):
         from .reference.adder import PrefillAdder
 
         cfg = self.config
-        q = list(self.queue)
+        rows = self._queue_rows(self.queue)  # hashes new requests' fills too
+        q = list(self.queue)  # at most the capacity
         n = len(q)
         mixed = len(self.running) if cfg.enable_mixed_chunk and cfg.chunked_prefill_size is not None else 0
         adder = PrefillAdder(cfg, self.cache, self.pool, self.running, float(self._step_ratio), mixed)
-        g.load(q, adder, self.batch_is_full, self.chunked)  # hashes new requests' fills too
+        g.load(q, adder, self.batch_is_full, self.chunked, rows=rows)
         out = g.run()
         oq = _pick(q, out.order)
         self._pending = (out, oq)
@@ -169,8 +237,6 @@ class GpuScheduler(ReferenceScheduler):
         # theirs, and `_admit_run` gets them from the admission's own capped match
         self.cache.tree._apply(g.m_full[:n], g.pos_full[:n], self.cache.tree.backend)
         num = np.minimum(np.asarray(out.prefix_len, dtype=np.int64), g._caps)
-        for r, a, c in zip(q, out.prefix_len, num.tolist()):
-            r.prefix_len, r.last_node, r.num_matched = a, None, c
         order = np.asarray(out.order, dtype=np.int64)
         dep = np.flatnonzero(np.asarray(out.deprioritized, dtype=bool)[order]).tolist()
         return OrderResult(policy, oq, num[order].tolist(), [oq[i].rid for i in dep])
@@ -182,7 +248,11 @@ class GpuScheduler(ReferenceScheduler):
         takes the general filter."""
         run = can_run[1:] if can_run and can_run[0] is self.chunked else can_run
         k = len(run)
-        if k <= len(queue) and all(a is b for a, b in zip(run, queue)):
+        if isinstance(queue, RowQueue):
+            if k <= len(queue) and all(a is b for a, b in zip(run, queue.window(0, k)[0])):
+                return queue.after(k)
+            queue = list(queue)
+        elif k <= len(queue) and all(a is b for a, b in zip(run, queue)):
             return queue[k:]
         return super()._unadmitted(queue, can_run)
 
@@ -252,6 +322,9 @@ class GpuScheduler(ReferenceScheduler):
         rt[rows, :RT_NS] = np.array([[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos),
                                       r.max_prefix_len()] for r in reqs], dtype=np.int64).reshape(len(reqs), RT_NS)
         rt[rows, RT_NS] = [self.cache.ns_id(r.req.extra_key) for r in reqs] if not self.cache.disable else 0
+        rt[rows, RT_PRIO] = [r.priority for r in reqs]
+        rt[rows, RT_TIME] = np.array([r.enqueue_time for r in reqs], dtype=np.float64).view(np.int64)
+        rt[rows, RT_RKEY] = [self._rk_intern(r.req.routing_key) for r in reqs]
         rt[rows, RT_MVER] = -1  # no match known for this fill
         rt[rows, RT_HEADT] = -1  # no head hash either
         self._stamp += 1
@@ -292,16 +365,19 @@ class GpuScheduler(ReferenceScheduler):
         if self._qtok is None or self._qtop[0] + nt > self._qtok.numel() or self._qtop[1] + nc > self._qch.numel():
             rt = self._rt
             C = self.cache.tree.C
-            live = []
+            live, freed = [], []
             for k, r in enumerate(self._rt_owner):
                 if r is None or rt[k, RT_TOFF] < 0:
                     continue
                 if self.reqs.get(r.rid) is r and rt[k, RT_FILL] == r.fill_len:
                     live.append(k)
                 else:  # dropped (or about to be rewritten: its fill grew)
-                    r.dev_row = -1
-                    self._rt_owner[k] = None
-                    self._rt_free.append(k)
+                    freed.append(k)
+            self._pin_views(freed)
+            for k in freed:
+                self._rt_owner[k].dev_row = -1
+                self._rt_owner[k] = None
+                self._rt_free.append(k)
             need_t = int(rt[live, RT_FILL].sum()) + nt
             need_c = int((rt[live, RT_FILL] // C).sum()) + nc
             cap_t = max(self.POOL_MIN_TOKENS, 2 * need_t)
@@ -357,37 +433,39 @@ class GpuScheduler(ReferenceScheduler):
                 and g.supports(len(self.queue), len(self.running))):
             return self._order_recorded(g)
         cfg = self.config
-        q = list(self.queue)
-        n = len(q)
+        q = self.queue
+        rows = self._queue_rows(q)  # the queue as table rows: orders permute these
+        n = len(rows)
         policy = active_policy(cfg, n)
         sign = cfg.priority_sign
         be = self.backend
+        dev = self.device
+
+        def col(c):
+            return torch.from_numpy(self._rt[rows, c]).to(dev)
+
         if cfg.effective_policy == "fcfs":
-            if cfg.enable_priority_scheduling and n:
-                perm = dpolicy.fcfs_priority_order(
-                    torch.from_numpy(np.fromiter(map(_PRIORITY, q), np.int64, n)).to(self.device),
-                    torch.from_numpy(np.fromiter(map(_ENQUEUE_TIME, q), np.float64, n)).to(self.device), sign,
-                    backend=be)
-                q = _pick(q, perm.tolist())
-            return OrderResult("fcfs", q)
+            if not (cfg.enable_priority_scheduling and n):
+                return OrderResult("fcfs", q)
+            perm = dpolicy.fcfs_priority_order(col(RT_PRIO), col(RT_TIME).view(torch.float64), sign, backend=be)
+            return OrderResult("fcfs", RowQueue(self, rows[perm.cpu().numpy()]))
         if policy in ("lpm", "dfs-weight"):
             if n == 0:
                 return OrderResult(policy, q, [], [])
             # R-ORD-8: match in queue order (splits and stamps as sequential matching), then
             # keys, deprioritization and the order on the device; one read-back at the end
             tree = self.cache.tree
-            rows = self._rows_of(q)
             sel = self._rt[rows]
             tok, toff, lens, ns, ch, coff, cl = self._csr(rows, False)
             m, pos = self._full_match(rows, sel, (tok, toff, lens, ns, ch, coff, cl))
             version = tree.version  # the matches hold until the tree's content changes
             m, last = tree._apply(m, pos, tree.backend)
-            num = torch.minimum(m, torch.from_numpy(sel[:, RT_CAP].copy()).to(self.device))
+            num = torch.minimum(m, torch.from_numpy(sel[:, RT_CAP].copy()).to(dev))
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
             if T > 0:  # R-ORD-9 heads: hashes of the first T fill tokens, kept per row
                 hh = self._head_hashes(rows, sel, T)
             else:
-                hh = torch.zeros(n, dtype=torch.int64, device=self.device)
+                hh = torch.zeros(n, dtype=torch.int64, device=dev)
             dep = dpolicy.in_batch_deprioritize(m, lens, ns, hh, cfg.in_batch_prefix_caching_check_threshold, T,
                                                 backend=be)
             if policy == "lpm":
@@ -395,40 +473,39 @@ class GpuScheduler(ReferenceScheduler):
             else:
                 parent, rank, remap = self._child_ranks()
                 perm = dpolicy.dfs_weight_order(parent, rank, None, remap[last], backend=be)
-            vals = torch.stack([m, last, num, dep.to(torch.int64), perm, pos]).cpu().numpy()  # the read-back
+            vals = torch.stack([m, num, dep.to(torch.int64), perm, pos]).cpu().numpy()  # the read-back
             # admission reuses these matches while the tree holds the same content (`_window_match`)
             self._rt[rows, RT_MVER] = version
             self._rt[rows, RT_MLEN] = vals[0]
-            self._rt[rows, RT_MPOS] = vals[5]
-            for r, a, b, c in zip(q, *vals[:3].tolist()):
-                r.prefix_len, r.last_node, r.num_matched = a, b, c
-            dflag = vals[3]
-            q = _pick(q, vals[4].tolist())
-            dep_rids = [q[i].rid for i in np.flatnonzero(dflag[vals[4]]).tolist()]
-            return OrderResult(policy, q, vals[2][vals[4]].tolist(), dep_rids)
+            self._rt[rows, RT_MPOS] = vals[4]
+            perm = vals[3]
+            orows = rows[perm]
+            nm = vals[1][perm]
+            return OrderResult(policy, RowQueue(self, orows), LazyList(n, nm.tolist, nm.item),
+                               rid_list(self, orows[vals[2][perm] != 0]))
         if n == 0 or policy == "fcfs":  # fcfs here: the lpm fallback sorts nothing (R-ORD-2)
             return OrderResult(policy, q)
         if policy == "lof":
-            prio = (torch.from_numpy(np.fromiter(map(_PRIORITY, q), np.int64, n)).to(self.device)
-                    if cfg.enable_priority_scheduling else None)
-            maxn = torch.from_numpy(np.fromiter(map(_MAX_NEW, q), np.int64, n)).to(self.device)
-            perm = dpolicy.lof_order(maxn, prio, sign, backend=be)
+            prio = col(RT_PRIO) if cfg.enable_priority_scheduling else None
+            perm = dpolicy.lof_order(col(RT_MAXNEW), prio, sign, backend=be)
         elif policy == "random":
             if self._custom_shuffle:
                 perm = torch.as_tensor(list(self.shuffle(n)), dtype=torch.int64)
             else:
                 perm = dpolicy.random_order(n, self._torch_gen, backend=be)
-        else:  # routing-key
-            rk = list(map(_ROUTING_KEY, q))
-            keys = sorted({k for k in rk if k} | {k for k in map(_ROUTING_KEY, self.running) if k})
-            kid = {k: i for i, k in enumerate(keys)}  # a falsy key (none, "") is absent: -1
-            perm = dpolicy.routing_key_order(
-                torch.from_numpy(np.fromiter(map(kid.get, rk, itertools.repeat(-1)), np.int64, n)).to(self.device),
-                self._col(list(range(len(keys))), torch.int64),
-                self._col([kid[r.req.routing_key] for r in self.running if r.req.routing_key], torch.int64),
-                backend=be)
-        q = _pick(q, perm.tolist())
-        return OrderResult(policy, q)
+        else:  # routing-key: interned ids, ranked by their strings among the keys present
+            qk = self._rt[rows, RT_RKEY]
+            run_ids = np.array([self._rk_intern(r.req.routing_key) for r in self.running], dtype=np.int64)
+            ids = np.unique(np.concatenate([qk, run_ids]))
+            ids = ids[ids >= 0]
+            lut = np.full(len(self._rk_names) + 1, -1, dtype=np.int64)  # slot -1 (last): absent
+            lut[ids] = np.arange(ids.size)
+            names = self._rk_names
+            rank = np.empty(ids.size, dtype=np.int64)
+            rank[sorted(range(ids.size), key=lambda j: names[ids[j]])] = np.arange(ids.size)
+            perm = dpolicy.routing_key_order(torch.from_numpy(lut[qk]).to(dev), torch.from_numpy(rank).to(dev),
+                                             torch.from_numpy(lut[run_ids]).to(dev), backend=be)
+        return OrderResult(policy, RowQueue(self, rows[perm.cpu().numpy()]))
 
     def _head_hashes(self, rows: np.ndarray, sel: np.ndarray, T: int) -> torch.Tensor:
         """R-ORD-9 head hashes (`policy.head_hashes` of the first T fill tokens, gathered from
@@ -537,9 +614,9 @@ class GpuScheduler(ReferenceScheduler):
             else:
                 # a window of the queue: the loop never reads past its stop point, and one that
                 # gets through the window goes on with the next (twice as long)
-                rest = queue[i : i + W]
+                rest, wrows = queue.window(i, i + W) if isinstance(queue, RowQueue) else (queue[i : i + W], None)
                 W *= 2
-                res, matched = self._static_admission(rest, adder, running_bs, scfg)
+                res, matched = self._static_admission(rest, adder, running_bs, scfg, wrows)
                 head = torch.stack([res.stop, res.stop_index, res.chunk_index, res.batch_full.to(torch.int64),
                                     res.I, res.cur_off, res.rem_input, res.rem_chunk, res.hit_tokens,
                                     res.input_tokens, res.decided.to(torch.int64), res.admitted.sum()])
@@ -617,14 +694,17 @@ class GpuScheduler(ReferenceScheduler):
         adder.preempted.extend(in_order)
         return True
 
-    def _static_admission(self, rest: List[ReqState], adder, running_bs: int, scfg):
-        """Columns of the ordered queue and the adder's budgets as device tensors, then
-        `admit_step` (no host read inside; backend "triton" runs its per-request kernels)."""
+    def _static_admission(self, rest: List[ReqState], adder, running_bs: int, scfg,
+                          rows: Optional[np.ndarray] = None):
+        """Columns of the ordered queue's window `rest` (table rows `rows`, looked up when
+        None) and the adder's budgets as device tensors, then `admit_step` (no host read
+        inside; backend "triton" runs its per-request kernels)."""
         from .admission import HeldCols, QueueCols, StepState, admit_step, lock_drops
 
         dev = self.device
         Q = len(rest)
-        rows = self._rows_of(rest)
+        if rows is None:
+            rows = self._rows_of(rest)
         sel = self._rt[rows]
         cols = torch.from_numpy(sel[:, [RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN]].T.copy()).to(dev)
         matched = None

@@ -124,7 +124,7 @@ class StepGraph:
         cfg = self.s.config
         return cfg.effective_policy in GRAPH_POLICIES and n_queue <= self.Q and n_running <= self.R
 
-    def load(self, queue: Sequence, adder, batch_full: bool, chunked) -> None:
+    def load(self, queue: Sequence, adder, batch_full: bool, chunked, rows: Optional[np.ndarray] = None) -> None:
         """Write one step's inputs into the buffers.
 
         queue: the waiting requests (ReqState) in queue order; adder: a fresh `PrefillAdder`
@@ -132,11 +132,12 @@ class StepGraph:
         request or None. The device row store mirrors the scheduler's host row table
         (`GpuScheduler._rows_of`: one row per request, written once per fill, its stamp moved
         whenever the row or its pool offsets change): a step sends the queue's row numbers
-        and uploads only rows whose stamp moved since their last upload."""
+        and uploads only rows whose stamp moved since their last upload. `rows`: the queue's
+        rows when the caller has them (else looked up)."""
         s = self.s
         n = len(queue)
         self._n = n
-        idx = s._rows_of(queue)  # may grow the table and rebuild the pools
+        idx = s._rows_of(queue) if rows is None else rows  # may grow the table and rebuild the pools
         if s._rt.shape[0] > self._store_cap:
             self._grow(2 * s._rt.shape[0])
         sel = s._rt[idx]

@@ -129,20 +129,20 @@ class ReferenceScheduler:
             self.batch_is_full = False
         if (not self.queue or self.batch_is_full) and self.chunked is None:
             plan.stop = "no_prefill_full" if self.batch_is_full else "no_prefill_empty"
-            plan.queue_order = list(map(_RID, self.queue))
+            plan.queue_order = self._rid_list(self.queue)
             return self._close(plan)
         cap = cfg.max_running_requests
         if (cap is not None and len(self.running) >= cap and self.chunked is None
                 and not cfg.enable_priority_preemption):
             self.batch_is_full = True
             plan.stop = "no_prefill_max_running"
-            plan.queue_order = list(map(_RID, self.queue))
+            plan.queue_order = self._rid_list(self.queue)
             return self._close(plan)
         # R-STEP-2
         order = self._order()
         plan.ordered = True
         plan.active_policy = order.active_policy
-        plan.queue_order = list(map(_RID, order.queue))
+        plan.queue_order = self._rid_list(order.queue)
         if order.num_matched is not None:
             plan.num_matched = order.num_matched
             plan.deprioritized = order.deprioritized
@@ -175,6 +175,10 @@ class ReferenceScheduler:
         plan.preempt_evicted_tokens = adder.preempt_evicted_tokens
         self.prefilling = list(adder.can_run)
         return self._close(plan)
+
+    def _rid_list(self, queue: Sequence[ReqState]) -> List[str]:
+        """The rids of `queue` in order (the plan's queue_order)."""
+        return list(map(_RID, queue))
 
     def _unadmitted(self, queue: List[ReqState], can_run: List[ReqState]) -> List[ReqState]:
         """R-STEP-4: the ordered queue without the requests admitted this step."""

@@ -1,0 +1,106 @@
+"""GpuScheduler's queue and plan lists as row-table views (gpu_sched/row_queue.py): they read
+like lists, and views an engine keeps (an old plan's queue_order, a copy of the queue) keep
+their values when the rows under them are freed and reused for other requests."""
+
+import random
+
+import numpy as np
+import pytest
+
+from gpu_sched.config import SchedulerConfig
+from gpu_sched.reference import ReferenceScheduler
+from gpu_sched.request import Request
+from gpu_sched.row_queue import LazyList, RowQueue
+from gpu_sched.scheduler import GpuScheduler
+
+
+def reqs(n, start=0, seed=0):
+    rng = random.Random(seed + start)
+    return [Request(rid=f"r{start + i}", prompt_ids=[rng.randrange(5) for _ in range(rng.randrange(3, 40))],
+                    max_new_tokens=rng.choice([2, 8, 30]), priority=rng.choice([None, 0, 3]), enqueue_time=float(i))
+            for i in range(n)]
+
+
+def test_queue_reads_like_a_list():
+    s = GpuScheduler(SchedulerConfig(schedule_policy="lof", max_prefill_tokens=64), 2000)
+    s.submit(reqs(30))
+    s.step(0.5)
+    q = s.queue
+    assert isinstance(q, RowQueue) and len(q.rows) > 0 and not q.tail  # the step left rows only
+    items = list(q)
+    assert len(items) == len(q) > 0 and bool(q)
+    assert [q[i] for i in range(len(q))] == items and q[-1] is items[-1] and q[-len(q)] is items[0]
+    assert q[2:7] == items[2:7] and q[::2] == items[::2] and q[5:2] == []
+    assert q == items and items == q and q != items[:-1] and q != "abc"
+    assert repr(q) == repr(items)
+    with pytest.raises(IndexError):
+        q[len(q)]
+    x = s._state(Request(rid="tail", prompt_ids=[1, 2], max_new_tokens=1), 0.0)
+    q.append(x)  # the tail, before its row is looked up
+    assert q[-1] is x and list(q) == items + [x] and q[len(items) - 1 : len(items) + 1] == [items[-1], x]
+    head, rows = q.window(0, 3)
+    assert head == items[:3] and rows is not None and list(rows) == list(q.rows[:3])
+    assert q.window(len(items) - 1, len(items) + 1) == ([items[-1], x], None)
+    assert list(q.after(4)) == items[4:] + [x]
+    s.queue = items[3:]  # any sequence can be assigned; rows are looked up at the next step
+    assert isinstance(s.queue, RowQueue) and list(s.queue) == items[3:]
+
+
+def test_lazy_list():
+    made = []
+
+    def make():
+        made.append(1)
+        return [10, 20, 30]
+
+    v = LazyList(3, make, lambda i: (10, 20, 30)[i])
+    assert len(v) == 3 and v[1] == 20 and v[-1] == 30 and not made  # one item: nothing made
+    assert v == [10, 20, 30] and v[:2] == [10, 20] and made == [1]
+    assert v != [10, 20] and list(v) == [10, 20, 30] and made == [1]  # made once
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "routing-key"])
+def test_views_survive_row_reuse(policy, monkeypatch):
+    """Tiny pools and row table: every few arrivals rebuild the pools and reuse the rows of
+    finished and aborted requests. Plans and queue copies taken earlier must keep their rids,
+    and every step must stay the reference's."""
+    monkeypatch.setattr(GpuScheduler, "ROW_TABLE_MIN", 2)
+    monkeypatch.setattr(GpuScheduler, "POOL_MIN_TOKENS", 64)
+    cfg = SchedulerConfig(schedule_policy=policy, max_prefill_tokens=48, chunked_prefill_size=None,
+                          enable_priority_scheduling=policy == "fcfs")
+    ref, dev = ReferenceScheduler(cfg, 3000), GpuScheduler(cfg, 3000)
+    kept = []  # (frozen rids, view) pairs
+    pins = []
+    for cls in (RowQueue, LazyList):
+        monkeypatch.setattr(cls, "pin", lambda self, _f=cls.pin: (pins.append(1), _f(self))[1])
+    n = 0
+    rng = random.Random(7)
+    for t in range(40):
+        new = reqs(rng.randrange(1, 6), start=n, seed=t)
+        for r in new:
+            r.routing_key = rng.choice([None, "a", "b"])
+        n += len(new)
+        ref.submit(new, now=float(t))
+        dev.submit([Request(**{k: getattr(r, k) for k in r.__dataclass_fields__}) for r in new], now=float(t))
+        pa, pb = ref.step(0.7, now=float(t)), dev.step(0.7, now=float(t))
+        order = pb.queue_order  # read item by item: the view itself stays lazy
+        assert pa.admitted == pb.admitted and pa.queue_order == [order[i] for i in range(len(order))], t
+        assert pa.num_matched == pb.num_matched and pa.deprioritized == pb.deprioritized, t
+        kept.append((list(pa.queue_order), pb.queue_order))
+        kept.append(([r.rid for r in ref.queue], dev.queue.copy()))
+        done = {r: 1 for r, _, _ in pa.admitted}
+        ref.complete_prefill(done)
+        dev.complete_prefill(done)
+        fin = [r.rid for r in ref.running]
+        ref.finish(fin)
+        dev.finish(fin)
+        if ref.queue and rng.random() < 0.3:
+            gone = [ref.queue[rng.randrange(len(ref.queue))].rid]
+            ref.abort(gone)
+            dev.abort(gone)
+        assert [r.rid for r in ref.queue] == [r.rid for r in dev.queue], t
+    for want, view in kept:
+        got = [getattr(x, "rid", x) for x in view]
+        assert got == want
+    assert pins  # views were pinned before their rows were reused
+    assert np.all(dev._rt[1:, 0] >= 0)
