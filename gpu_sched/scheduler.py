@@ -155,6 +155,18 @@ class GpuScheduler(ReferenceScheduler):
             self._views.add(q)
         return q.rows
 
+    def _remove_queued(self, r: ReqState) -> None:
+        """abort(): r's row dropped from the queue's rows (a numpy mask, no per-request
+        Python), or r dropped from its tail."""
+        q = self.queue
+        if r.dev_row >= 0 and len(q.rows):
+            keep = q.rows != r.dev_row  # a queued request's row is its own (never reused)
+            if not keep.all():
+                self.queue = RowQueue(self, q.rows[keep], list(q.tail))
+                return
+        if any(x is r for x in q.tail):
+            self.queue = RowQueue(self, q.rows, [x for x in q.tail if x is not r])
+
     def _rid_list(self, q) -> Sequence[str]:
         if isinstance(q, RowQueue):
             return rid_list(self, q.rows, q.tail)

@@ -104,3 +104,23 @@ def test_views_survive_row_reuse(policy, monkeypatch):
         assert got == want
     assert pins  # views were pinned before their rows were reused
     assert np.all(dev._rt[1:, 0] >= 0)
+
+
+def test_abort_drops_rows_and_tail():
+    """abort() of waiting requests: by row (queue after a step) and from the tail (arrived
+    since), the rest in order, as the reference."""
+    cfg = SchedulerConfig(schedule_policy="fcfs", max_prefill_tokens=40)
+    ref, dev = ReferenceScheduler(cfg, 2000), GpuScheduler(cfg, 2000)
+    for s in (ref, dev):
+        s.submit(reqs(12))
+        s.step(0.5)
+        done = {r.rid: 1 for r in s.prefilling}
+        s.complete_prefill(done)
+        s.submit(reqs(3, start=100))
+    assert len(dev.queue.rows) > 3 and len(dev.queue.tail) == 3
+    gone = [ref.queue[1].rid, ref.queue[-4].rid, ref.queue[-1].rid]
+    for s in (ref, dev):
+        s.abort(gone)
+    assert [r.rid for r in dev.queue] == [r.rid for r in ref.queue]
+    assert not set(gone) & {r.rid for r in dev.queue}
+    assert ref.step(0.5).admitted == dev.step(0.5).admitted

@@ -176,6 +176,10 @@ class ReferenceScheduler:
         self.prefilling = list(adder.can_run)
         return self._close(plan)
 
+    def _remove_queued(self, r: ReqState) -> None:
+        """Take r out of the waiting queue (if there)."""
+        self.queue = [x for x in self.queue if x is not r]
+
     def _rid_list(self, queue: Sequence[ReqState]) -> List[str]:
         """The rids of `queue` in order (the plan's queue_order)."""
         return list(map(_RID, queue))
@@ -401,7 +405,7 @@ class ReferenceScheduler:
             if r is self.chunked:
                 self.chunked = None
             self._drop_kv(r)
-            self.queue = [x for x in self.queue if x is not r]
+            self._remove_queued(r)
             if any(x is r for x in self.running):
                 self.running = [x for x in self.running if x is not r]
                 self.batch_is_full = False
