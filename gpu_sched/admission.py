@@ -457,12 +457,16 @@ def eval_requests(cfg: StepConfig, sc: torch.Tensor, rn: torch.Tensor, fill, pre
 
 # ---- the step ------------------------------------------------------------------------------------
 def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[HeldCols] = None,
-               chunked: Optional[ChunkedCols] = None, backend: str = "torch") -> StepResult:
+               chunked: Optional[ChunkedCols] = None, backend: str = "torch",
+               early_exit: bool = False) -> StepResult:
     """R-ADM-5 (the in-flight chunked request, if given) and R-STEP-3 over the ordered queue,
     exactly as the sequential loop decides; see the module doc. `held` is needed only with
     `cfg.ignore_eos_path`. The loop stops with `STOP_PREEMPT` where a full batch would try
     priority preemption (the host runs R-ADM-7 and calls again for the rest). `backend` "triton"
-    runs the per-request checks and the ignore-EOS grid as Triton kernels (`gpu_sched.kernels`)."""
+    runs the per-request checks and the ignore-EOS grid as Triton kernels (`gpu_sched.kernels`).
+    `early_exit`: skip the rounds left once the loop's end is reached (a round after that
+    changes nothing), at the cost of one host read per round: for eager callers, never inside
+    a recorded graph."""
     if backend not in ("torch", "triton"):
         raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     P = cfg.page_size
@@ -541,7 +545,7 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
     I_fin, cur_fin, rin_fin, rc_fin, ev_fin = I, cur, rin, rc, ev0
     full_fin = st.batch_full
     exD = _excl_cumsum(drop * vm)
-    for _ in range(cfg.rounds):
+    for r in range(cfg.rounds):
         sc = torch.stack([A, ev0, I + cI, cur + cC, rin + cE, rc + cE, can_run0, st.running_bs,
                           st.batch_full.to(i64)]).to(i64)
         if cfg.ignore_eos_path:  # R-ADM-6 reservation scan, c_j = cur_rem_j - ceilP(ext_j)
@@ -601,6 +605,8 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
         fl = torch.where(stop_k == STOP_NO_TOKEN, (can_run0 + k + adm.to(i64) > 0) | (st.running_bs > 0), fl)
         full_fin = torch.where(term, fl, full_fin)
         done = done | term
+        if early_exit and r + 1 < cfg.rounds and bool(done):
+            break
 
     admitted = valid & ((ar < k_fin) | ((ar == k_fin) & (kind_fin != KIND_NONE)))
     hit = torch.where(admitted & ~iep, pre, 0).sum()

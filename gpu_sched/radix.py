@@ -80,6 +80,7 @@ BACKENDS = ("torch", "triton")
 HASH_MIX = -7046029254386353131
 #: slots read per probe step of the torch backend (8 int64 = one 64-byte cache line)
 PROBE_WINDOW = 8
+INT64_MIN = -(2**63)
 
 
 _VERSIONS = itertools.count(1)  # FlatRadixTree.version values
@@ -773,13 +774,19 @@ class FlatRadixTree:
     def _stamp_paths(self, nodes: torch.Tensor, stamp: torch.Tensor, be: str = "torch") -> None:
         """last_access = max(last_access, stamp[i]) on the path nodes[i]..root, for every i.
 
-        A walk stops at a node already holding a larger stamp: that stamp is this batch's (older
+        Start nodes are first merged (per node the largest stamp: the same maxima on every
+        path), then a walk stops at a node already holding a larger stamp: that stamp is this batch's (older
         stamps are smaller than every stamp of the batch) and whoever wrote it walks on to the
         root, or wrote it at a split under its own path (the head's creator starts at the head),
         so the nodes above end with the same maxima. Stamps of one batch are distinct."""
         if be == "triton":
             self._kernels().stamp_paths(nodes.contiguous(), stamp.contiguous(), self.parent, self.last_access)
             return
+        if nodes.numel() > 64:  # many requests, few distinct last nodes: walk each node once
+            best = torch.full((self.node_bound(),), INT64_MIN, dtype=stamp.dtype, device=stamp.device)
+            best.scatter_reduce_(0, nodes, stamp, reduce="amax")
+            nodes = torch.nonzero(best != INT64_MIN).flatten()
+            stamp = best[nodes]
         cur = nodes.clone()
         while cur.numel():
             go = self.last_access[cur] <= stamp

@@ -755,7 +755,7 @@ class GpuScheduler(ReferenceScheduler):
                                            dtype=np.int64).reshape(len(hs), 4).T.copy()).to(dev)
             held = HeldCols(valid=torch.ones(len(hs), dtype=torch.bool, device=dev), max_new=hc[0], out_len=hc[1],
                             prompt_len=hc[2], ignore_eos=hc[3] != 0)
-        return admit_step(scfg, st, q, held, None, backend=self.backend), matched
+        return admit_step(scfg, st, q, held, None, backend=self.backend, early_exit=True), matched
 
     def _window_match(self, rows: np.ndarray, sel: np.ndarray):
         """R-STEP-3.4 matches (capped at max_prefix_len) of table rows `rows` (`sel` = their

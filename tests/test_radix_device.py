@@ -335,3 +335,25 @@ def test_batched_match_splits_like_sequential():
     pr.check()
     pr.evict(100)
     pr.check()
+
+
+@pytest.mark.parametrize("n", [5, 64, 65, 3000])
+def test_stamp_paths_equals_a_walk_per_request(n):
+    """`_stamp_paths` (a batch's LRU stamps up each path; large batches merged per start node
+    first) against one walk per request to the root, with repeated start nodes."""
+    rng = random.Random(n)
+    tree = FlatRadixTree(1, max_nodes=512, token_capacity=1 << 14)
+    for i in range(60):
+        seq = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(i * 40, i * 40 + len(seq)), 0)
+    live = torch.nonzero(tree.alive[: tree.node_bound()]).flatten().tolist()
+    nodes = torch.tensor([rng.choice(live) for _ in range(n)], dtype=torch.int64)
+    base = int(tree.last_access[: tree.node_bound()].max()) + 1
+    stamp = base + torch.randperm(n, generator=torch.Generator().manual_seed(n))  # distinct, as a batch's
+    want = tree.last_access.clone()
+    for v, s in zip(nodes.tolist(), stamp.tolist()):
+        while v >= 0:
+            want[v] = max(int(want[v]), s)
+            v = int(tree.parent[v])
+    tree._stamp_paths(nodes, stamp)
+    assert torch.equal(tree.last_access, want)
