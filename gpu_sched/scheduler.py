@@ -288,19 +288,21 @@ class GpuScheduler(ReferenceScheduler):
     def _col(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def _rows_of(self, rs: Sequence[ReqState], max_batch_tokens: int = 1 << 24) -> np.ndarray:
+    def _rows_of(self, rs: Sequence[ReqState]) -> np.ndarray:
         """Row of each request in the host row table `_rt` (int64 [rows, RT_COLS]: its fill
         length, output length, prompt length, max_new_tokens, ignore_eos, max_prefix_len,
-        namespace id and, with the cache on, its offsets in the CSR pools `_qtok` (int32 tokens)
-        and `_qch` (int64 chunk hashes at depths C, 2C, ...)). A row is written once per fill
-        length: a step then reads its queue's columns with one numpy gather instead of one
-        Python call per request and field, and matching costs O(log L) probes, not O(L).
-        Requests without a current row are hashed in padded batches (one `prefix_hashes` and
-        one pool append per ~`max_batch_tokens` padded tokens). Rows keep their numbers while
-        their request is held; offsets move when the pools are rebuilt (the row's stamp moves
-        with them). Returns int64 [len(rs)]."""
+        namespace id, ordering keys and, once hashed (`_ensure_hashed`), its offsets in the
+        CSR pools `_qtok` (int32 tokens) and `_qch` (int64 chunk hashes at depths C, 2C, ...)).
+        A row is written once per fill length: a step then reads its queue's columns with one
+        numpy gather instead of one Python call per request and field. Rows keep their numbers
+        while their request is held (rows of finished or aborted requests are reused, see
+        `_new_row`); offsets move when the pools are rebuilt (the row's stamp moves with them).
+        Returns int64 [len(rs)]."""
         n = len(rs)
         idx = np.fromiter(map(_DEV_ROW, rs), np.int64, n)
+        need = int((idx < 0).sum())
+        if need > len(self._rt_free) and self._reserve_rows(need):
+            idx = np.fromiter(map(_DEV_ROW, rs), np.int64, n)  # a sweep freed rows: read again
         outs = np.fromiter(map(len, map(_OUTPUT_IDS, rs)), np.int64, n)
         stale = (idx < 0) | (self._rt[np.maximum(idx, 0), RT_OUT] != outs) if n else np.zeros(0, bool)
         miss = np.flatnonzero(stale)
@@ -309,26 +311,43 @@ class GpuScheduler(ReferenceScheduler):
             for r in reqs:
                 if r.dev_row < 0:
                     r.dev_row = self._new_row(r)
-            self._write_rows(reqs, max_batch_tokens)
+            self._write_rows(reqs)
             idx[miss] = [r.dev_row for r in reqs]
         return idx
 
-    def _new_row(self, r: ReqState) -> int:
-        if not self._rt_free:
+    def _reserve_rows(self, need: int) -> bool:
+        """At least `need` free rows: first rows of requests no longer held (finished, aborted)
+        are freed (views holding them pinned first); the table doubles when that leaves fewer
+        than a quarter of it free, so sweeps cost O(1) per row. True if any row was freed."""
+        owner, reqs = self._rt_owner, self.reqs
+        freed = [k for k, r in enumerate(owner) if r is not None and reqs.get(r.rid) is not r]
+        if freed:
+            self._pin_views(freed)
+            for k in freed:
+                owner[k].dev_row = -1
+                owner[k] = None
+            self._rt_free.extend(reversed(freed))
+        cap = len(owner)
+        while len(self._rt_free) < need or 4 * len(self._rt_free) < len(self._rt_owner):
             old = len(self._rt_owner)
             cap = max(self.ROW_TABLE_MIN, 2 * old)
             grown = np.zeros((cap, RT_COLS), dtype=np.int64)
             grown[:old] = self._rt
             self._rt = grown
             self._rt_owner.extend([None] * (cap - old))
-            self._rt_free = list(range(cap - 1, old - 1, -1))
+            self._rt_free = list(range(cap - 1, old - 1, -1)) + self._rt_free
+        return bool(freed)
+
+    def _new_row(self, r: ReqState) -> int:
+        if not self._rt_free:
+            self._reserve_rows(1)
         k = self._rt_free.pop()
         self._rt_owner[k] = r
         return k
 
-    def _write_rows(self, reqs: Sequence[ReqState], max_batch_tokens: int) -> None:
-        """(Re)write the rows of `reqs` (each already owns one): columns, and with the cache on
-        the fill's tokens and chunk hashes appended to the pools."""
+    def _write_rows(self, reqs: Sequence[ReqState]) -> None:
+        """(Re)write the rows of `reqs` (each already owns one): the columns; the fill's
+        tokens and chunk hashes enter the pools when a match first needs them."""
         rt = self._rt
         rows = np.array([r.dev_row for r in reqs], dtype=np.int64)
         rt[rows, :RT_NS] = np.array([[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos),
@@ -341,18 +360,30 @@ class GpuScheduler(ReferenceScheduler):
         rt[rows, RT_HEADT] = -1  # no head hash either
         self._stamp += 1
         rt[rows, RT_STAMP] = self._stamp
-        rt[rows, RT_TOFF] = -1  # not in the pools yet (a rebuild meanwhile skips these rows)
-        if self.cache.disable:
+        rt[rows, RT_TOFF] = -1  # not in the pools yet (a rebuild skips these rows)
+
+    def _ensure_hashed(self, rows: np.ndarray, max_batch_tokens: int = 1 << 24) -> None:
+        """With the cache on: the fills of table rows `rows` not yet in the pools are hashed
+        (`prefix_hashes`) in padded batches of ~`max_batch_tokens` tokens and appended, once
+        per fill, when a match first needs them (ordering by lpm/dfs-weight, an admission
+        window, the recorded step), not when the request arrives: fcfs/lof/routing-key queues
+        hash only what admission reaches."""
+        if self.cache.disable or not len(rows):
             return
+        rt = self._rt
+        todo = np.unique(rows[rt[rows, RT_TOFF] < 0])
+        if not todo.size:
+            return
+        reqs = [self._rt_owner[k] for k in todo.tolist()]
         tree = self.cache.tree
         C = tree.C
         i = 0
         while i < len(reqs):
             j, L = i, 1
-            while j < len(reqs) and (j - i + 1) * max(L, int(rt[rows[j], RT_FILL])) <= max_batch_tokens or j == i:
-                L = max(L, int(rt[rows[j], RT_FILL]))
+            while j < len(reqs) and (j - i + 1) * max(L, int(rt[todo[j], RT_FILL])) <= max_batch_tokens or j == i:
+                L = max(L, int(rt[todo[j], RT_FILL]))
                 j += 1
-            batch, brow = reqs[i:j], rows[i:j]
+            batch, brow = reqs[i:j], todo[i:j]
             lens = rt[brow, RT_FILL]
             buf = np.zeros((len(batch), L), dtype=np.int32)
             for k, r in enumerate(batch):
@@ -367,6 +398,8 @@ class GpuScheduler(ReferenceScheduler):
             t0, c0 = self._pool_append(toks[tmask], ch[cmask])
             rt[brow, RT_TOFF] = t0 + np.cumsum(lens) - lens
             rt[brow, RT_COFF] = c0 + np.cumsum(cnt) - cnt
+            self._stamp += 1
+            rt[brow, RT_STAMP] = self._stamp  # offsets moved: device mirrors upload the row again
             i = j
 
     def _pool_append(self, toks: torch.Tensor, ch: torch.Tensor):
@@ -425,6 +458,7 @@ class GpuScheduler(ReferenceScheduler):
         for `FlatRadixTree.match_csr`/_find_csr: rows point into the persistent pools, so
         nothing is concatenated per call."""
         C = self.cache.tree.C
+        self._ensure_hashed(rows)
         sel = self._rt[rows]
         lens = np.minimum(sel[:, RT_FILL], sel[:, RT_CAP]) if capped else sel[:, RT_FILL]
         cols = torch.from_numpy(np.stack([sel[:, RT_TOFF], sel[:, RT_COFF], lens, sel[:, RT_NS]])).to(self.device)
@@ -467,6 +501,7 @@ class GpuScheduler(ReferenceScheduler):
             # R-ORD-8: match in queue order (splits and stamps as sequential matching), then
             # keys, deprioritization and the order on the device; one read-back at the end
             tree = self.cache.tree
+            self._ensure_hashed(rows)
             sel = self._rt[rows]
             tok, toff, lens, ns, ch, coff, cl = self._csr(rows, False)
             m, pos = self._full_match(rows, sel, (tok, toff, lens, ns, ch, coff, cl))
@@ -717,6 +752,7 @@ class GpuScheduler(ReferenceScheduler):
         Q = len(rest)
         if rows is None:
             rows = self._rows_of(rest)
+        self._ensure_hashed(rows)
         sel = self._rt[rows]
         cols = torch.from_numpy(sel[:, [RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN]].T.copy()).to(dev)
         matched = None

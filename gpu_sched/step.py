@@ -137,7 +137,8 @@ class StepGraph:
         s = self.s
         n = len(queue)
         self._n = n
-        idx = s._rows_of(queue) if rows is None else rows  # may grow the table and rebuild the pools
+        idx = s._rows_of(queue) if rows is None else rows  # may grow the table
+        s._ensure_hashed(idx)  # may rebuild the pools
         if s._rt.shape[0] > self._store_cap:
             self._grow(2 * s._rt.shape[0])
         sel = s._rt[idx]

@@ -124,3 +124,34 @@ def test_abort_drops_rows_and_tail():
     assert [r.rid for r in dev.queue] == [r.rid for r in ref.queue]
     assert not set(gone) & {r.rid for r in dev.queue}
     assert ref.step(0.5).admitted == dev.step(0.5).admitted
+
+
+@pytest.mark.parametrize("disable_cache", [False, True])
+def test_rows_reused_and_fills_hashed_when_needed(disable_cache, monkeypatch):
+    """fcfs hashes only what admission reaches (not every arrival), and the rows of finished
+    and aborted requests are reused: after a 400-request burst, 60 rounds of 20 arrivals (1,200
+    more requests, about 20 live at a time) fit in the table the burst grew (cache on and off:
+    the sweep does not depend on pool rebuilds)."""
+    from gpu_sched.scheduler import RT_TOFF
+
+    monkeypatch.setattr(GpuScheduler, "ROW_TABLE_MIN", 16)
+    cfg = SchedulerConfig(schedule_policy="fcfs", max_prefill_tokens=200, disable_radix_cache=disable_cache)
+    big = SchedulerConfig(schedule_policy="fcfs", max_prefill_tokens=20000, disable_radix_cache=disable_cache)
+    s = GpuScheduler(cfg, 20000)
+    s.submit(reqs(400, start=10_000))
+    s.step(0.5)
+    hashed = int((s._rt[s.queue.rows, RT_TOFF] >= 0).sum())
+    assert hashed <= (0 if disable_cache else 2 * s.admit_window), hashed  # windows only
+    s.abort([r.rid for r in list(s.queue)])
+    s.complete_prefill({r.rid: 1 for r in s.prefilling})
+    s.finish([r.rid for r in s.running])
+    size = len(s._rt_owner)
+    assert size >= 400
+    s.config = big  # admits every arrival: few live requests from here on
+    for t in range(60):
+        s.submit(reqs(20, start=100 * t))
+        s.step(0.5)
+        s.complete_prefill({r.rid: 1 for r in s.prefilling})
+        s.finish([r.rid for r in s.running])
+        assert len(s.queue) + len(s.running) <= 40
+    assert len(s._rt_owner) == size
