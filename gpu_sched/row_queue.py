@@ -8,7 +8,8 @@ array, R-STEP-4 cuts a slice) and only looks requests up where the step reads th
 admission windows). `LazyList` is a read-only list whose values are made on first use (the
 plan's queue_order, num_matched and deprioritized).
 
-Both read like lists: len, indexing, slices (as lists), iteration, `==` with any sequence.
+Both read like lists: len, indexing, slices (as lists), iteration, `==` with any sequence;
+pickling or copying one gives a plain list, and `list(x)` is what `json.dumps` needs.
 Rows can be freed and reused for other requests only when the row table's pools are rebuilt;
 before that the scheduler calls `pin()` on every live view that holds a freed row, which copies
 its values out (weakly tracked: views nobody holds cost nothing).
@@ -53,6 +54,11 @@ class _ListLike(Sequence):
 
     def __repr__(self) -> str:
         return repr(self._values())
+
+    def __reduce__(self):
+        # pickle / copy / deepcopy give a plain list: a copy must not depend on rows that
+        # the scheduler may reuse (only live views are pinned)
+        return (list, (self._values(),))
 
 
 class RowQueue(_ListLike):

@@ -155,3 +155,16 @@ def test_rows_reused_and_fills_hashed_when_needed(disable_cache, monkeypatch):
         s.finish([r.rid for r in s.running])
         assert len(s.queue) + len(s.running) <= 40
     assert len(s._rt_owner) == size
+
+
+def test_copies_are_plain_lists():
+    import copy
+    import pickle
+
+    s = GpuScheduler(SchedulerConfig(schedule_policy="lpm", max_prefill_tokens=64), 2000)
+    s.submit(reqs(20))
+    plan = s.step(0.5)
+    for v in (plan.queue_order, plan.num_matched, s.queue):
+        for c in (copy.copy(v), copy.deepcopy(v), pickle.loads(pickle.dumps(v)) if v is not s.queue else list(v)):
+            assert type(c) is list and len(c) == len(v)
+    assert copy.deepcopy(plan).queue_order == list(plan.queue_order)
