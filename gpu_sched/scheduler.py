@@ -168,8 +168,8 @@ class GpuScheduler(ReferenceScheduler):
             self.queue = RowQueue(self, q.rows, [x for x in q.tail if x is not r])
 
     def _rid_list(self, q) -> Sequence[str]:
-        if isinstance(q, RowQueue):
-            return rid_list(self, q.rows, q.tail)
+        if isinstance(q, RowQueue):  # arrivals enter the row table now (once each), not per step
+            return rid_list(self, self._queue_rows(q))
         return super()._rid_list(q)
 
     def _rk_intern(self, key) -> int:
