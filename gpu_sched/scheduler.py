@@ -231,7 +231,7 @@ class GpuScheduler(ReferenceScheduler):
         from .reference.adder import PrefillAdder
 
         cfg = self.config
-        rows = self._queue_rows(self.queue)  # hashes new requests' fills too
+        rows = self._queue_rows(self.queue)  # `load` hashes fills not yet hashed
         q = list(self.queue)  # at most the capacity
         n = len(q)
         mixed = len(self.running) if cfg.enable_mixed_chunk and cfg.chunked_prefill_size is not None else 0
@@ -302,7 +302,10 @@ class GpuScheduler(ReferenceScheduler):
         idx = np.fromiter(map(_DEV_ROW, rs), np.int64, n)
         need = int((idx < 0).sum())
         if need > len(self._rt_free) and self._reserve_rows(need):
-            idx = np.fromiter(map(_DEV_ROW, rs), np.int64, n)  # a sweep freed rows: read again
+            # a sweep freed rows (some maybe of these requests, if not held): read again, and
+            # grow without sweeping, so no row handed out below is taken back
+            idx = np.fromiter(map(_DEV_ROW, rs), np.int64, n)
+            self._reserve_rows(int((idx < 0).sum()), sweep=False)
         outs = np.fromiter(map(len, map(_OUTPUT_IDS, rs)), np.int64, n)
         stale = (idx < 0) | (self._rt[np.maximum(idx, 0), RT_OUT] != outs) if n else np.zeros(0, bool)
         miss = np.flatnonzero(stale)
@@ -315,19 +318,18 @@ class GpuScheduler(ReferenceScheduler):
             idx[miss] = [r.dev_row for r in reqs]
         return idx
 
-    def _reserve_rows(self, need: int) -> bool:
+    def _reserve_rows(self, need: int, sweep: bool = True) -> bool:
         """At least `need` free rows: first rows of requests no longer held (finished, aborted)
         are freed (views holding them pinned first); the table doubles when that leaves fewer
         than a quarter of it free, so sweeps cost O(1) per row. True if any row was freed."""
         owner, reqs = self._rt_owner, self.reqs
-        freed = [k for k, r in enumerate(owner) if r is not None and reqs.get(r.rid) is not r]
+        freed = [k for k, r in enumerate(owner) if r is not None and reqs.get(r.rid) is not r] if sweep else []
         if freed:
             self._pin_views(freed)
             for k in freed:
                 owner[k].dev_row = -1
                 owner[k] = None
             self._rt_free.extend(reversed(freed))
-        cap = len(owner)
         while len(self._rt_free) < need or 4 * len(self._rt_free) < len(self._rt_owner):
             old = len(self._rt_owner)
             cap = max(self.ROW_TABLE_MIN, 2 * old)
