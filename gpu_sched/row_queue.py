@@ -9,7 +9,7 @@ admission windows). `LazyList` is a read-only list whose values are made on firs
 plan's queue_order, num_matched and deprioritized).
 
 Both read like lists: len, indexing, slices (as lists), iteration, `==` with any sequence;
-pickling or copying one gives a plain list, and `list(x)` is what `json.dumps` needs.
+pickling or copying a LazyList gives a plain list; `list(x)` is what `json.dumps` needs.
 Rows can be freed and reused for other requests only when the row table's pools are rebuilt;
 before that the scheduler calls `pin()` on every live view that holds a freed row, which copies
 its values out (weakly tracked: views nobody holds cost nothing).
@@ -55,10 +55,6 @@ class _ListLike(Sequence):
     def __repr__(self) -> str:
         return repr(self._values())
 
-    def __reduce__(self):
-        # pickle / copy / deepcopy give a plain list: a copy must not depend on rows that
-        # the scheduler may reuse (only live views are pinned)
-        return (list, (self._values(),))
 
 
 class RowQueue(_ListLike):
@@ -127,6 +123,8 @@ class RowQueue(_ListLike):
     def copy(self) -> "RowQueue":
         return RowQueue(self._s, self.rows, list(self.tail))
 
+    __copy__ = copy  # a copy is a live view too (deepcopy copies its scheduler with it)
+
     def pin(self) -> None:
         """Hold the requests themselves instead of rows (before the rows are reused)."""
         self.tail = self._values()
@@ -164,6 +162,11 @@ class LazyList(_ListLike):
 
     def pin(self) -> None:
         self._values()
+
+    def __reduce__(self):
+        # pickle / copy / deepcopy give a plain list: a copy must not depend on rows that
+        # the scheduler may reuse (only live views are pinned)
+        return (list, (self._values(),))
 
 
 def rid_list(sched, rows: np.ndarray, tail: Optional[list] = None) -> LazyList:

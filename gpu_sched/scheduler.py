@@ -3,10 +3,14 @@
 Same calls as `ReferenceScheduler` (submit / step / complete_prefill / decode / retract_decode /
 finish / abort / seed_* / check_integrity); tests hold one against the other. What runs where:
   * the radix cache is a `FlatRadixTree` on `device` (batched, hash-based matching);
-  * each request's columns, pool offsets and latest match live in a host row table
-    (`_rows_of`), written once per fill: a step gathers its queue's columns with numpy, and a
-    match kept from an earlier step is checked with two lookups (`check_matches`) before
-    any search; admission takes the ordering's matches while the tree's content is unchanged;
+  * each request's columns, ordering keys, pool offsets and latest match live in a host row
+    table (`_rows_of`), written once per fill (its tokens hashed into the pools when a match
+    first needs them, `_ensure_hashed`; rows of finished requests reused); the waiting queue
+    is the rows of its requests (`RowQueue`), so a step gathers columns, permutes and cuts it
+    with numpy, never with Python per waiting request; a match kept from an earlier step
+    (ordering's full ones, admission windows' capped ones) is checked with two lookups
+    (`check_matches`) before any search; admission takes the ordering's matches while the
+    tree's content is unchanged;
   * ordering builds the queue's columns as tensors and applies `gpu_sched.policy`
     (sort keys, in-batch deprioritization, dfs-weight), with `backend` "torch" or "triton";
   * admission is one static-shaped device computation over the ordered queue
@@ -57,6 +61,11 @@ class _Views(weakref.WeakValueDictionary):
 
     def add(self, v) -> None:
         self[id(v)] = v
+
+    def __deepcopy__(self, memo):
+        # a copied scheduler starts with no views: its copied queue's rows are all held (never
+        # freed), and views made from it later register themselves
+        return _Views()
 _ENQUEUE_TIME = operator.attrgetter("enqueue_time")
 
 
@@ -231,14 +240,16 @@ class GpuScheduler(ReferenceScheduler):
         from .reference.adder import PrefillAdder
 
         cfg = self.config
-        rows = self._queue_rows(self.queue)  # `load` hashes fills not yet hashed
-        q = list(self.queue)  # at most the capacity
-        n = len(q)
+        q = self.queue
+        rows = self._queue_rows(q)  # `load` hashes fills not yet hashed
+        n = len(rows)
         mixed = len(self.running) if cfg.enable_mixed_chunk and cfg.chunked_prefill_size is not None else 0
         adder = PrefillAdder(cfg, self.cache, self.pool, self.running, float(self._step_ratio), mixed)
         g.load(q, adder, self.batch_is_full, self.chunked, rows=rows)
         out = g.run()
-        oq = _pick(q, out.order)
+        order = np.asarray(out.order, dtype=np.int64)
+        orows = rows[order]
+        oq = RowQueue(self, orows)
         self._pending = (out, oq)
         policy = active_policy(cfg, n)
         if policy != "lpm":
@@ -248,10 +259,9 @@ class GpuScheduler(ReferenceScheduler):
         # splits and stamps; the last nodes are not read back: only admitted requests need
         # theirs, and `_admit_run` gets them from the admission's own capped match
         self.cache.tree._apply(g.m_full[:n], g.pos_full[:n], self.cache.tree.backend)
-        num = np.minimum(np.asarray(out.prefix_len, dtype=np.int64), g._caps)
-        order = np.asarray(out.order, dtype=np.int64)
-        dep = np.flatnonzero(np.asarray(out.deprioritized, dtype=bool)[order]).tolist()
-        return OrderResult(policy, oq, num[order].tolist(), [oq[i].rid for i in dep])
+        num = np.minimum(np.asarray(out.prefix_len, dtype=np.int64), g._caps)[order]
+        dep = np.asarray(out.deprioritized, dtype=bool)[order]
+        return OrderResult(policy, oq, LazyList(n, num.tolist, num.item), rid_list(self, orows[dep]))
 
     def _unadmitted(self, queue: List[ReqState], can_run: List[ReqState]) -> List[ReqState]:
         """R-STEP-4. The admission loop admits a leading run of the ordered queue (it stops at

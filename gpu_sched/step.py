@@ -37,7 +37,8 @@ import torch
 
 from . import policy as dpolicy
 from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, lock_drops
-from .scheduler import _ENQUEUE_TIME, RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PROMPT, RT_STAMP, RT_TOFF
+from .scheduler import (_ENQUEUE_TIME, RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
+                        RT_STAMP, RT_TIME, RT_TOFF)
 
 #: policies the recorded step computes (others: the scheduler's eager path)
 GRAPH_POLICIES = ("fcfs", "lof", "lpm")
@@ -145,13 +146,14 @@ class StepGraph:
         stale = np.flatnonzero(self._upl[idx] != sel[:, RT_STAMP])
         if stale.size:
             u, su = idx[stale], sel[stale]
-            rows = np.stack([su[:, RT_FILL], su[:, RT_OUT], su[:, RT_PROMPT], su[:, RT_MAXNEW], su[:, RT_IGN],
-                             np.fromiter((queue[k].priority for k in stale.tolist()), np.int64, stale.size),
+            prio = (su[:, RT_PRIO] if rows is not None  # the caller's rows: keys refreshed on requeue
+                    else np.fromiter((queue[k].priority for k in stale.tolist()), np.int64, stale.size))
+            cols = np.stack([su[:, RT_FILL], su[:, RT_OUT], su[:, RT_PROMPT], su[:, RT_MAXNEW], su[:, RT_IGN], prio,
                              su[:, RT_CAP],
                              *((su[:, RT_NS], su[:, RT_TOFF], su[:, RT_COFF]) if not s.cache.disable
                                else (np.zeros(stale.size, dtype=np.int64),) * 3)])
             ut = torch.from_numpy(u).to(self.device)
-            self.store.index_copy_(1, ut, torch.from_numpy(rows).to(self.device))
+            self.store.index_copy_(1, ut, torch.from_numpy(cols).to(self.device))
             self._upl[u] = su[:, RT_STAMP]
         self._caps = sel[:, RT_CAP]
         slots = np.zeros(self.Q, dtype=np.int64)
@@ -159,7 +161,8 @@ class StepGraph:
         self.sidx.copy_(torch.from_numpy(slots))
         if s.config.enable_priority_scheduling:
             qt = np.zeros(self.Q, dtype=np.float64)
-            qt[:n] = np.fromiter(map(_ENQUEUE_TIME, queue), np.float64, n)
+            qt[:n] = (np.ascontiguousarray(sel[:, RT_TIME]).view(np.float64) if rows is not None
+                      else np.fromiter(map(_ENQUEUE_TIME, queue), np.float64, n))
             self.qt.copy_(torch.from_numpy(qt))
         run = self.s.running
         hi = np.zeros((4, self.R), dtype=np.int64)

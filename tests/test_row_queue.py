@@ -157,14 +157,22 @@ def test_rows_reused_and_fills_hashed_when_needed(disable_cache, monkeypatch):
     assert len(s._rt_owner) == size
 
 
-def test_copies_are_plain_lists():
+def test_copies():
     import copy
     import pickle
 
     s = GpuScheduler(SchedulerConfig(schedule_policy="lpm", max_prefill_tokens=64), 2000)
     s.submit(reqs(20))
     plan = s.step(0.5)
-    for v in (plan.queue_order, plan.num_matched, s.queue):
-        for c in (copy.copy(v), copy.deepcopy(v), pickle.loads(pickle.dumps(v)) if v is not s.queue else list(v)):
+    for v in (plan.queue_order, plan.num_matched):
+        for c in (copy.copy(v), copy.deepcopy(v), pickle.loads(pickle.dumps(v))):
             assert type(c) is list and len(c) == len(v)
     assert copy.deepcopy(plan).queue_order == list(plan.queue_order)
+    q = copy.copy(s.queue)  # a live view of the same scheduler
+    assert isinstance(q, RowQueue) and q == s.queue and id(q) in s._views
+    s2 = copy.deepcopy(s)  # the queue follows its scheduler
+    assert isinstance(s2.queue, RowQueue) and s2.queue._s is s2
+    assert [r.rid for r in s2.queue] == [r.rid for r in s.queue]
+    for x in (s, s2):
+        x.complete_prefill({r.rid: 1 for r in x.prefilling})
+    assert s2.step(0.5).admitted == s.step(0.5).admitted
