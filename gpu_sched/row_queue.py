@@ -10,9 +10,10 @@ plan's queue_order, num_matched and deprioritized).
 
 Both read like lists: len, indexing, slices (as lists), iteration, `==` with any sequence;
 pickling or copying a LazyList gives a plain list; `list(x)` is what `json.dumps` needs.
-Rows can be freed and reused for other requests only when the row table's pools are rebuilt;
-before that the scheduler calls `pin()` on every live view that holds a freed row, which copies
-its values out (weakly tracked: views nobody holds cost nothing).
+Rows are freed and reused for other requests only when their request is no longer held (a
+sweep before the row table grows, or a rebuild of its pools); before that the scheduler calls
+`pin()` on every live view that holds a freed row, which copies its values out (weakly tracked:
+views nobody holds cost nothing).
 """
 
 from __future__ import annotations
@@ -35,12 +36,10 @@ def pick(items, idx: List[int]) -> list:
 
 
 class _ListLike(Sequence):
-    """`==`, `repr` and slices of a read-only sequence given `_values()` (the full list)."""
+    """`==`, `repr` and iteration of a read-only sequence, from the subclass's `_values()`
+    (its full list)."""
 
     __slots__ = ()
-
-    def _values(self) -> list:
-        raise NotImplementedError
 
     def __iter__(self):
         return iter(self._values())
@@ -54,7 +53,6 @@ class _ListLike(Sequence):
 
     def __repr__(self) -> str:
         return repr(self._values())
-
 
 
 class RowQueue(_ListLike):
@@ -169,19 +167,18 @@ class LazyList(_ListLike):
         return (list, (self._values(),))
 
 
-def rid_list(sched, rows: np.ndarray, tail: Optional[list] = None) -> LazyList:
-    """The rids of the requests at `rows` (then of `tail`) as a LazyList, kept valid across row
-    reuse (`sched._views`)."""
+def rid_list(sched, rows: np.ndarray) -> LazyList:
+    """The rids of the requests at `rows` as a LazyList, kept valid across row reuse
+    (`sched._views`)."""
     owner = sched._rt_owner
-    tail = list(tail) if tail else []
 
     def make():
-        return list(map(_RID, pick(owner, rows.tolist()))) + [r.rid for r in tail]
+        return list(map(_RID, pick(owner, rows.tolist())))
 
     def item(i):
-        return owner[int(rows[i])].rid if i < len(rows) else tail[i - len(rows)].rid
+        return owner[int(rows[i])].rid
 
-    out = LazyList(len(rows) + len(tail), make, item, rows)
+    out = LazyList(len(rows), make, item, rows)
     if len(rows):
         sched._views.add(out)
     return out

@@ -34,7 +34,7 @@ from .device_cache import DeviceRadixCache
 from .reference.policy import OrderResult, active_policy
 from .reference.scheduler import ReferenceScheduler
 from .reference.state import ReqState
-from .row_queue import LazyList, RowQueue, pick as _pick, rid_list
+from .row_queue import LazyList, RowQueue, rid_list
 from . import policy as dpolicy
 
 BACKENDS = ("torch", "triton")
@@ -245,7 +245,7 @@ class GpuScheduler(ReferenceScheduler):
         n = len(rows)
         mixed = len(self.running) if cfg.enable_mixed_chunk and cfg.chunked_prefill_size is not None else 0
         adder = PrefillAdder(cfg, self.cache, self.pool, self.running, float(self._step_ratio), mixed)
-        g.load(q, adder, self.batch_is_full, self.chunked, rows=rows)
+        g.load(rows, adder, self.batch_is_full, self.chunked)
         out = g.run()
         order = np.asarray(out.order, dtype=np.int64)
         orows = rows[order]
@@ -478,13 +478,6 @@ class GpuScheduler(ReferenceScheduler):
         tok, ch = self._pools()
         return tok, toff, lengths, ns, ch, coff, lengths // C
 
-    def find(self, rows: np.ndarray, capped: bool = True):
-        """Matched lengths and last pool positions of table rows `rows` against the current
-        tree, without splits or stamps (splits never change what the tree holds)."""
-        tok, toff, lens, ns, ch, coff, cl = self._csr(rows, capped)
-        mc = int(cl.max()) if cl.numel() else 0
-        return self.cache.tree._find_csr(tok, toff, lens, lens, ns, ch, coff, cl, mc)
-
     def _order(self) -> OrderResult:
         g = self._graph
         if (g is not None and self._step_ratio is not None and not self._custom_shuffle
@@ -513,9 +506,8 @@ class GpuScheduler(ReferenceScheduler):
             # R-ORD-8: match in queue order (splits and stamps as sequential matching), then
             # keys, deprioritization and the order on the device; one read-back at the end
             tree = self.cache.tree
-            self._ensure_hashed(rows)
-            sel = self._rt[rows]
-            tok, toff, lens, ns, ch, coff, cl = self._csr(rows, False)
+            tok, toff, lens, ns, ch, coff, cl = self._csr(rows, False)  # hashes fills on first use
+            sel = self._rt[rows]  # after: its pool offsets are set
             m, pos = self._full_match(rows, sel, (tok, toff, lens, ns, ch, coff, cl))
             version = tree.version  # the matches hold until the tree's content changes
             m, last = tree._apply(m, pos, tree.backend)
@@ -764,8 +756,7 @@ class GpuScheduler(ReferenceScheduler):
         Q = len(rest)
         if rows is None:
             rows = self._rows_of(rest)
-        self._ensure_hashed(rows)
-        sel = self._rt[rows]
+        sel = self._rt[rows]  # pool offsets not read: `_csr` hashes what a search needs
         cols = torch.from_numpy(sel[:, [RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN]].T.copy()).to(dev)
         matched = None
         if self.cache.disable:
@@ -832,9 +823,9 @@ class GpuScheduler(ReferenceScheduler):
         return m.index_copy(0, mi, fm), pos.index_copy(0, mi, fp)
 
     def _checked_find(self, rows: np.ndarray, sel: np.ndarray):
-        """Capped matches (as `find`) of table rows without a trusted match. A row's kept
-        length (any earlier match of its fill, full or capped, on any tree content) that is
-        not past the capped length is checked first (`check_matches`: two lookups, exact for
+        """Capped matches (R-STEP-3.4, no splits or stamps) of table rows without a trusted
+        match. A row's kept length (any earlier match of its fill, full or capped, on any tree
+        content) that is not past the capped length is checked first (`check_matches`: two lookups, exact for
         any guess); the other rows are searched, and their new lengths kept (tree version
         -2: checked before use, never trusted) for the next step, where most still hold."""
         tree = self.cache.tree

@@ -30,14 +30,14 @@ dfs-weight are not recorded (`supports` says False and the scheduler takes its e
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 import torch
 
 from . import policy as dpolicy
 from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, lock_drops
-from .scheduler import (_ENQUEUE_TIME, RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
+from .scheduler import (RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
                         RT_STAMP, RT_TIME, RT_TOFF)
 
 #: policies the recorded step computes (others: the scheduler's eager path)
@@ -125,20 +125,20 @@ class StepGraph:
         cfg = self.s.config
         return cfg.effective_policy in GRAPH_POLICIES and n_queue <= self.Q and n_running <= self.R
 
-    def load(self, queue: Sequence, adder, batch_full: bool, chunked, rows: Optional[np.ndarray] = None) -> None:
+    def load(self, rows: np.ndarray, adder, batch_full: bool, chunked) -> None:
         """Write one step's inputs into the buffers.
 
-        queue: the waiting requests (ReqState) in queue order; adder: a fresh `PrefillAdder`
+        rows: int64 [n], the waiting requests' rows in the scheduler's row table, in queue
+        order (`GpuScheduler._queue_rows`); adder: a fresh `PrefillAdder`
         (budgets at the loop's start, before the in-flight chunked request); chunked: that
         request or None. The device row store mirrors the scheduler's host row table
         (`GpuScheduler._rows_of`: one row per request, written once per fill, its stamp moved
         whenever the row or its pool offsets change): a step sends the queue's row numbers
-        and uploads only rows whose stamp moved since their last upload. `rows`: the queue's
-        rows when the caller has them (else looked up)."""
+        and uploads only rows whose stamp moved since their last upload."""
         s = self.s
-        n = len(queue)
+        n = len(rows)
         self._n = n
-        idx = s._rows_of(queue) if rows is None else rows  # may grow the table
+        idx = rows
         s._ensure_hashed(idx)  # may rebuild the pools
         if s._rt.shape[0] > self._store_cap:
             self._grow(2 * s._rt.shape[0])
@@ -146,9 +146,8 @@ class StepGraph:
         stale = np.flatnonzero(self._upl[idx] != sel[:, RT_STAMP])
         if stale.size:
             u, su = idx[stale], sel[stale]
-            prio = (su[:, RT_PRIO] if rows is not None  # the caller's rows: keys refreshed on requeue
-                    else np.fromiter((queue[k].priority for k in stale.tolist()), np.int64, stale.size))
-            cols = np.stack([su[:, RT_FILL], su[:, RT_OUT], su[:, RT_PROMPT], su[:, RT_MAXNEW], su[:, RT_IGN], prio,
+            cols = np.stack([su[:, RT_FILL], su[:, RT_OUT], su[:, RT_PROMPT], su[:, RT_MAXNEW], su[:, RT_IGN],
+                             su[:, RT_PRIO],
                              su[:, RT_CAP],
                              *((su[:, RT_NS], su[:, RT_TOFF], su[:, RT_COFF]) if not s.cache.disable
                                else (np.zeros(stale.size, dtype=np.int64),) * 3)])
@@ -161,8 +160,7 @@ class StepGraph:
         self.sidx.copy_(torch.from_numpy(slots))
         if s.config.enable_priority_scheduling:
             qt = np.zeros(self.Q, dtype=np.float64)
-            qt[:n] = (np.ascontiguousarray(sel[:, RT_TIME]).view(np.float64) if rows is not None
-                      else np.fromiter(map(_ENQUEUE_TIME, queue), np.float64, n))
+            qt[:n] = np.ascontiguousarray(sel[:, RT_TIME]).view(np.float64)
             self.qt.copy_(torch.from_numpy(qt))
         run = self.s.running
         hi = np.zeros((4, self.R), dtype=np.int64)
