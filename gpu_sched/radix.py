@@ -181,6 +181,11 @@ class FlatRadixTree:
         # version v iff self.version != v: numbers are unique across trees (splits, locks and
         # stamps keep every match's length and pool position, so they keep the version)
         self.version = next(_VERSIONS)
+        # page-end hashes entered or removed, by the version that did it (`changed_since`); it
+        # reaches back to version `_log_floor` (a compaction moves positions: it starts anew)
+        self._log: List[Tuple[int, torch.Tensor]] = []
+        self._log_n = 0
+        self._log_floor = self.version
         self.next_cid = 1
         self.next_order = 1
         self.top = 0  # bump pointer of the token pool
@@ -345,6 +350,45 @@ class FlatRadixTree:
         self._h_used = 0
         self._table_insert(keys, vals, be)
 
+    # ---- change log ------------------------------------------------------------------------
+    #: most hashes the change log keeps; older entries are dropped (raising its floor), so a
+    #: match verified long ago is checked by lookups instead
+    CHANGE_LOG_MAX = 1 << 16
+
+    def _log_change(self, h: torch.Tensor) -> None:
+        """Record the page-end hashes the current version entered or removed."""
+        self._log.append((self.version, h))
+        self._log_n += h.numel()
+        while self._log_n > self.CHANGE_LOG_MAX:
+            v, x = self._log.pop(0)
+            self._log_n -= x.numel()
+            self._log_floor = v
+
+    def changed_since(self, v: int) -> Optional[torch.Tensor]:
+        """Sorted int64 page-end hashes entered into or removed from the table after version
+        `v` (a `version` value this tree had; duplicates possible), or None when the log does
+        not reach back that far (`v` older than its floor, or another tree's). A hash not in
+        it is present now iff it was at `v`; pool positions have not moved since `v` either."""
+        if v < self._log_floor or v > self.version:
+            return None
+        parts = [h for w, h in self._log if w > v]
+        if not parts:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        return torch.sort(torch.cat(parts)).values
+
+    def unchanged(self, since: torch.Tensor, h_guess: torch.Tensor, h_next: torch.Tensor) -> torch.Tensor:
+        """bool [B]: rows whose match found at a version of `since`'s log still holds with its
+        pool position, because neither of its hashes h_guess, h_next (`check_matches`) was
+        entered or removed since (`since` = `changed_since(v)`, sorted)."""
+        if since.numel() == 0:
+            return torch.ones_like(h_guess, dtype=torch.bool)
+        last = since.numel() - 1
+
+        def absent(h):
+            return since[torch.searchsorted(since, h).clamp(max=last)] != h
+
+        return absent(h_guess) & absent(h_next)
+
     # ---- allocation ------------------------------------------------------------------------
     def _alloc_nodes(self, n: int) -> torch.Tensor:
         if n > len(self._free_nodes):
@@ -372,6 +416,7 @@ class FlatRadixTree:
     def compact(self) -> None:
         """Move the live token ranges to the front of the pool (one gather per array)."""
         self.version = next(_VERSIONS)
+        self._log, self._log_n, self._log_floor = [], 0, self.version  # every position moved
         b = self._hwm
         ids = torch.nonzero(self.alive[:b] & (self.key_len[:b] > 0)).flatten()
         ids = ids[torch.argsort(self.key_off[ids])]
@@ -910,6 +955,7 @@ class FlatRadixTree:
         self.alive[ids] = True
         page_ends = dst[(src_c % P) == P - 1]
         self._table_insert(self.hsh[page_ends], page_ends, be)
+        self._log_change(self.hsh[page_ends])
         self.evictable_size += n_new
         return m.tolist()
 
@@ -1036,6 +1082,7 @@ class FlatRadixTree:
         vals = self.val[rng].clone()
         page_ends = rng[(torch.arange(total, device=self.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)) % self.P == self.P - 1]
         self._table_delete(self.hsh[page_ends], be)
+        self._log_change(self.hsh[page_ends])
         self.owner[rng] = -1
         self.nchild.index_add_(0, self.parent[nodes], -torch.ones_like(nodes))
         self.alive[nodes] = False

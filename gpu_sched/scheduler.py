@@ -55,6 +55,39 @@ _OUTPUT_IDS = operator.attrgetter("req.output_ids")
 _PRIORITY = operator.attrgetter("priority")
 
 
+class _RowCols:
+    """Columns of some rows of the row table, each gathered on first use: the table is
+    column-major, so one column of a large queue is one contiguous-source gather instead of
+    whole 160-byte rows. `cols[:, c]`, `cols[idx, c]`, `cols[:, [c1, c2]]` (int64 [len, 2]);
+    `sub(idx)` selects rows (gathered columns carried over). Read only: writes go to the
+    table."""
+
+    __slots__ = ("rt", "rows", "_c")
+
+    def __init__(self, rt: np.ndarray, rows: np.ndarray, cached=None):
+        self.rt, self.rows, self._c = rt, rows, cached if cached is not None else {}
+
+    def col(self, c: int) -> np.ndarray:
+        v = self._c.get(c)
+        if v is None:
+            v = self._c[c] = self.rt[self.rows, c]
+        return v
+
+    def __getitem__(self, key):
+        r, c = key
+        if isinstance(c, list):
+            v = np.stack([self.col(x) for x in c], axis=1)
+        else:
+            v = self.col(c)
+        return v if isinstance(r, slice) and r == slice(None) else v[r]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def sub(self, idx: np.ndarray) -> "_RowCols":
+        return _RowCols(self.rt, self.rows[idx], {c: v[idx] for c, v in self._c.items()})
+
+
 class _Views(weakref.WeakValueDictionary):
     """Live row-based views by identity (they compare by value, like lists, so are not
     hashable): `add(v)`, `values()`."""
@@ -124,7 +157,7 @@ class GpuScheduler(ReferenceScheduler):
         self._torch_gen.manual_seed(config.random_seed)
         self._custom_shuffle = shuffle is not None
         # the row table (`_rows_of`): per-request columns, rows owned by ReqState.dev_row
-        self._rt = np.zeros((0, RT_COLS), dtype=np.int64)
+        self._rt = np.zeros((0, RT_COLS), dtype=np.int64, order="F")  # column-major: see _RowCols
         self._rt_free: List[int] = []
         self._rk_id: dict = {}  # routing key -> interned id (RT_RKEY)
         self._rk_names: List[str] = []
@@ -343,7 +376,7 @@ class GpuScheduler(ReferenceScheduler):
         while len(self._rt_free) < need or 4 * len(self._rt_free) < len(self._rt_owner):
             old = len(self._rt_owner)
             cap = max(self.ROW_TABLE_MIN, 2 * old)
-            grown = np.zeros((cap, RT_COLS), dtype=np.int64)
+            grown = np.zeros((cap, RT_COLS), dtype=np.int64, order="F")
             grown[:old] = self._rt
             self._rt = grown
             self._rt_owner.extend([None] * (cap - old))
@@ -471,7 +504,7 @@ class GpuScheduler(ReferenceScheduler):
         nothing is concatenated per call."""
         C = self.cache.tree.C
         self._ensure_hashed(rows)
-        sel = self._rt[rows]
+        sel = _RowCols(self._rt, rows)
         lens = np.minimum(sel[:, RT_FILL], sel[:, RT_CAP]) if capped else sel[:, RT_FILL]
         cols = torch.from_numpy(np.stack([sel[:, RT_TOFF], sel[:, RT_COFF], lens, sel[:, RT_NS]])).to(self.device)
         toff, coff, lengths, ns = cols[0], cols[1], cols[2], cols[3]
@@ -507,7 +540,7 @@ class GpuScheduler(ReferenceScheduler):
             # keys, deprioritization and the order on the device; one read-back at the end
             tree = self.cache.tree
             tok, toff, lens, ns, ch, coff, cl = self._csr(rows, False)  # hashes fills on first use
-            sel = self._rt[rows]  # after: its pool offsets are set
+            sel = _RowCols(self._rt, rows)  # columns read after `_csr` set the pool offsets
             m, pos = self._full_match(rows, sel, (tok, toff, lens, ns, ch, coff, cl))
             version = tree.version  # the matches hold until the tree's content changes
             m, last = tree._apply(m, pos, tree.backend)
@@ -558,7 +591,7 @@ class GpuScheduler(ReferenceScheduler):
                                              torch.from_numpy(lut[run_ids]).to(dev), backend=be)
         return OrderResult(policy, RowQueue(self, rows[perm.cpu().numpy()]))
 
-    def _head_hashes(self, rows: np.ndarray, sel: np.ndarray, T: int) -> torch.Tensor:
+    def _head_hashes(self, rows: np.ndarray, sel: "_RowCols", T: int) -> torch.Tensor:
         """R-ORD-9 head hashes (`policy.head_hashes` of the first T fill tokens, gathered from
         the token pool) of table rows `rows`, computed once per fill and T. int64 [B]."""
         miss = np.flatnonzero(sel[:, RT_HEADT] != T)
@@ -568,27 +601,45 @@ class GpuScheduler(ReferenceScheduler):
             cols = (toff[:, None] + torch.arange(T, device=self.device)).clamp(0, max(tok.numel() - 1, 0))
             heads = tok[cols] if tok.numel() else torch.zeros((miss.size, T), dtype=torch.int32, device=self.device)
             lens = torch.from_numpy(np.minimum(sel[miss, RT_FILL], T)).to(self.device)
-            sel[miss, RT_HEAD] = dpolicy.head_hashes(heads, lens).cpu().numpy()
-            sel[miss, RT_HEADT] = T
-            self._rt[rows[miss], RT_HEAD] = sel[miss, RT_HEAD]
+            head = sel[:, RT_HEAD].copy()
+            head[miss] = dpolicy.head_hashes(heads, lens).cpu().numpy()
+            self._rt[rows[miss], RT_HEAD] = head[miss]
             self._rt[rows[miss], RT_HEADT] = T
-        return torch.from_numpy(sel[:, RT_HEAD].copy()).to(self.device)
+            return torch.from_numpy(head).to(self.device)
+        return torch.from_numpy(sel[:, RT_HEAD]).to(self.device)
 
-    def _full_match(self, rows: np.ndarray, sel: np.ndarray, csr):
+    def _full_match(self, rows: np.ndarray, sel: "_RowCols", csr):
         """Full-length matches (R-ORD-8) of table rows `rows` (`sel` = their columns) given as
         CSR tensors (`_csr`): (length, last pool position) int64 device tensors [B], kept in
-        the rows for later steps and for admission (`_window_match`). A row matched before
-        (any earlier step) has its old length checked first (`check_matches`: two lookups);
-        only rows without one, or whose match changed with the tree, are searched."""
+        the rows for later steps and for admission (`_window_match`). A row whose full match
+        was found on a tree version the tree's change log reaches keeps it, position included,
+        when neither of its two hashes was entered or removed since (`FlatRadixTree.unchanged`:
+        a binary search in the few hashes the steps between changed, no table lookup); other
+        rows matched before (any earlier step) have their old length checked (`check_matches`:
+        two lookups); only rows without one, or whose match changed, are searched."""
         tok, toff, lens, ns, ch, coff, cl = csr
         tree = self.cache.tree
         be = tree.backend
         dev = self.device
-        hinted = sel[:, RT_MVER] != -1
+        ver = sel[:, RT_MVER]
+        hinted = ver != -1
         if hinted.any():
             hint = torch.from_numpy(np.stack([np.where(hinted, sel[:, RT_MLEN], -1), sel[:, RT_H1],
-                                              sel[:, RT_H2]])).to(dev)
-            ok, pos = tree.check_matches(lens, hint[0], hint[1], hint[2], backend=be)
+                                              sel[:, RT_H2], sel[:, RT_MPOS]])).to(dev)
+            # full matches verified on an earlier tree version the change log reaches: kept
+            # where neither of their two hashes changed since, the rest checked by lookups
+            logged = ver >= tree._log_floor
+            since = tree.changed_since(int(ver[logged].min())) if logged.any() else None
+            if since is not None:
+                keep = tree.unchanged(since, hint[1], hint[2]) & torch.from_numpy(logged).to(dev)
+                chk = torch.nonzero(~keep).flatten()
+                ok = keep.clone()
+                pos = torch.where(keep, hint[3], -1)
+                if chk.numel():
+                    ok_c, pos_c = tree.check_matches(lens[chk], hint[0][chk], hint[1][chk], hint[2][chk], backend=be)
+                    ok[chk], pos[chk] = ok_c, pos_c
+            else:
+                ok, pos = tree.check_matches(lens, hint[0], hint[1], hint[2], backend=be)
             m = torch.where(ok, hint[0], 0)
             miss = torch.nonzero(~ok).flatten()
         else:
@@ -756,8 +807,8 @@ class GpuScheduler(ReferenceScheduler):
         Q = len(rest)
         if rows is None:
             rows = self._rows_of(rest)
-        sel = self._rt[rows]  # pool offsets not read: `_csr` hashes what a search needs
-        cols = torch.from_numpy(sel[:, [RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN]].T.copy()).to(dev)
+        sel = _RowCols(self._rt, rows)  # pool offsets not read: `_csr` hashes what a search needs
+        cols = torch.from_numpy(np.stack([sel[:, c] for c in (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN)])).to(dev)
         matched = None
         if self.cache.disable:
             m = torch.zeros(Q, dtype=torch.int64, device=dev)
@@ -796,7 +847,7 @@ class GpuScheduler(ReferenceScheduler):
                             prompt_len=hc[2], ignore_eos=hc[3] != 0)
         return admit_step(scfg, st, q, held, None, backend=self.backend, early_exit=True), matched
 
-    def _window_match(self, rows: np.ndarray, sel: np.ndarray):
+    def _window_match(self, rows: np.ndarray, sel: "_RowCols"):
         """R-STEP-3.4 matches (capped at max_prefix_len) of table rows `rows` (`sel` = their
         columns): (length, last pool position) int64 device tensors. A row whose full-length
         match is known on the tree's current content (this step's lpm/dfs-weight ordering, or
@@ -818,11 +869,11 @@ class GpuScheduler(ReferenceScheduler):
         if known.all():
             return m, pos
         miss = np.flatnonzero(~known)
-        fm, fp = self._checked_find(rows[miss], sel[miss])
+        fm, fp = self._checked_find(rows[miss], sel.sub(miss))
         mi = torch.from_numpy(miss).to(self.device)
         return m.index_copy(0, mi, fm), pos.index_copy(0, mi, fp)
 
-    def _checked_find(self, rows: np.ndarray, sel: np.ndarray):
+    def _checked_find(self, rows: np.ndarray, sel: "_RowCols"):
         """Capped matches (R-STEP-3.4, no splits or stamps) of table rows without a trusted
         match. A row's kept length (any earlier match of its fill, full or capped, on any tree
         content) that is not past the capped length is checked first (`check_matches`: two lookups, exact for

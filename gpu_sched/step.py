@@ -38,7 +38,7 @@ import torch
 from . import policy as dpolicy
 from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, lock_drops
 from .scheduler import (RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
-                        RT_STAMP, RT_TIME, RT_TOFF)
+                        RT_STAMP, RT_TIME, RT_TOFF, _RowCols)
 
 #: policies the recorded step computes (others: the scheduler's eager path)
 GRAPH_POLICIES = ("fcfs", "lof", "lpm")
@@ -142,10 +142,10 @@ class StepGraph:
         s._ensure_hashed(idx)  # may rebuild the pools
         if s._rt.shape[0] > self._store_cap:
             self._grow(2 * s._rt.shape[0])
-        sel = s._rt[idx]
+        sel = _RowCols(s._rt, idx)
         stale = np.flatnonzero(self._upl[idx] != sel[:, RT_STAMP])
         if stale.size:
-            u, su = idx[stale], sel[stale]
+            u, su = idx[stale], sel.sub(stale)
             cols = np.stack([su[:, RT_FILL], su[:, RT_OUT], su[:, RT_PROMPT], su[:, RT_MAXNEW], su[:, RT_IGN],
                              su[:, RT_PRIO],
                              su[:, RT_CAP],
@@ -160,7 +160,7 @@ class StepGraph:
         self.sidx.copy_(torch.from_numpy(slots))
         if s.config.enable_priority_scheduling:
             qt = np.zeros(self.Q, dtype=np.float64)
-            qt[:n] = np.ascontiguousarray(sel[:, RT_TIME]).view(np.float64)
+            qt[:n] = sel[:, RT_TIME].view(np.float64)
             self.qt.copy_(torch.from_numpy(qt))
         run = self.s.running
         hi = np.zeros((4, self.R), dtype=np.int64)

@@ -148,3 +148,47 @@ def test_version_moves_with_content_only():
     assert tree.version != v1
     other = FlatRadixTree(1, max_nodes=64, token_capacity=256, device=DEV)
     assert other.version not in (v0, v1, tree.version)  # unique across trees
+
+
+@pytest.mark.parametrize("page_size,chunk_pages", [(1, None), (4, 2), (16, 1)])
+@pytest.mark.parametrize("log_max", [1 << 16, 64])
+def test_change_log_keeps_exactly_the_unchanged_matches(page_size, chunk_pages, log_max, monkeypatch):
+    """A match found at version v is kept without lookups when `unchanged` says neither of its
+    hashes changed since: every kept row must still be the match with the same position, and
+    every row whose match changed must be flagged. A short log (log_max) drops old entries:
+    versions below its floor get None (checked by lookups instead). Compaction starts anew."""
+    monkeypatch.setattr(FlatRadixTree, "CHANGE_LOG_MAX", log_max)
+    rng, tree, bases = build(page_size, chunk_pages, seed=31 + page_size)
+    qs = queries(rng, bases, 300)
+    csr = Csr(tree, qs)
+    v0 = tree.version
+    m0, pos0 = csr.find(tree)
+    h1, h2 = csr.hashes(tree, m0)
+    assert tree.changed_since(v0).numel() == 0
+    assert bool(tree.unchanged(tree.changed_since(v0), h1, h2).all())
+    flagged_changed = 0
+    for step in range(6):
+        if step % 2 == 0:
+            for q, ns in rng.sample(qs, 8):
+                ext = q + [rng.randrange(6) for _ in range(rng.randrange(1, 20))]
+                tree.insert(torch.tensor(ext, dtype=torch.int32, device=DEV),
+                            torch.arange(len(ext), device=DEV) + 10**6 + 100 * step, ns)
+        else:
+            tree.evict(int(tree.evictable_size) // 4)
+        since = tree.changed_since(v0)
+        if since is None:
+            assert tree._log_floor > v0  # the short log no longer reaches v0
+            break
+        assert torch.equal(since, torch.sort(since).values)
+        keep = tree.unchanged(since, h1, h2)
+        m, pos = csr.find(tree)
+        changed = (m != m0) | ((m > 0) & (pos != pos0))
+        assert not bool((keep & changed).any()), "a kept match is no longer the match"
+        flagged_changed += int(changed.sum())
+        assert int((~keep).sum()) >= int(changed.sum())
+    if log_max == 1 << 16:
+        assert flagged_changed > 0 and since is not None
+    else:
+        assert since is None
+    tree.compact()
+    assert tree.changed_since(v0) is None and tree.changed_since(tree.version).numel() == 0
