@@ -13,10 +13,11 @@ What is timed, per policy (inputs already built: columns on the device, ReqState
   lpm      head hashes of the first T=32 tokens + in-batch deprioritization + sort by
            -matched (reference: in_batch_deprioritized + the sort; matching is not timed
            on either side)                                                 R-ORD-8/9
-  lpm-kept the same order with the head hashes already computed: GpuScheduler computes a
-           request's head hash once per fill and keeps it in its row table, so a step runs
-           only the deprioritization and the sort (reference: the same as lpm, since it
-           builds its in-batch tree again every step)                      R-ORD-8/9
+  lpm-kept the same order as GpuScheduler runs it: a request's head hash is computed and
+           interned with its namespace as a group id once per fill (kept in its row table,
+           not timed), so a step runs only the deprioritization by group ids (a scatter-min,
+           no sort) and one int32 sort (reference: the same as lpm, since it builds its
+           in-batch tree again every step)                                 R-ORD-8/9
   dfs      dfs-weight over a random tree of n/4 nodes (reference: dfs_weight_order)  R-ORD-10
 
 Usage: python benchmarks/bench_order.py [--sizes 1000,10000,100000,1000000]
@@ -182,11 +183,16 @@ class Workload:
                 return P.lpm_order(self.t_matched, dep, **kw)
             return run
         if policy == "lpm-kept":
-            hh = P.head_hashes(self.t_toks, self.t_fill)  # once per request lifetime: not timed
+            # once per request lifetime, not timed: the head hash, interned with the namespace
+            # as a group id (GpuScheduler keeps it in its row table)
+            hh = P.head_hashes(self.t_toks, self.t_fill)
+            _, grp = torch.unique(torch.stack([self.t_ns.to(torch.int64), hh]), dim=1, return_inverse=True)
+            G = int(grp.max()) + 1 if grp.numel() else 0
+            matched = self.t_matched.to(torch.int32)  # token counts: int32 keys, as the scheduler
 
             def run():
-                dep = P.in_batch_deprioritize(self.t_prefix, self.t_fill, self.t_ns, hh, 32, T, **kw)
-                return P.lpm_order(self.t_matched, dep, **kw)
+                dep = P.in_batch_deprioritize_groups(self.t_prefix, self.t_fill, grp, G, 32, T, **kw)
+                return P.lpm_order(matched, dep, **kw)
             return run
         if policy == "dfs":
             return lambda: P.dfs_weight_order(self.t_parent, self.t_crank, None, self.t_last, **kw)

@@ -763,7 +763,9 @@ class FlatRadixTree:
                 sel = idx[start : start + size]
                 start += size
                 self._split_round(sel, pos[sel], stamp[sel], cid[sel], be)
-        last = torch.where(has, gather(self.owner, pos.clamp(min=0)), torch.zeros_like(m))
+            last = torch.where(has, gather(self.owner, pos.clamp(min=0)), torch.zeros_like(m))  # after the cuts
+        else:
+            last = X
         self._stamp_paths(last, stamp, be)
         return m, last
 

@@ -42,9 +42,9 @@ BACKENDS = ("torch", "triton")
 #: max_new_tokens, ignore_eos, max_prefix_len (R-ORD-8), namespace id, token and chunk-hash
 #: pool offsets, and the last match (tree version: a full-length match trusted on that tree
 #: content; -2: a kept capped match, checked before use; -1: none; length; pool position;
-#: the fill's prefix hashes at that length and one page further) and the R-ORD-9
-#: head hash of the first T fill tokens (T, or -1 for none; hash); a stamp that moves whenever
-#: the row is written or its pool offsets move (device mirrors upload rows by it); then the
+#: the fill's prefix hashes at that length and one page further) and the R-ORD-9 group of
+#: the first T fill tokens (T, or -1 for none; interned (namespace, head hash) id); a stamp
+#: that moves whenever the row is written or its pool offsets move (device mirrors upload rows by it); then the
 #: ordering keys: priority, enqueue time (float64 bits; refreshed when the request is queued
 #: again) and the interned routing-key id (-1: none or "")
 (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_TOFF, RT_COFF,
@@ -135,6 +135,9 @@ class GpuScheduler(ReferenceScheduler):
     adaptive_window = True
     #: rows of the row table at first (grown by doubling)
     ROW_TABLE_MIN = 1024
+    #: R-ORD-9 group ids interned beyond 4x the row table's rows before the intern table
+    #: starts anew (`_head_groups`)
+    HEAD_GROUP_SLACK = 1 << 16
     #: smallest token pool of the per-request fills (chunk-hash pool: a sixteenth of it)
     POOL_MIN_TOKENS = 1 << 16
 
@@ -161,6 +164,7 @@ class GpuScheduler(ReferenceScheduler):
         self._rt_free: List[int] = []
         self._rk_id: dict = {}  # routing key -> interned id (RT_RKEY)
         self._rk_names: List[str] = []
+        self._hg_id: dict = {}  # (namespace, R-ORD-9 head hash) -> interned group id (RT_HEAD)
         self._stamp = 0  # the latest row stamp
         self._new_row(None)  # allocates ROW_TABLE_MIN rows; row 0 stays unused
         self._qtok: Optional[torch.Tensor] = None
@@ -546,14 +550,15 @@ class GpuScheduler(ReferenceScheduler):
             m, last = tree._apply(m, pos, tree.backend)
             num = torch.minimum(m, torch.from_numpy(sel[:, RT_CAP].copy()).to(dev))
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
-            if T > 0:  # R-ORD-9 heads: hashes of the first T fill tokens, kept per row
-                hh = self._head_hashes(rows, sel, T)
+            check = cfg.in_batch_prefix_caching_check_threshold
+            if T > 0 and check >= 0:  # R-ORD-9 groups: (namespace, first T fill tokens), kept per row
+                grp, G = self._head_groups(rows, sel, T)
             else:
-                hh = torch.zeros(n, dtype=torch.int64, device=dev)
-            dep = dpolicy.in_batch_deprioritize(m, lens, ns, hh, cfg.in_batch_prefix_caching_check_threshold, T,
-                                                backend=be)
+                grp, G = torch.zeros(n, dtype=torch.int64, device=dev), 1
+            dep = dpolicy.in_batch_deprioritize_groups(m, lens, grp, G, check, T, backend=be)
             if policy == "lpm":
-                perm = dpolicy.lpm_order(num, dep, backend=be)
+                # lengths are token counts (< 2^31): int32 keys sort faster
+                perm = dpolicy.lpm_order(num.to(torch.int32), dep, backend=be)
             else:
                 parent, rank, remap = self._child_ranks()
                 perm = dpolicy.dfs_weight_order(parent, rank, None, remap[last], backend=be)
@@ -591,9 +596,17 @@ class GpuScheduler(ReferenceScheduler):
                                              torch.from_numpy(lut[run_ids]).to(dev), backend=be)
         return OrderResult(policy, RowQueue(self, rows[perm.cpu().numpy()]))
 
-    def _head_hashes(self, rows: np.ndarray, sel: "_RowCols", T: int) -> torch.Tensor:
-        """R-ORD-9 head hashes (`policy.head_hashes` of the first T fill tokens, gathered from
-        the token pool) of table rows `rows`, computed once per fill and T. int64 [B]."""
+    def _head_groups(self, rows: np.ndarray, sel: "_RowCols", T: int):
+        """R-ORD-9 groups of table rows `rows`: (group ids int64 [B], size of the id space).
+        Equal ids iff equal (namespace, `policy.head_hashes` of the first T fill tokens,
+        gathered from the token pool); each row's id is computed and interned once per fill
+        and T, so a step groups its queue without sorting (`in_batch_deprioritize_groups`).
+        The intern table starts anew (every row's id recomputed when next needed) once it
+        holds several times more entries than the row table has rows."""
+        if len(self._hg_id) > 4 * len(self._rt_owner) + self.HEAD_GROUP_SLACK:
+            self._hg_id.clear()
+            self._rt[:, RT_HEADT] = -1
+            sel = _RowCols(self._rt, rows)
         miss = np.flatnonzero(sel[:, RT_HEADT] != T)
         if miss.size:
             tok, _ = self._pools()
@@ -601,12 +614,16 @@ class GpuScheduler(ReferenceScheduler):
             cols = (toff[:, None] + torch.arange(T, device=self.device)).clamp(0, max(tok.numel() - 1, 0))
             heads = tok[cols] if tok.numel() else torch.zeros((miss.size, T), dtype=torch.int32, device=self.device)
             lens = torch.from_numpy(np.minimum(sel[miss, RT_FILL], T)).to(self.device)
-            head = sel[:, RT_HEAD].copy()
-            head[miss] = dpolicy.head_hashes(heads, lens).cpu().numpy()
-            self._rt[rows[miss], RT_HEAD] = head[miss]
+            hh = dpolicy.head_hashes(heads, lens).cpu().numpy()
+            ids = self._hg_id
+            # hashes are below 2^62: (namespace, hash) as one Python int, exact
+            grp = [ids.setdefault((ns << 62) | h, len(ids)) for ns, h in zip(sel[miss, RT_NS].tolist(), hh.tolist())]
+            group = sel[:, RT_HEAD].copy()
+            group[miss] = grp
+            self._rt[rows[miss], RT_HEAD] = group[miss]
             self._rt[rows[miss], RT_HEADT] = T
-            return torch.from_numpy(head).to(self.device)
-        return torch.from_numpy(sel[:, RT_HEAD]).to(self.device)
+            return torch.from_numpy(group).to(self.device), len(ids)
+        return torch.from_numpy(sel[:, RT_HEAD]).to(self.device), len(self._hg_id)
 
     def _full_match(self, rows: np.ndarray, sel: "_RowCols", csr):
         """Full-length matches (R-ORD-8) of table rows `rows` (`sel` = their columns) given as

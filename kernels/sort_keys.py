@@ -14,7 +14,9 @@ Every key is an int64 whose ascending order is the policy's order, so one stable
 - lpm (R-ORD-8): `INT64_MAX` when deprioritized, else `~matched`.
 - R-ORD-9 grouping: `a = namespace` for an eligible request (checked and fill >= T), else
   `INT64_MIN`; after a stable sort by (a, head hash) a request is deprioritized when it is
-  eligible and its sorted predecessor has the same (a, hash).
+  eligible and its sorted predecessor has the same (a, hash). With the (namespace, head)
+  pairs interned as group ids, `deprio_by_group` needs no sort: the first eligible queue
+  index per group by `atomic_min`, then one compare per request.
 
 The torch backend in `gpu_sched.policy` computes the same keys with torch ops; tests hold the
 two equal. Each kernel is private; its launcher checks dtypes, shapes, contiguity and device.
@@ -267,4 +269,56 @@ def deprio_flags(a_sorted: torch.Tensor, hash_sorted: torch.Tensor, perm: torch.
     out = torch.empty(n, dtype=torch.bool, device=dev)
     _first_occurrence_kernel[grid_1d(n, BLOCK)](a_sorted, hash_sorted, perm, out.view(torch.uint8), n,
                                                 BLOCK=BLOCK, num_warps=warps)
+    return out
+
+
+# ---- R-ORD-9 by group ids: first queue index per group, no sort ----------------------------------
+@triton.jit
+def _group_rows(prefix_ptr, fill_ptr, group_ptr, n, check_threshold, threshold, BLOCK: tl.constexpr):
+    """This program's queue indices, their group ids and which are eligible."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    pre = tl.load(prefix_ptr + offs, mask=mask, other=0).to(tl.int64)
+    fill = tl.load(fill_ptr + offs, mask=mask, other=0).to(tl.int64)
+    g = tl.load(group_ptr + offs, mask=mask, other=0).to(tl.int64)
+    return offs, mask, g, mask & (pre <= check_threshold) & (fill >= threshold)
+
+
+@triton.jit
+def _group_first_kernel(prefix_ptr, fill_ptr, group_ptr, first_ptr, n, check_threshold, threshold,
+                        BLOCK: tl.constexpr):
+    offs, mask, g, eligible = _group_rows(prefix_ptr, fill_ptr, group_ptr, n, check_threshold, threshold, BLOCK)
+    tl.atomic_min(first_ptr + g, offs, mask=eligible)  # integer min: order-independent
+
+
+@triton.jit
+def _group_later_kernel(prefix_ptr, fill_ptr, group_ptr, first_ptr, out_ptr, n, check_threshold, threshold,
+                        BLOCK: tl.constexpr):
+    offs, mask, g, eligible = _group_rows(prefix_ptr, fill_ptr, group_ptr, n, check_threshold, threshold, BLOCK)
+    first = tl.load(first_ptr + g, mask=eligible, other=0)
+    tl.store(out_ptr + offs, (eligible & (first < offs)).to(tl.uint8), mask=mask)
+
+
+def deprio_by_group(prefix_len: torch.Tensor, fill_len: torch.Tensor, group: torch.Tensor, num_groups: int,
+                    check_threshold: int, threshold: int, *, block: Optional[int] = None) -> torch.Tensor:
+    """bool [n] in queue order: eligible (prefix_len <= check_threshold, which is >= 0, and
+    fill_len >= threshold) and not the first eligible request of its group (group ids int
+    [n] in [0, num_groups), not checked: no host read). Two passes: an `atomic_min` of each
+    eligible queue index into its group's slot (exact in any order), then a compare."""
+    where = "deprio_by_group"
+    check_tensor(where, "prefix_len", prefix_len, INT_DTYPES)
+    dev = check_launch_device(where, _group_first_kernel, prefix_len)
+    n = prefix_len.numel()
+    check_tensor(where, "fill_len", fill_len, INT_DTYPES, numel=n, device=dev)
+    check_tensor(where, "group", group, INT_DTYPES, numel=n, device=dev)
+    check_int(where, "num_groups", num_groups, lo=0, hi=INT64_MAX)
+    check_int(where, "check_threshold", check_threshold, lo=0, hi=INT64_MAX)
+    check_int(where, "threshold", threshold, lo=0, hi=INT64_MAX)
+    BLOCK, warps = block_config(block)
+    first = torch.full((max(num_groups, 1),), n, dtype=torch.int64, device=dev)
+    out = torch.empty(n, dtype=torch.bool, device=dev)
+    args = (prefix_len, fill_len, group, first)
+    _group_first_kernel[grid_1d(n, BLOCK)](*args, n, check_threshold, threshold, BLOCK=BLOCK, num_warps=warps)
+    _group_later_kernel[grid_1d(n, BLOCK)](*args, out.view(torch.uint8), n, check_threshold, threshold,
+                                           BLOCK=BLOCK, num_warps=warps)
     return out

@@ -269,16 +269,20 @@ def threshold_cases(all_cases, triton_cases):
     return out
 
 
-@pytest.mark.parametrize("backend,n,check,T",
-                         threshold_cases(DEPRIO_CASES, [(-1, 32), (0, 3), (8, 0), (40, 8)]))
-def test_in_batch_deprioritize_matches_reference(backend, n, check, T):
-    rng = random.Random(n * 7 + check + T)
+def deprio_case(seed, n, check, T):
+    """(reference R-ORD-9 flags, device inputs) of a queue matched against a prefix cache."""
+    rng = random.Random(seed)
     cache, prompts = prefix_workload(n, rng)
     queue = make_queue(n, rng, False, prompts=prompts)
     for r in queue:
         r.prefix_len, r.last_node = cache.match_prefix(r.fill(), r.req.extra_key)
-    want = in_batch_deprioritized(queue, check, T)
-    prefix, lengths, ns, hh = device_deprio_inputs(queue, T)
+    return in_batch_deprioritized(queue, check, T), device_deprio_inputs(queue, T)
+
+
+@pytest.mark.parametrize("backend,n,check,T",
+                         threshold_cases(DEPRIO_CASES, [(-1, 32), (0, 3), (8, 0), (40, 8)]))
+def test_in_batch_deprioritize_matches_reference(backend, n, check, T):
+    want, (prefix, lengths, ns, hh) = deprio_case(n * 7 + check + T, n, check, T)
     got = P.in_batch_deprioritize(prefix, lengths, ns, hh, check, T, **kw(backend))
     assert got.dtype == torch.bool
     assert_perm_equal(got.to(torch.int64), want, f"deprio {backend} n={n} check={check} T={T}")
@@ -306,6 +310,8 @@ def test_lpm_matches_reference(backend, n, check, T):
     matched = torch.tensor([r.num_matched for r in queue], dtype=torch.int64)
     got = P.lpm_order(matched, flags, **kw(backend))
     assert_perm_equal(got, want, f"lpm {backend} n={n} check={check} T={T}")
+    got32 = P.lpm_order(matched.to(torch.int32), flags, **kw(backend))  # int32 keys on torch
+    assert_perm_equal(got32, want, f"lpm int32 {backend} n={n} check={check} T={T}")
 
 
 def test_head_hashes_ignore_padding_and_separate_prefixes():
@@ -535,3 +541,36 @@ def test_torch_backend_runs_on_meta_tensors():
     hh = P.head_hashes(m(torch.int32, n, 8), m())
     assert P.in_batch_deprioritize(m(), m(), m(torch.int32), hh, 32, 8).shape == (n,)
     assert P.dfs_weight_order(m(torch.int64, 50), m(torch.int64, 50), None, m()).device.type == "meta"
+
+
+def _groups(ns, hh):
+    """Interned (namespace, head hash) ids as the scheduler keeps them, in a shuffled id space."""
+    pairs = torch.stack([ns.to(torch.int64), hh])
+    _, inv = torch.unique(pairs, dim=1, return_inverse=True)
+    G = int(inv.max()) + 1 if inv.numel() else 0
+    shuffle = torch.randperm(G + 3, generator=_gen().manual_seed(G))[:G]  # ids need not be dense
+    return (shuffle[inv] if G else inv), G + 3
+
+
+@pytest.mark.parametrize("backend,n,check,T",
+                         threshold_cases(DEPRIO_CASES, [(-1, 32), (0, 3), (8, 0), (40, 8)]))
+def test_in_batch_deprioritize_groups_matches_reference(backend, n, check, T):
+    want, (prefix, lengths, ns, hh) = deprio_case(n * 13 + check + T, n, check, T)
+    group, G = _groups(ns, hh)
+    # rows too short to be eligible may carry any id, even out of range: never read
+    group = torch.where(lengths >= T, group, 10**12)
+    got = P.in_batch_deprioritize_groups(prefix, lengths, group, G, check, T, **kw(backend))
+    assert got.dtype == torch.bool
+    assert_perm_equal(got.to(torch.int64), want, f"deprio groups {backend} n={n} check={check} T={T}")
+    if n > 100 and check >= 8 and T > 0:
+        assert 0 < sum(want) < n  # both outcomes occur
+
+
+def test_in_batch_deprioritize_groups_rejects_bad_args():
+    x = torch.zeros(4, dtype=torch.int64)
+    for kwargs in ({"num_groups": -1}, {"check_threshold": -2}, {"threshold": -1}):
+        args = {"num_groups": 2, "check_threshold": 3, "threshold": 1, **kwargs}
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            P.in_batch_deprioritize_groups(x, x, x, args["num_groups"], args["check_threshold"], args["threshold"])
+    with pytest.raises((TypeError, ValueError), match="group"):
+        P.in_batch_deprioritize_groups(x, x, x.float(), 2, 3, 1)

@@ -309,3 +309,28 @@ def test_kept_capped_matches_checked_in_windows(name, monkeypatch):
     hits = run_long(name, seed=1)
     assert hits["admitted"] > 60, hits
     assert seen["ok"] > 20 and seen["refused"] > 0, seen
+
+
+@pytest.mark.parametrize("name", ["lpm", "lpm-page4-mixed"])
+def test_head_group_table_restarts_keep_decisions(name, monkeypatch):
+    """R-ORD-9 group ids are interned once per fill; when the intern table outgrows the row
+    table it starts anew and every row's id is recomputed when next needed. With no slack
+    the table restarts at nearly every lpm step: decisions must stay the reference's."""
+    restarts = []
+    clear = dict.clear
+
+    class CountingDict(dict):
+        def clear(self):
+            restarts.append(len(self))
+            clear(self)
+
+    orig = GpuScheduler.__init__
+
+    def init(self, *a, **k):
+        orig(self, *a, **k)
+        self._hg_id = CountingDict()
+
+    monkeypatch.setattr(GpuScheduler, "__init__", init)
+    monkeypatch.setattr(GpuScheduler, "HEAD_GROUP_SLACK", -(4 * 1024) + 8)  # restart past 8 ids (1024 rows)
+    run_long(name, seed=1, steps=120)
+    assert len(restarts) > 3, restarts
