@@ -29,9 +29,15 @@ the row is under `--budget-s`)
          match of every request for lpm/dfs-weight (as SGLang's calc_priority). It does not
          change the queue list; lpm/dfs-weight matching splits and stamps tree nodes, and the
          splits happen in the warm-up, so timed calls see the same tree. GpuScheduler hashes
-         each request's fill once (`_fill_hashes`, kept per rid, as a request's hashes are
+         each request's fill once (`_ensure_hashed`, kept in its row, as a request's hashes are
          computed once in its lifetime): that happens in the warm-up too, whose time every
          row keeps as `warmup_s`.
+  order-churn  the same ordering on a tree that changes before every call, as between a
+         serving loop's steps: untimed, one more request's fill plus 32 fresh tokens is
+         inserted (`seed_cache`, the same sequence on every backend), so the tree version
+         moves and GpuScheduler's kept matches are checked against what changed (its change
+         log) rather than trusted. Runs on a deep copy of the scheduler (untimed), so the
+         other stages and the plan checks see the unchurned tree.
   admit  `sched._admission_loop(ordered, adder)` with a fresh `PrefillAdder` over the queue
          ordered once beforehand (untimed): R-STEP-3 alone.
   step   `sched.step(ratio)`: budgets, ordering, admission and the plan.
@@ -101,7 +107,7 @@ POLICIES = {  # name -> SchedulerConfig overrides (the plain constructor: no lpm
     "lpm": dict(schedule_policy="lpm"),
     "dfs-weight": dict(schedule_policy="dfs-weight"),
 }
-STAGES = ("order", "admit", "step", "graph", "gstep")
+STAGES = ("order", "order-churn", "admit", "step", "graph", "gstep")
 #: stages timed only on GpuScheduler, for the policies the recorded step covers
 RECORDED_STAGES = ("graph", "gstep")
 RATIO = 0.7  # new-token ratio passed to step (SGLang's initial value)
@@ -253,6 +259,22 @@ class Restorer:
             s.queue = self.queue0.copy()
 
 
+def churned_order(s, fresh: int = 32):
+    """(order call, churn) on a deep copy of s: churn inserts the fill of the k-th chosen
+    queued request plus `fresh` new tokens (k-th call; the same on every backend) into the
+    copy's cache, untimed, before each timed ordering."""
+    c = copy.deepcopy(s)
+    calls = iter(range(1 << 62))
+
+    def churn():
+        k = next(calls)
+        r = c.queue[(k * 7919) % len(c.queue)]
+        c.seed_cache(np.concatenate([r.fill(), np.random.default_rng(k).integers(0, 32000, fresh, dtype=np.int32)]))
+
+    churn()  # the warm-up call sees a changed tree too
+    return c._order, churn
+
+
 def stage_fns(s, stage: str, max_len: int):
     """(call, restore) for one stage on scheduler s in its current state; None where the stage
     does not apply (the recorded step on the reference, or for a policy it does not record)."""
@@ -275,6 +297,8 @@ def stage_fns(s, stage: str, max_len: int):
         return g.compute, None
     if stage == "order":
         return s._order, None
+    if stage == "order-churn":
+        return churned_order(s)
     if stage == "step":
         return (lambda: s.step(RATIO)), Restorer(s, queue_snapshot(s))
     ordered = s._order().queue
@@ -380,11 +404,11 @@ def print_row(r: dict) -> None:
     p = "-" if r["p90_s"] is None else f"{r['p90_s']:.4g}"
     us = "-" if r["us_per_req"] is None else f"{r['us_per_req']:.3g}"
     chk = {True: "ok", False: "DIFF", None: ""}[r.get("plan_equal_ref")]
-    print(f"{r['policy']:11} {r['stage']:5} {r['n']:>8} {r['backend']:9} {r['device']:5} {med:>10} {p:>10} "
+    print(f"{r['policy']:11} {r['stage']:11} {r['n']:>8} {r['backend']:9} {r['device']:5} {med:>10} {p:>10} "
           f"{us:>9} {ratio:>9} {r['reps']:>4} {chk:>4} {r.get('note') or ''}", flush=True)
 
 
-HEADER = (f"{'policy':11} {'stage':5} {'n':>8} {'backend':9} {'dev':5} {'median s':>10} {'p90 s':>10} "
+HEADER = (f"{'policy':11} {'stage':11} {'n':>8} {'backend':9} {'dev':5} {'median s':>10} {'p90 s':>10} "
           f"{'us/req':>9} {'speedup':>9} {'reps':>4} {'plan':>4}")
 
 

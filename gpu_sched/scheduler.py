@@ -935,19 +935,24 @@ class GpuScheduler(ReferenceScheduler):
         run + [rematch], found on the tree as it was at admission (splits since do not move
         tokens, so the positions still hold). Budgets and counters come from the step's result."""
         if self.cache.disable:
-            for r in run:
-                r.prefix_len, r.last_node = 0, self.cache.root
-        else:
-            extra = [rematch] if rematch is not None else []
-            rs = run + extra
-            if rs:
-                tree = self.cache.tree
-                m, last = tree._apply(matched[0], matched[1], tree.backend)
-                vals = torch.cat([m, last]).tolist()
-                for r, a, b in zip(rs, vals[: len(rs)], vals[len(rs):]):
-                    r.prefix_len, r.last_node = a, b
-            if run:
-                self.cache.tree.lock(self._col([r.last_node for r in run], torch.int64))
-        for r, end in zip(run, ends):
-            r.lock_node = r.last_node if not self.cache.disable else None
-            adder._admit(r, r.prefix_len, end)
+            root = self.cache.root
+            for r, end in zip(run, ends):  # adder._admit's effect, inlined: one pass
+                r.prefix_len, r.last_node, r.lock_node = 0, root, None
+                r.extend_start, r.extend_end = 0, end
+            adder.can_run.extend(run)
+            return
+        rs = run + ([rematch] if rematch is not None else [])
+        if not rs:
+            return
+        tree = self.cache.tree
+        m, last = tree._apply(matched[0], matched[1], tree.backend)
+        if run:
+            tree.lock(last[: len(run)])
+        B = len(rs)
+        vals = torch.cat([m, last]).tolist()
+        for r, a, b, end in zip(run, vals, vals[B:], ends):  # adder._admit's effect, inlined: one pass
+            r.prefix_len, r.last_node, r.lock_node = a, b, b
+            r.extend_start, r.extend_end = a, end
+        adder.can_run.extend(run)
+        if rematch is not None:
+            rematch.prefix_len, rematch.last_node = vals[B - 1], vals[-1]
