@@ -32,8 +32,9 @@ the row is under `--budget-s`)
          each request's fill once (`_ensure_hashed`, kept in its row, as a request's hashes are
          computed once in its lifetime): that happens in the warm-up too, whose time every
          row keeps as `warmup_s`.
-  order-churn  the same ordering on a tree that changes before every call, as between a
-         serving loop's steps: untimed, one more request's fill plus 32 fresh tokens is
+  order-churn  lpm/dfs-weight: the same ordering on a tree that changes before every call,
+         as between a serving loop's steps: untimed, one more request's fill plus 32 fresh
+         tokens is
          inserted (`seed_cache`, the same sequence on every backend), so the tree version
          moves and GpuScheduler's kept matches are checked against what changed (its change
          log) rather than trusted. Runs on a deep copy of the scheduler (untimed), so the
@@ -297,8 +298,8 @@ def stage_fns(s, stage: str, max_len: int):
         return g.compute, None
     if stage == "order":
         return s._order, None
-    if stage == "order-churn":
-        return churned_order(s)
+    if stage == "order-churn":  # only the policies whose ordering matches the queue on the tree
+        return churned_order(s) if s.config.effective_policy in ("lpm", "dfs-weight") else None
     if stage == "step":
         return (lambda: s.step(RATIO)), Restorer(s, queue_snapshot(s))
     ordered = s._order().queue
