@@ -383,11 +383,19 @@ class FlatRadixTree:
         if since.numel() == 0:
             return torch.ones_like(h_guess, dtype=torch.bool)
         last = since.numel() - 1
-
-        def absent(h):
-            return since[torch.searchsorted(since, h).clamp(max=last)] != h
-
-        return absent(h_guess) & absent(h_next)
+        # a bitmap of the changed hashes' low bits (>= 16 slots per hash: few false hits) picks
+        # the rows that may have changed; only those are searched exactly
+        bits = 1 << max(16, (16 * since.numel()).bit_length())
+        seen = torch.zeros(bits, dtype=torch.bool, device=since.device)
+        seen[since & (bits - 1)] = True
+        maybe = torch.nonzero(seen[h_guess & (bits - 1)] | seen[h_next & (bits - 1)]).flatten()
+        out = torch.ones_like(h_guess, dtype=torch.bool)
+        if maybe.numel():
+            g, x = h_guess[maybe], h_next[maybe]
+            hit = (since[torch.searchsorted(since, g).clamp(max=last)] == g) | (
+                since[torch.searchsorted(since, x).clamp(max=last)] == x)
+            out[maybe] = ~hit
+        return out
 
     # ---- allocation ------------------------------------------------------------------------
     def _alloc_nodes(self, n: int) -> torch.Tensor:

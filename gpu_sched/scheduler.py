@@ -336,7 +336,8 @@ class GpuScheduler(ReferenceScheduler):
         return torch.tensor(values, dtype=dtype, device=self.device)
 
     def _rows_of(self, rs: Sequence[ReqState]) -> np.ndarray:
-        """Row of each request in the host row table `_rt` (int64 [rows, RT_COLS]: its fill
+        """Row of each request in the host row table `_rt` (int64 [rows, RT_COLS], stored
+        column-major so a column of many rows is one gather, see `_RowCols`: its fill
         length, output length, prompt length, max_new_tokens, ignore_eos, max_prefix_len,
         namespace id, ordering keys and, once hashed (`_ensure_hashed`), its offsets in the
         CSR pools `_qtok` (int32 tokens) and `_qch` (int64 chunk hashes at depths C, 2C, ...)).
