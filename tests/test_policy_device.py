@@ -522,7 +522,9 @@ def test_torch_backend_compiles_without_graph_breaks():
         (lambda: P.lof_order(max_new), ()),
         (lambda: P.routing_key_order(key_id, key_rank, run), ()),
         (lambda: P.lpm_order(matched, dep), ()),
+        (lambda: P.lpm_order(matched.to(torch.int32), dep), ()),
         (lambda: P.in_batch_deprioritize(matched, lengths, ns, P.head_hashes(toks, lengths), 3, 2), ()),
+        (lambda: P.in_batch_deprioritize_groups(matched, lengths, key_id.clamp(min=0), 5, 3, 2), ()),
         (lambda: P.dfs_weight_order(parent, crank, None, last), ()),
     ]
     for fn, _ in cases:
@@ -540,6 +542,7 @@ def test_torch_backend_runs_on_meta_tensors():
     assert P.lpm_order(m(), m(torch.bool)).shape == (n,)
     hh = P.head_hashes(m(torch.int32, n, 8), m())
     assert P.in_batch_deprioritize(m(), m(), m(torch.int32), hh, 32, 8).shape == (n,)
+    assert P.in_batch_deprioritize_groups(m(), m(), m(torch.int32), 40, 32, 8).shape == (n,)
     assert P.dfs_weight_order(m(torch.int64, 50), m(torch.int64, 50), None, m()).device.type == "meta"
 
 
