@@ -154,6 +154,7 @@ class GpuScheduler(ReferenceScheduler):
             os.environ.setdefault("TRITON_INTERPRET", "1")
         # row-based views (RowQueue, LazyList) alive now: pinned before their rows are reused
         self._views = _Views()
+        self._lead = None  # (queue, can_run, start, k): the last admission loop appended queue[:k]
         self._rt_owner: List[Optional[ReqState]] = []
         super().__init__(config, kv_pool_size, shuffle=shuffle)
         self._torch_gen = torch.Generator(device=self.device)
@@ -307,7 +308,12 @@ class GpuScheduler(ReferenceScheduler):
         takes the general filter."""
         run = can_run[1:] if can_run and can_run[0] is self.chunked else can_run
         k = len(run)
+        lead, self._lead = self._lead, None
         if isinstance(queue, RowQueue):
+            # `_admission_scan` appended queue[:k] itself, in order, after `start` entries
+            if (lead is not None and lead[0] is queue and lead[1] is can_run and lead[3] == k
+                    and len(can_run) == lead[2] + k):
+                return queue.after(k)
             if k <= len(queue) and all(a is b for a, b in zip(run, queue.window(0, k)[0])):
                 return queue.after(k)
             queue = list(queue)
@@ -704,6 +710,7 @@ class GpuScheduler(ReferenceScheduler):
     # ---- admission (R-STEP-3) as one static step ------------------------------------------------
     def _admission_loop(self, queue: List[ReqState], adder) -> str:
         start = len(adder.can_run)
+        self._lead = None
         try:
             return self._admission_scan(queue, adder)
         finally:
@@ -722,6 +729,7 @@ class GpuScheduler(ReferenceScheduler):
         scfg = StepConfig.from_config(self.config)
         pending = self._take_pending(queue, adder)
         i, n = 0, len(queue)
+        start, lead = len(adder.can_run), 0  # queue[:lead] admitted, in order, after `start` entries
         W = max(1, int(self.admit_window))
         if self.adaptive_window:
             W = max(W, 1 << self._last_admitted.bit_length())
@@ -752,6 +760,9 @@ class GpuScheduler(ReferenceScheduler):
                                     device=self.device)
                 matched = (matched[0][rows], matched[1][rows])
             self._admit_run(rest[:na], ends[:na], adder, rematch=rest[k] if refused else None, matched=matched)
+            if lead == i:
+                lead += na
+            self._lead = (queue, adder.can_run, start, lead)  # read by `_unadmitted` (R-STEP-4)
             adder.I, adder.cur_off, adder.rem_input = I, cur, rin
             if adder.rem_chunk is not None:
                 adder.rem_chunk = rc
@@ -768,6 +779,9 @@ class GpuScheduler(ReferenceScheduler):
             stop = self._admit_preempting(rest[k], adder)
             if stop is not None:
                 return stop
+            if lead == i + k:  # rest[k] was added after the run before it
+                lead += 1
+                self._lead = (queue, adder.can_run, start, lead)
             i += k + 1
         return "queue_end"
 
