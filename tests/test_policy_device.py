@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - triton is a dependency
     HAVE_TRITON = False
 
 TORCH_SIZES = [0, 1, 2, 127, 128, 129, 1000, 5000]
-TRITON_SIZES = [0, 1, 2, 15, 16, 17, 129, 300]
+TRITON_SIZES = [0, 1, 2, 15, 16, 17, 127, 128, 129, 300, 1000, 5000]
 TRITON_BLOCK = 16  # small block: the triton sizes straddle it and 8 * 16 + 1
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not importable")
 
