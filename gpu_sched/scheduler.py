@@ -44,9 +44,9 @@ BACKENDS = ("torch", "triton")
 #: content; -2: a kept capped match, checked before use; -1: none; length; pool position;
 #: the fill's prefix hashes at that length and one page further) and the R-ORD-9 group of
 #: the first T fill tokens (T, or -1 for none; interned (namespace, head hash) id); a stamp
-#: that moves whenever the row is written or its pool offsets move (device mirrors upload rows by it); then the
-#: ordering keys: priority, enqueue time (float64 bits; refreshed when the request is queued
-#: again) and the interned routing-key id (-1: none or "")
+#: that moves whenever the row is written or its pool offsets move (device mirrors upload
+#: rows by it); then the ordering keys: priority, enqueue time (float64 bits; refreshed when
+#: the request is queued again) and the interned routing-key id (-1: none or "")
 (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_TOFF, RT_COFF,
  RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_HEADT, RT_HEAD, RT_STAMP, RT_PRIO, RT_TIME, RT_RKEY) = range(20)
 RT_COLS = 20
