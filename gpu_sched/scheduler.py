@@ -138,6 +138,9 @@ class GpuScheduler(ReferenceScheduler):
     #: R-ORD-9 group ids interned beyond 4x the row table's rows before the intern table
     #: starts anew (`_head_groups`)
     HEAD_GROUP_SLACK = 1 << 16
+    #: routing keys interned beyond 2x the row table's rows before unused ones are dropped
+    #: (`_rk_compact`)
+    ROUTING_KEY_SLACK = 1 << 12
     #: smallest token pool of the per-request fills (chunk-hash pool: a sixteenth of it)
     POOL_MIN_TOKENS = 1 << 16
 
@@ -218,6 +221,24 @@ class GpuScheduler(ReferenceScheduler):
         if isinstance(q, RowQueue):  # arrivals enter the row table now (once each), not per step
             return rid_list(self, self._queue_rows(q))
         return super()._rid_list(q)
+
+    def _rk_compact(self) -> None:
+        """Drop interned routing keys no held request's row has (keys are often per session, so
+        the table would otherwise grow with every key ever seen, and so would the routing-key
+        ordering's lookup table): ids renumbered in the rows that hold one."""
+        reqs = self.reqs
+        rows = np.array([k for k, r in enumerate(self._rt_owner) if r is not None and reqs.get(r.rid) is r],
+                        dtype=np.int64)
+        old = self._rt[rows, RT_RKEY]
+        # rows just handed to new requests may hold a stale id (rewritten right after); rows of
+        # requests no longer held are never read again before they are rewritten
+        held = (old >= 0) & (old < len(self._rk_names))
+        keep = np.unique(old[held])
+        remap = np.full(len(self._rk_names), -1, dtype=np.int64)
+        remap[keep] = np.arange(keep.size)
+        self._rt[rows, RT_RKEY] = np.where(held, remap[np.where(held, old, 0)], -1)
+        self._rk_names = [self._rk_names[i] for i in keep.tolist()]
+        self._rk_id = {name: i for i, name in enumerate(self._rk_names)}
 
     def _rk_intern(self, key) -> int:
         """Interned id of a routing key; -1 for none or "" (neither counts, R-ORD-7)."""
@@ -404,6 +425,8 @@ class GpuScheduler(ReferenceScheduler):
     def _write_rows(self, reqs: Sequence[ReqState]) -> None:
         """(Re)write the rows of `reqs` (each already owns one): the columns; the fill's
         tokens and chunk hashes enter the pools when a match first needs them."""
+        if len(self._rk_names) > 2 * len(self._rt_owner) + self.ROUTING_KEY_SLACK:
+            self._rk_compact()
         rt = self._rt
         rows = np.array([r.dev_row for r in reqs], dtype=np.int64)
         rt[rows, :RT_NS] = np.array([[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos),

@@ -334,3 +334,38 @@ def test_head_group_table_restarts_keep_decisions(name, monkeypatch):
     monkeypatch.setattr(GpuScheduler, "HEAD_GROUP_SLACK", -(4 * 1024) + 8)  # restart past 8 ids (1024 rows)
     run_long(name, seed=1, steps=120)
     assert len(restarts) > 3, restarts
+
+
+def test_routing_key_table_stays_bounded_with_per_session_keys(monkeypatch):
+    """Routing keys are often per session: every request here has its own (plus a few shared
+    ones). Keys no row holds are dropped (`_rk_compact`) once the table outgrows the row
+    table; decisions stay the reference's and the table stays bounded."""
+    monkeypatch.setattr(GpuScheduler, "ROUTING_KEY_SLACK", -(2 * 1024) + 16)  # past 16 keys (1024 rows)
+    rng = random.Random(5)
+    cfg = SchedulerConfig(schedule_policy="routing-key", max_prefill_tokens=256, max_running_requests=16)
+    ref, dev = ReferenceScheduler(cfg, 4000), GpuScheduler(cfg, 4000)
+    bases = [[rng.randrange(8) for _ in range(40)] for _ in range(3)]
+    sizes, next_id = [], 0
+    for t in range(150):
+        reqs = []
+        for _ in range(rng.randrange(1, 6)):
+            r = make_request(rng, next_id, bases, 8, float(t))
+            r.routing_key = rng.choice([f"session-{next_id}", "a", "b", None])
+            reqs.append(r)
+            next_id += 1
+        ref.submit(reqs, now=float(t))
+        dev.submit([Request(**{k: getattr(r, k) for k in r.__dataclass_fields__}) for r in reqs], now=float(t))
+        assert _diff(ref.step(0.7, now=float(t)), dev.step(0.7, now=float(t))) is None, f"step {t}"
+        first = {r.rid: 1 for r in ref.prefilling}
+        ref.complete_prefill(first)
+        dev.complete_prefill(first)
+        done = [r.rid for r in ref.running if rng.random() < 0.5]
+        if done:
+            ref.finish(done)
+            dev.finish(done)
+        assert [r.rid for r in ref.queue] == [r.rid for r in dev.queue]
+        sizes.append(len(dev._rk_names))
+        # held requests' keys, at most 16 more, and the last arrival batch's
+        assert len(dev._rk_names) <= len(dev.reqs) + 16 + 5, (t, len(dev._rk_names), len(dev.reqs))
+    assert len(dev._rt_owner) == 1024 and next_id > 300
+    assert sum(b < a for a, b in zip(sizes, sizes[1:])) > 5  # compacted again and again
