@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import List, Optional, Tuple
 
 STOP_REASONS = (
@@ -66,6 +66,20 @@ class PrefillPlan:
     @property
     def extend_tokens(self) -> int:
         return sum(e - s for _, s, e in self.admitted)
+
+    def to_dict(self) -> dict:
+        """Every field as plain Python values (lists, dicts, str, int, float, bool, None),
+        ready for `json.dumps`: per-request lists a scheduler makes on first use
+        (GpuScheduler's `LazyList`, which json does not take) are made into lists here."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, dict):
+                v = dict(v)
+            elif v is not None and not isinstance(v, (str, int, float, bool)):
+                v = [list(x) if isinstance(x, tuple) else x for x in v]
+            out[f.name] = v
+        return out
 
     def decision_bytes(self) -> bytes:
         """The decisions that define a run (admitted rids and extend ranges, chunked request,

@@ -176,3 +176,25 @@ def test_copies():
     for x in (s, s2):
         x.complete_prefill({r.rid: 1 for r in x.prefilling})
     assert s2.step(0.5).admitted == s.step(0.5).admitted
+
+
+@pytest.mark.parametrize("policy", ["lpm", "lof"])
+def test_plan_to_dict_is_plain_json(policy):
+    """`PrefillPlan.to_dict()`: plain values json takes (the plan's LazyLists made into
+    lists), equal field by field to the reference's."""
+    import json
+
+    cfg = SchedulerConfig(schedule_policy=policy, max_prefill_tokens=64)
+    ref, dev = ReferenceScheduler(cfg, 2000), GpuScheduler(cfg, 2000)
+    ref.submit(reqs(40))
+    dev.submit(reqs(40))
+    for _ in range(3):
+        a, b = ref.step(0.5), dev.step(0.5)
+        assert isinstance(b.queue_order, LazyList)  # json.dumps(b.queue_order) would raise
+        da, db = a.to_dict(), b.to_dict()
+        assert json.loads(json.dumps(db)) == json.loads(json.dumps(da))
+        assert db == da and type(db["queue_order"]) is list
+        assert db["admitted"] and all(type(x) is list for x in db["admitted"])
+        done = {rid: 1 for rid, _, _ in a.admitted}
+        ref.complete_prefill(done)
+        dev.complete_prefill(done)
