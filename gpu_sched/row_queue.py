@@ -9,7 +9,8 @@ admission windows). `LazyList` is a read-only list whose values are made on firs
 plan's queue_order, num_matched and deprioritized).
 
 Both read like lists: len, indexing, slices (as lists), iteration, `==` with any sequence;
-pickling or copying a LazyList gives a plain list; `list(x)` is what `json.dumps` needs (`PrefillPlan.to_dict()` does it for a whole plan).
+pickling or copying a LazyList gives a plain list; `list(x)` is what `json.dumps` needs
+(`PrefillPlan.to_dict()` does it for a whole plan).
 Rows are freed and reused for other requests only when their request is no longer held (a
 sweep before the row table grows, or a rebuild of its pools); before that the scheduler calls
 `pin()` on every live view that holds a freed row, which copies its values out (weakly tracked:
