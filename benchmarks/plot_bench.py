@@ -60,6 +60,13 @@ def plot(rows, out, per_request=False, title=None):
     for i, pol in enumerate(policies):
         for j, st in enumerate(stages):
             ax = axes[i][j]
+            if not any((p, s) == (pol, st) for p, s, _, _ in series):  # a stage this policy has not
+                ax.text(0.5, 0.5, "not timed for this policy", ha="center", va="center", fontsize=9,
+                        transform=ax.transAxes, color="0.5")
+                ax.set_title(f"{pol} / {st}", fontsize=10)
+                ax.set_xticks([])
+                ax.set_yticks([])
+                continue
             for (p, s, be, dev), rs in sorted(series.items()):
                 if (p, s) != (pol, st):
                     continue
