@@ -58,9 +58,8 @@ _PRIORITY = operator.attrgetter("priority")
 class _RowCols:
     """Columns of some rows of the row table, each gathered on first use: the table is
     column-major, so one column of a large queue is one contiguous-source gather instead of
-    whole 160-byte rows. `cols[:, c]`, `cols[idx, c]`, `cols[:, [c1, c2]]` (int64 [len, 2]);
-    `sub(idx)` selects rows (gathered columns carried over). Read only: writes go to the
-    table."""
+    whole 160-byte rows. `cols[:, c]`, `cols[idx, c]`; `sub(idx)` selects rows (gathered
+    columns carried over). Read only: writes go to the table."""
 
     __slots__ = ("rt", "rows", "_c")
 
@@ -75,14 +74,8 @@ class _RowCols:
 
     def __getitem__(self, key):
         r, c = key
-        if isinstance(c, list):
-            v = np.stack([self.col(x) for x in c], axis=1)
-        else:
-            v = self.col(c)
+        v = self.col(c)
         return v if isinstance(r, slice) and r == slice(None) else v[r]
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
     def sub(self, idx: np.ndarray) -> "_RowCols":
         return _RowCols(self.rt, self.rows[idx], {c: v[idx] for c, v in self._c.items()})

@@ -217,20 +217,26 @@ def _deprio_group_keys_kernel(prefix_ptr, fill_ptr, ns_ptr, a_ptr, checked_ptr, 
     tl.store(checked_ptr + offs, checked.to(tl.uint8), mask=mask)
 
 
+def _check_deprio_args(where, kernel, prefix_len, fill_len, ids_name, ids, check_threshold, check_lo, threshold):
+    """The R-ORD-9 launchers' common checks; returns (n, device)."""
+    check_tensor(where, "prefix_len", prefix_len, INT_DTYPES)
+    dev = check_launch_device(where, kernel, prefix_len)
+    n = prefix_len.numel()
+    check_tensor(where, "fill_len", fill_len, INT_DTYPES, numel=n, device=dev)
+    check_tensor(where, ids_name, ids, INT_DTYPES, numel=n, device=dev)
+    check_int(where, "check_threshold", check_threshold, lo=check_lo, hi=INT64_MAX)
+    check_int(where, "threshold", threshold, lo=0, hi=INT64_MAX)
+    return n, dev
+
+
 def deprio_group_keys(prefix_len: torch.Tensor, fill_len: torch.Tensor, namespace_id: torch.Tensor,
                       check_threshold: int, threshold: int,
                       *, block: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(a int64 [n], checked bool [n]) of R-ORD-9: `checked = check_threshold != -1 and
     prefix_len <= check_threshold`; `a` = namespace id when checked and fill_len >= T, else
     INT64_MIN (so a namespace id must not be INT64_MIN)."""
-    where = "deprio_group_keys"
-    check_tensor(where, "prefix_len", prefix_len, INT_DTYPES)
-    dev = check_launch_device(where, _deprio_group_keys_kernel, prefix_len)
-    n = prefix_len.numel()
-    check_tensor(where, "fill_len", fill_len, INT_DTYPES, numel=n, device=dev)
-    check_tensor(where, "namespace_id", namespace_id, INT_DTYPES, numel=n, device=dev)
-    check_int(where, "check_threshold", check_threshold, lo=-1, hi=INT64_MAX)
-    check_int(where, "threshold", threshold, lo=0, hi=INT64_MAX)
+    n, dev = _check_deprio_args("deprio_group_keys", _deprio_group_keys_kernel, prefix_len, fill_len,
+                                "namespace_id", namespace_id, check_threshold, -1, threshold)
     BLOCK, warps = block_config(block)
     a = torch.empty(n, dtype=torch.int64, device=dev)
     checked = torch.empty(n, dtype=torch.bool, device=dev)
@@ -305,15 +311,9 @@ def deprio_by_group(prefix_len: torch.Tensor, fill_len: torch.Tensor, group: tor
     fill_len >= threshold) and not the first eligible request of its group (group ids int
     [n] in [0, num_groups), not checked: no host read). Two passes: an `atomic_min` of each
     eligible queue index into its group's slot (exact in any order), then a compare."""
-    where = "deprio_by_group"
-    check_tensor(where, "prefix_len", prefix_len, INT_DTYPES)
-    dev = check_launch_device(where, _group_first_kernel, prefix_len)
-    n = prefix_len.numel()
-    check_tensor(where, "fill_len", fill_len, INT_DTYPES, numel=n, device=dev)
-    check_tensor(where, "group", group, INT_DTYPES, numel=n, device=dev)
-    check_int(where, "num_groups", num_groups, lo=0, hi=INT64_MAX)
-    check_int(where, "check_threshold", check_threshold, lo=0, hi=INT64_MAX)
-    check_int(where, "threshold", threshold, lo=0, hi=INT64_MAX)
+    n, dev = _check_deprio_args("deprio_by_group", _group_first_kernel, prefix_len, fill_len, "group", group,
+                                check_threshold, 0, threshold)
+    check_int("deprio_by_group", "num_groups", num_groups, lo=0, hi=INT64_MAX)
     BLOCK, warps = block_config(block)
     first = torch.full((max(num_groups, 1),), n, dtype=torch.int64, device=dev)
     out = torch.empty(n, dtype=torch.bool, device=dev)
