@@ -4,6 +4,7 @@
 #
 # Usage: benchmarks/gpu_check.sh OUTDIR
 #   OUTDIR gets: status.tsv (section, exit status, seconds), env.txt, pytest_<group>.log/.xml,
+#   profile.log + profile_<policy>_<mode>_<backend>.json (benchmarks/profile_step.py),
 #   bench_queue.log, bench_queue_cuda.json, bench_queue_cuda.png, plot.log.
 #   GPU_CHECK_DRY_RUN=1: the same flow on a CPU machine (tiny sizes, cpu backends), to check
 #   the script itself.
@@ -13,8 +14,8 @@
 # Section limits (s; 0 skips a section): env 20, install 60 (only where gpu_sched is not
 # importable, a few seconds), radix kernel tests $GPU_CHECK_RADIX_S (50), recorded-step / CUDA
 # graph tests $GPU_CHECK_GRAPH_S (110), other kernel tests $GPU_CHECK_KERNELS_S (80),
-# differential tests $GPU_CHECK_DIFF_S (50), bench $GPU_CHECK_BENCH_S (140; no new row in its
-# last 30 s), plot 20: at most 470 s plus kill grace.
+# differential tests $GPU_CHECK_DIFF_S (50), step profiles $GPU_CHECK_PROFILE_S (75), bench
+# $GPU_CHECK_BENCH_S (140; no new row in its last 30 s), plot 20: at most 545 s plus kill grace.
 set -euo pipefail
 
 OUT="${1:?usage: benchmarks/gpu_check.sh OUTDIR}"
@@ -137,6 +138,26 @@ run_pytest pytest_radix "${GPU_CHECK_RADIX_S:-50}" "${T_RADIX[@]}"
 run_pytest pytest_graph "${GPU_CHECK_GRAPH_S:-110}" "${T_GRAPH[@]}"
 run_pytest pytest_kernels "${GPU_CHECK_KERNELS_S:-80}" "${T_KERNELS[@]}"
 run_pytest pytest_differential "${GPU_CHECK_DIFF_S:-50}" "${T_DIFF[@]}"
+# Where a step's time goes (phases, host syncs by call site, op table) at 4096 waiting: lpm's
+# whole step() through the recorded graph (triton, torch) and eagerly (torch), fcfs through the
+# graph (triton). Dry run: torch on the CPU at 256.
+profiles() {
+    local n=4096 spec pol mode be q=(--queue synthetic)
+    local specs=("lpm graph triton" "lpm eager torch" "lpm graph torch" "fcfs graph triton")
+    if [[ "$DRY" == 1 ]]; then n=256; specs=("lpm graph torch" "fcfs eager torch"); fi
+    if [[ -n "$TRACE" ]]; then q=(--queue mooncake --trace "$TRACE"); fi
+    for spec in "${specs[@]}"; do
+        read -r pol mode be <<< "$spec"
+        echo "=== $pol $mode $be n=$n"
+        "$PY" benchmarks/profile_step.py --policy "$pol" --n "$n" --mode "$mode" --backend "$be" --steps 3 \
+            --top 20 --out "$OUT/profile_${pol}_${mode}_${be}.json" "${q[@]}" || return 1
+    done
+}
+export -f profiles
+export OUT TRACE
+if [[ "${GPU_CHECK_PROFILE_S:-75}" != 0 ]]; then
+    section profile "${GPU_CHECK_PROFILE_S:-75}" "$OUT/profile.log" bash -c profiles
+fi
 rm -f "$OUT/bench_queue_cuda.json"
 if [[ "${GPU_CHECK_BENCH_S:-140}" != 0 ]]; then
 section bench "${GPU_CHECK_BENCH_S:-140}" "$OUT/bench_queue.log" "$PY" benchmarks/bench_queue.py "${QUEUE_ARGS[@]}" "${BENCH_ARGS[@]}" \

@@ -254,7 +254,8 @@ class GpuScheduler(ReferenceScheduler):
                 v.pin()
 
     # ---- the recorded step (gpu_sched.step) ------------------------------------------------------
-    def capture(self, queue_capacity: int = 4096, running_capacity: int = 1024, max_len: Optional[int] = None):
+    def capture(self, queue_capacity: int = 4096, running_capacity: int = 1024, max_len: Optional[int] = None,
+                admit_window: Optional[int] = None):
         """Take the fixed-capacity step from now on: prefix match, ordering and admission as one
         static device computation (`gpu_sched.step.StepGraph`), read back once per step. On CUDA
         it is recorded in a `torch.cuda.CUDAGraph` at the first step that uses it (after two
@@ -267,14 +268,18 @@ class GpuScheduler(ReferenceScheduler):
             queue_capacity, running_capacity: the buffers' capacities [requests].
             max_len: bound on any fill length [tokens] (fewer search rounds); default: the
                 tree's token capacity.
+            admit_window: ordered requests the recorded admission decides [requests];
+                default `min(queue_capacity, max(admit_window, config.max_prefill_tokens))`
+                (each admitted request takes a prefill token at least, so nearly every step is
+                decided by the replay alone; a step that admits them all goes on eagerly).
         Returns:
             the `StepGraph` (its `captures` counts recordings).
         Raises:
-            ValueError: a capacity or max_len below 1.
+            ValueError: a capacity, max_len or admit_window below 1.
         """
         from .step import StepGraph
 
-        self._graph = StepGraph(self, queue_capacity, running_capacity, max_len)
+        self._graph = StepGraph(self, queue_capacity, running_capacity, max_len, admit_window)
         return self._graph
 
     def step(self, new_token_ratio: float, now: Optional[float] = None):

@@ -11,9 +11,10 @@ padding) and computes, with static shapes and no host read:
   2. the policy's order (`gpu_sched.policy`: fcfs with or without priority, lof, lpm with
      in-batch deprioritization R-ORD-9 and the R-ORD-2 fallback); padding sorts last;
   3. the admission of the first W ordered entries (`gpu_sched.admission.admit_step`, with the
-     in-flight chunked request R-ADM-5 and lock-aware evictable drops `lock_drops`; W =
-     `GpuScheduler.admit_window` capped at the capacity: the loop never reads past its stop
-     point, and one that admits all W goes on eagerly on the host).
+     in-flight chunked request R-ADM-5 and lock-aware evictable drops `lock_drops`; W = the
+     `admit_window` given to `capture()`, by default as many as one step's prefill token budget
+     can admit, capped at the capacity: the loop never reads past its stop point, and one that
+     admits all W goes on eagerly on the host).
 
 Everything lands in one int64 output buffer (`HEAD` scalars, then the order, extend ends (first
 W), full match lengths and deprioritized flags, each [Q]), so the host reads the step back once. On
@@ -75,23 +76,32 @@ class StepGraph:
         running_capacity: R, most running requests (ignore-EOS states, R-ADM-6).
         max_len: bound on any request's fill length [tokens]; fixes the match's search rounds
             and the ancestor rounds of `lock_drops` (default: the tree's token capacity).
+        admit_window: ordered entries the recorded admission decides (default: the queue
+            capacity, capped at `max(GpuScheduler.admit_window, config.max_prefill_tokens)`:
+            every admitted request takes at least one prefill token, so the window covers the
+            admissions of nearly every step). A step that admits all of them goes on eagerly on
+            the host, window by window, which on a GPU costs far more than the replay.
     Raises:
-        ValueError: a capacity below 1, or max_len below 1.
+        ValueError: a capacity, max_len or admit_window below 1.
     """
 
     #: fewest slots of the row store (twice the queue capacity and the row table's rows at least)
     MIN_STORE = 1024
 
-    def __init__(self, sched, queue_capacity: int, running_capacity: int, max_len: Optional[int] = None):
-        for name, v in (("queue_capacity", queue_capacity), ("running_capacity", running_capacity)):
-            if int(v) < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
+    def __init__(self, sched, queue_capacity: int, running_capacity: int, max_len: Optional[int] = None,
+                 admit_window: Optional[int] = None):
+        for name, v in (("queue_capacity", queue_capacity), ("running_capacity", running_capacity),
+                        ("admit_window", 1 if admit_window is None else admit_window)):
+            if isinstance(v, bool) or int(v) != v or int(v) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         self.s = sched
         self.Q, self.R = int(queue_capacity), int(running_capacity)
         # The sequential loop never looks past its stop point, so admission scans the first W
         # ordered entries only (exact: nothing after an entry changes what it sees); a loop
         # that gets through all W goes on eagerly from there.
-        self.W = min(self.Q, int(getattr(sched, "admit_window", self.Q)))
+        if admit_window is None:
+            admit_window = max(int(getattr(sched, "admit_window", 1)), int(sched.config.max_prefill_tokens))
+        self.W = min(self.Q, int(admit_window))
         tree = sched.cache.tree
         self.max_len = int(max_len) if max_len is not None else int(tree.token_capacity)
         if self.max_len < 1:

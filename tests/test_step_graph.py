@@ -95,6 +95,48 @@ def test_row_store_and_pool_rebuilds(name, monkeypatch):
 
 
 @cpu_runs
+@pytest.mark.parametrize("name", ["lpm", "fcfs-priority-preempt", "lpm-page4-mixed"])
+def test_recorded_window_then_host_windows(name, monkeypatch):
+    """A recorded admission of 2 entries: a step that admits both goes on eagerly on the host
+    from the third ordered request (windows of 1, 2, 4, ...), and every step is still the
+    reference's."""
+    monkeypatch.setattr(GpuScheduler, "admit_window", 1)
+    ran, after = [False], []
+    run, step, window = StepGraph.run, GpuScheduler.step, GpuScheduler._static_admission
+
+    def run_(g):
+        ran[0] = True
+        return run(g)
+
+    def step_(self, *a, **k):
+        ran[0] = False
+        return step(self, *a, **k)
+
+    def window_(self, rest, *a, **k):
+        if ran[0]:  # a host window in a step the recorded step decided first
+            after.append(len(rest))
+        return window(self, rest, *a, **k)
+
+    monkeypatch.setattr(StepGraph, "run", run_)
+    monkeypatch.setattr(GpuScheduler, "step", step_)
+    monkeypatch.setattr(GpuScheduler, "_static_admission", window_)
+    hits = run_long(name, seed=3, capture=dict(queue_capacity=32, running_capacity=24, admit_window=2))
+    assert hits["recorded"] > 10, hits
+    assert len(after) > 5 and max(after) > 1, (after, hits)
+
+
+def test_recorded_window_default_and_checks():
+    cfg = SchedulerConfig(max_prefill_tokens=1000)
+    s = GpuScheduler(cfg, 100)
+    assert s.capture(queue_capacity=4096).W == 1000  # a prefill token per admitted request at least
+    assert s.capture(queue_capacity=64).W == 64
+    assert s.capture(queue_capacity=4096, admit_window=8).W == 8
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="admit_window"):
+            s.capture(admit_window=bad)
+
+
+@cpu_runs
 @pytest.mark.parametrize("seed", range(6))
 def test_recorded_step_random_configs(seed):
     run_pair(100 + seed, steps=60, capture=dict(queue_capacity=16, running_capacity=64))
