@@ -844,11 +844,12 @@ class FlatRadixTree:
             stamp = best[nodes]
         cur = nodes.clone()
         while cur.numel():
+            # one compaction per level (a host read on CUDA): stopped walks scatter the
+            # smallest int64, which changes no maximum
             go = self.last_access[cur] <= stamp
-            cur, stamp = cur[go], stamp[go]
-            self.last_access.scatter_reduce_(0, cur, stamp, reduce="amax")
+            self.last_access.scatter_reduce_(0, cur, torch.where(go, stamp, INT64_MIN), reduce="amax")
             nxt = self.parent[cur]
-            keep = nxt >= 0
+            keep = torch.nonzero(go & (nxt >= 0)).flatten()
             cur, stamp = nxt[keep], stamp[keep]
 
     # ---- insert (R-RC-5) -------------------------------------------------------------------
