@@ -234,6 +234,33 @@ def lpm_order(matched: torch.Tensor, deprioritized: torch.Tensor,
 
 
 # ---- R-ORD-9 in-batch deprioritization -----------------------------------------------------------
+_WEIGHTS: dict = {}  # (T, device) -> head_hashes' weight table, made once
+
+
+def _hash_weights(T: int, dev: torch.device) -> torch.Tensor:
+    """float64 [T, 2]: W[t, j] = base_j^t mod p (entries < 2^31), by square-and-multiply on the
+    device (no host-to-device copy, so a graph capture may make it). Kept per (T, device)
+    after the first call: some 50 small kernels fewer in every later one (a recorded step
+    makes it in its warm-up runs); made afresh while torch.compile traces."""
+    key = (T, str(dev))
+    W = None if torch.compiler.is_compiling() or dev.type == "meta" else _WEIGHTS.get(key)
+    if W is not None:
+        return W
+    pos = torch.arange(T, device=dev)
+    cols = []
+    for base in _HASH_BASES:
+        w = torch.ones(T, dtype=torch.int64, device=dev)
+        b = base
+        for bit in range(max(T - 1, 0).bit_length()):
+            w = torch.where((pos >> bit) & 1 == 1, w * b % _HASH_MOD, w)
+            b = b * b % _HASH_MOD
+        cols.append(w)
+    W = torch.stack(cols, dim=1).to(torch.float64)
+    if not torch.compiler.is_compiling() and dev.type != "meta":
+        _WEIGHTS[key] = W
+    return W
+
+
 def head_hashes(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """int64 [n]: a 62-bit hash of each row's first T tokens (T = tokens.shape[1]).
 
@@ -252,16 +279,7 @@ def head_hashes(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     dev = tokens.device
     M = _HASH_MOD
     pos = torch.arange(T, device=dev)
-    # W[t, j] = base_j^t mod p, by square-and-multiply on the device (no host-to-device copy)
-    cols = []
-    for base in _HASH_BASES:
-        w = torch.ones(T, dtype=torch.int64, device=dev)
-        b = base
-        for bit in range(max(T - 1, 0).bit_length()):
-            w = torch.where((pos >> bit) & 1 == 1, w * b % M, w)
-            b = b * b % M
-        cols.append(w)
-    W = torch.stack(cols, dim=1).to(torch.float64)  # [T, 2], entries < 2^31
+    W = _hash_weights(T, dev)
     # x_t = token + 1 split into 16-bit limbs: x = lo + hi * 2^16 with lo <= 2^16, hi < 2^15.
     # A limb times a weight is < 2^47, so a float64 matmul over up to 64 positions sums
     # integers below 2^53: exact in any summation order; then reduce mod p in int64.
