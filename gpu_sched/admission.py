@@ -545,7 +545,32 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
     I_fin, cur_fin, rin_fin, rc_fin, ev_fin = I, cur, rin, rc, ev0
     full_fin = st.batch_full
     exD = _excl_cumsum(drop * vm)
-    for r in range(cfg.rounds):
+    fused = backend == "triton"
+    if fused:
+        # each round's event and state update as one launch (`kernels.admission.admission_round`)
+        from .kernels.admission import admission_round
+        from .kernels.admission import eval_requests as k_eval
+
+        base = torch.stack([A, ev0, I, cur, rin, rc, can_run0, st.running_bs, st.batch_full.to(i64), n]).to(i64)
+        state = torch.stack([s, cI, cC, cE, done.to(i64), chunk_idx, chunk_len, k_fin, stop_fin, kind_fin, I_fin,
+                             cur_fin, rin_fin, rc_fin, ev0, st.batch_full.to(i64)]).to(i64)
+        sc = base[:9].clone()
+        end_vec = fill.clone()
+        for r in range(cfg.rounds):
+            fail = false
+            if cfg.ignore_eos_path:  # R-ADM-6 reservation scan, c_j = cur_rem_j - ceilP(ext_j)
+                c = (A + ev - (cur + state[2] + exC)) - e
+                fail = pad(ignore_eos_fail(c[:Q], q_left[:Q], q_occ[:Q], valid[:Q], h_left, h_occ, h_valid,
+                                           backend="triton"), False)
+            stop_j, kind_j, tc, mark_j = k_eval(cfg, sc, rn, fill, pre, out, maxn, drop, ie, fail, exI, exC, exE, exD)
+            admission_round(cfg, stop_j, kind_j, tc, mark_j, e, wI, wC, exI, exC, exE, pre, ev, iep, drop, base,
+                            state, sc, end_vec)
+            if early_exit and r + 1 < cfg.rounds and bool(state[4]):
+                break
+        (s, cI, cC, cE, done, chunk_idx, chunk_len, k_fin, stop_fin, kind_fin, I_fin, cur_fin, rin_fin, rc_fin,
+         ev_fin, full_fin) = state.unbind(0)
+        done, full_fin = done != 0, full_fin != 0
+    for r in range(0 if fused else cfg.rounds):
         sc = torch.stack([A, ev0, I + cI, cur + cC, rin + cE, rc + cE, can_run0, st.running_bs,
                           st.batch_full.to(i64)]).to(i64)
         if cfg.ignore_eos_path:  # R-ADM-6 reservation scan, c_j = cur_rem_j - ceilP(ext_j)

@@ -170,3 +170,137 @@ def eval_requests(cfg, sc: torch.Tensor, rn: torch.Tensor, fill, pre, out, maxn,
         HAS_CAP=cfg.max_running is not None, HAS_PMR=cfg.prefill_max is not None, IE_PATH=cfg.ignore_eos_path,
         PREEMPT=cfg.preemption, BLOCK=BLOCK, num_warps=warps)
     return stop, kind, tc, mark
+
+
+# ---- one round's event and state update -----------------------------------------------------------
+#: the round state `admission_round` reads and writes (int64 [STATE_LEN]; flags as 0/1)
+(ST_S, ST_CI, ST_CC, ST_CE, ST_DONE, ST_CHUNK_IDX, ST_CHUNK_LEN, ST_K, ST_STOP, ST_KIND, ST_I, ST_CUR, ST_RIN,
+ ST_RC, ST_EV, ST_FULL) = range(16)
+STATE_LEN = 16
+#: the loop's constants (int64 [BASE_LEN]): budgets after the in-flight chunk, queue length
+(B_A, B_EV0, B_I, B_CUR, B_RIN, B_RC, B_CAN_RUN, B_RUNNING_BS, B_FULL, B_N) = range(10)
+BASE_LEN = 10
+
+
+@triton.jit
+def _ceil_page(x, P: tl.constexpr):
+    return -_floor_div(-x, P) * P
+
+
+@triton.jit
+def _round_kernel(stop_ptr, kind_ptr, tc_ptr, mark_ptr, e_ptr, wI_ptr, wC_ptr, exI_ptr, exC_ptr, exE_ptr,
+                  pre_ptr, ev_ptr, iep_ptr, drop_ptr, base_ptr, st_ptr, sc_ptr, end_ptr, L,
+                  P: tl.constexpr, BLOCK: tl.constexpr):
+    # one program: the first event of the round (a min over the queue), then scalar updates
+    n = tl.load(base_ptr + 9)
+    s = tl.load(st_ptr + 0)
+    k = n
+    for start in range(0, L, BLOCK):
+        offs = start + tl.arange(0, BLOCK).to(tl.int64)
+        m = offs < L
+        kind = tl.load(kind_ptr + offs, mask=m, other=0)
+        stop = tl.load(stop_ptr + offs, mask=m, other=0)
+        event = m & (offs < n) & (offs >= s) & ~((kind == 1) & (stop == 0))
+        k = tl.minimum(k, tl.min(tl.where(event, offs, n), axis=0))
+    A = tl.load(base_ptr + 0)
+    ev0 = tl.load(base_ptr + 1)
+    I = tl.load(base_ptr + 2)
+    cur = tl.load(base_ptr + 3)
+    rin = tl.load(base_ptr + 4)
+    rc = tl.load(base_ptr + 5)
+    can_run0 = tl.load(base_ptr + 6)
+    running_bs = tl.load(base_ptr + 7)
+    batch_full = tl.load(base_ptr + 8)
+    cI = tl.load(st_ptr + 1)
+    cC = tl.load(st_ptr + 2)
+    cE = tl.load(st_ptr + 3)
+    done = tl.load(st_ptr + 4)
+    atend = k >= n
+    stop_k = tl.where(atend, 1, tl.load(stop_ptr + k))
+    kind_k = tl.where(atend, 0, tl.load(kind_ptr + k))
+    tc_k = tl.load(tc_ptr + k)
+    whole_k = kind_k == 1
+    e_k = tl.load(e_ptr + k)
+    wI_k = tl.load(wI_ptr + k)
+    wC_k = tl.load(wC_ptr + k)
+    ec_k = _ceil_page(tc_k, P)
+    dI = tl.where(whole_k, wI_k, ec_k + P)
+    dC = tl.where(whole_k, wC_k, ec_k + P)
+    dE = tl.where(whole_k, e_k, ec_k)
+    live = done == 0
+    is_chunk = live & (kind_k == 2)
+    pre_k = tl.load(pre_ptr + k)
+    tl.store(end_ptr + k, pre_k + tc_k, mask=is_chunk)
+    upd = is_chunk & (stop_k == 0)
+    Ik = I + cI + tl.load(exI_ptr + k)
+    curk = cur + cC + tl.load(exC_ptr + k)
+    exE_k = tl.load(exE_ptr + k)
+    rink = rin + cE - exE_k
+    rck = rc + cE - exE_k
+    cI = tl.where(upd, cI + dI - wI_k, cI)
+    cC = tl.where(upd, cC + dC - wC_k, cC)
+    cE = tl.where(upd, cE + e_k - dE, cE)
+    term = live & ~upd
+    adm = kind_k != 0
+    admi = adm.to(tl.int64)
+    ev_k = tl.load(ev_ptr + k)
+    ev_after = tl.where(tl.load(iep_ptr + k) != 0, ev_k, ev_k - tl.load(drop_ptr + k))
+    fl = (batch_full != 0) | (~atend & (tl.load(mark_ptr + k) != 0))
+    fl = tl.where(stop_k == 4, ((can_run0 + k + admi) > 0) | (running_bs > 0), fl)
+    tl.store(st_ptr + 0, tl.where(upd, k + 1, s))
+    tl.store(st_ptr + 1, cI)
+    tl.store(st_ptr + 2, cC)
+    tl.store(st_ptr + 3, cE)
+    tl.store(st_ptr + 4, (~live | term).to(tl.int64))
+    tl.store(st_ptr + 5, k, mask=is_chunk)
+    tl.store(st_ptr + 6, tc_k, mask=is_chunk)
+    tl.store(st_ptr + 7, k, mask=term)
+    tl.store(st_ptr + 8, stop_k, mask=term)
+    tl.store(st_ptr + 9, kind_k, mask=term)
+    tl.store(st_ptr + 10, Ik + tl.where(adm, dI, 0), mask=term)
+    tl.store(st_ptr + 11, curk + tl.where(adm, dC, 0), mask=term)
+    tl.store(st_ptr + 12, rink - tl.where(adm, dE, 0), mask=term)
+    tl.store(st_ptr + 13, rck - tl.where(adm, dE, 0), mask=term)
+    tl.store(st_ptr + 14, tl.where(adm, ev_after, ev_k), mask=term)
+    tl.store(st_ptr + 15, fl.to(tl.int64), mask=term)
+    # the next round's budgets for the per-request checks
+    tl.store(sc_ptr + 0, A)
+    tl.store(sc_ptr + 1, ev0)
+    tl.store(sc_ptr + 2, I + cI)
+    tl.store(sc_ptr + 3, cur + cC)
+    tl.store(sc_ptr + 4, rin + cE)
+    tl.store(sc_ptr + 5, rc + cE)
+    tl.store(sc_ptr + 6, can_run0)
+    tl.store(sc_ptr + 7, running_bs)
+    tl.store(sc_ptr + 8, batch_full)
+
+
+def admission_round(cfg, stop, kind, tc, mark, e, wI, wC, exI, exC, exE, pre, ev, iep, drop, base: torch.Tensor,
+                    state: torch.Tensor, sc: torch.Tensor, end: torch.Tensor, *, block: Optional[int] = None) -> None:
+    """One round of `gpu_sched.admission.admit_step` after its per-request checks, in place, as
+    one single-program launch instead of some 120 small tensor ops: the round's first event
+    k (the first index from the round's start that is not "admit whole, loop goes on"), the
+    chunk it may cut (`end[k]`), the chunk corrections for the next round, the terminal
+    values when the loop ends at k, and the next round's `sc`.
+
+    Columns [L] on one device, contiguous: stop, kind, tc, e, wI, wC, exI, exC, exE, pre, ev,
+    drop int64 (the checks' outputs and admit_step's per-request quantities, padded), mark and
+    iep bool; base int64 [BASE_LEN] (the loop's constants, `B_*`); state int64 [STATE_LEN]
+    (`ST_*`, read and written); sc int64 [9] (written); end int64 [L] (written at k).
+    """
+    where = "admission_round"
+    check_tensor(where, "stop", stop, (torch.int64,))
+    dev = check_launch_device(where, _round_kernel, stop)
+    L = stop.numel()
+    for name, t in (("kind", kind), ("tc", tc), ("e", e), ("wI", wI), ("wC", wC), ("exI", exI), ("exC", exC),
+                    ("exE", exE), ("pre", pre), ("ev", ev), ("drop", drop), ("end", end)):
+        check_tensor(where, name, t, (torch.int64,), numel=L, device=dev)
+    for name, t in (("mark", mark), ("iep", iep)):
+        check_tensor(where, name, t, (torch.bool,), numel=L, device=dev)
+    check_tensor(where, "base", base, (torch.int64,), numel=BASE_LEN, device=dev)
+    check_tensor(where, "state", state, (torch.int64,), numel=STATE_LEN, device=dev)
+    check_tensor(where, "sc", sc, (torch.int64,), numel=9, device=dev)
+    BLOCK, warps = block_config(block)
+    _round_kernel[(1,)](stop, kind, tc, mark.view(torch.uint8), e, wI, wC, exI, exC, exE, pre, ev,
+                        iep.view(torch.uint8), drop, base, state, sc, end, L, P=cfg.page_size, BLOCK=BLOCK,
+                        num_warps=warps)

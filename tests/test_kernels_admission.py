@@ -165,15 +165,23 @@ def test_admit_step_triton_backend_equals_torch():
     sys.path.insert(0, os.path.dirname(__file__))
     from test_step_core import build, static_inputs
 
-    for seed in range(20):
+    seen = set()
+    for seed in range(40):
         rng, cfg, ref, ratio, full0 = build(seed)
         scfg, st, q, held, chunked, _ = static_inputs(cfg, ref, ratio, full0, rng.choice([0, 3]))
         mv = lambda x: None if x is None else type(x)(*[v.to(DEV) for v in x])  # noqa: E731
         st, q, held, chunked = mv(st), mv(q), mv(held), mv(chunked)
         want = S.admit_step(scfg, st, q, held, chunked)
-        got = S.admit_step(scfg, st, q, held, chunked, backend="triton")
-        for name, g, w in zip(S.StepResult._fields, got, want):
-            assert torch.equal(g, w), f"seed {seed}: {name} {g} != {w}"
+        # the triton rounds (checks and the fused event/state update per round), all rounds
+        # as a recorded step runs them and with the eager early exit
+        for early in (False, True):
+            got = S.admit_step(scfg, st, q, held, chunked, backend="triton", early_exit=early)
+            for name, g, w in zip(S.StepResult._fields, got, want):
+                assert torch.equal(g, w), f"seed {seed} early_exit={early}: {name} {g} != {w}"
+        seen.add(("stop", int(want.stop)))
+        seen.add(("chunk", int(want.chunk_index) >= 0))
+    # the rounds met chunks and several ways to stop
+    assert ("chunk", True) in seen and len({v for k, v in seen if k == "stop"}) >= 3, seen
 
 
 # ---- launcher checks -----------------------------------------------------------------------------
@@ -192,4 +200,37 @@ def test_launchers_check_arguments():
         KP.preempt_cut(t([1]), t([1]), t([True], torch.bool), t(0), t(0), t(1.0, torch.float64), t(0), 0, 1)
     with pytest.raises(TypeError, match="keep_s must have dtype bool"):
         KE.ignore_eos_scan(t([1]), t([1.0], torch.float64), t([1]), t([0]), t([1]))
+    L = 4
+    cols = [t([0] * L) for _ in range(3)] + [t([False] * L, torch.bool)] + [t([0] * L) for _ in range(8)]
+    cols += [t([False] * L, torch.bool), t([0] * L)]
+    with pytest.raises(ValueError, match="admission_round: state must have 16 elements"):
+        KA.admission_round(cfg, *cols, t([0] * KA.BASE_LEN), t([0] * 3), t([0] * 9), t([0] * L))
+    with pytest.raises(TypeError, match="admission_round: mark must have dtype bool"):
+        bad = list(cols)
+        bad[3] = t([0] * L)
+        KA.admission_round(cfg, *bad, t([0] * KA.BASE_LEN), t([0] * KA.STATE_LEN), t([0] * 9), t([0] * L))
     assert dataclasses.is_dataclass(cfg)
+
+
+def test_first_admission_then_no_token_marks_batch_full():
+    """R-STEP-3: a loop that admits its first request and then runs out of tokens marks the
+    batch full (something was admitted), one that refuses it does not: page size 16 makes the
+    commit (whole pages) larger than the check (tokens), so the first request passes and the
+    budget after it is spent. Triton rounds (`admission_round`) against the reference."""
+    from gpu_sched.config import SchedulerConfig
+    from gpu_sched.reference.scheduler import ReferenceScheduler
+    from gpu_sched.request import Request
+    from gpu_sched.scheduler import GpuScheduler
+
+    seen = set()
+    for pool in (18, 20, 24):
+        cfg = SchedulerConfig(page_size=16, chunked_prefill_size=None)
+        got = []
+        for s in (ReferenceScheduler(cfg, pool), GpuScheduler(cfg, pool, backend="triton", device=DEV)):
+            s.submit([Request(rid="a", prompt_ids=[5], max_new_tokens=1),
+                      Request(rid="b", prompt_ids=[6], max_new_tokens=1)], now=0.0)
+            plan = s.step(0.7)
+            got.append((plan.stop, tuple(a[0] for a in plan.admitted), s.batch_is_full))
+        assert got[0] == got[1], (pool, got)
+        seen.add(got[0])
+    assert ("add_no_token", ("a",), True) in seen and ("add_no_token", (), False) in seen, seen
