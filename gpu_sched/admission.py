@@ -203,7 +203,7 @@ def _at(v: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 # ---- lock-aware evictable drops ------------------------------------------------------------------
 def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tensor, alive: torch.Tensor,
                last_node: torch.Tensor, cover: torch.Tensor, valid: torch.Tensor,
-               max_depth: Optional[int] = None) -> torch.Tensor:
+               max_depth: Optional[int] = None, backend: str = "torch") -> torch.Tensor:
     """drop_i [Q] int64: what locking request i's matched path moves from `evictable` to
     `protected` after requests 0..i-1 locked theirs (R-RC-6; SPEC section 8).
 
@@ -219,7 +219,8 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     node v adds
     `key_len - (largest partial cover of v by a request before F(v))` to request F(v); a
     partial cover adds what it covers beyond earlier partial covers of the same node, unless an
-    earlier request covered the node whole.
+    earlier request covered the node whole. `backend` "triton" finds F with one walk per
+    request and atomics (`gpu_sched.kernels.radix.path_min`: one launch; max_depth unused).
     """
     N = parent.numel()
     Q = last_node.numel()
@@ -232,19 +233,25 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     partial = valid & ~full
     par_last = parent[ln]
     start = torch.where(full, ln, par_last)
-    start = torch.where(valid & (start > 0), start, D)
     INF = Q
-    f = torch.full((N + 1,), INF, dtype=torch.int64, device=dev)
-    f = f.scatter_reduce(0, start, idx, reduce="amin", include_self=True)
-    real = torch.arange(N + 1, device=dev) < N
-    par_ext = torch.cat([parent, parent.new_full((1,), -1)])
-    alive_ext = torch.cat([alive, alive.new_zeros(1)])
-    anc = torch.where(real & alive_ext & (par_ext >= 0), par_ext, D)
-    rounds = (N - 1).bit_length() if max_depth is None else min((N - 1).bit_length(), int(max_depth).bit_length())
-    for _ in range(max(1, rounds)):
-        f = f.scatter_reduce(0, anc, f, reduce="amin", include_self=True)
-        anc = anc[anc]
-    f = f[:N]
+    if backend == "triton":
+        from .kernels.radix import path_min
+
+        f = torch.full((N,), INF, dtype=torch.int64, device=dev)
+        path_min(torch.where(valid & (start > 0), start, -1).contiguous(), parent.contiguous(), alive.contiguous(), f)
+    else:
+        start = torch.where(valid & (start > 0), start, D)
+        f = torch.full((N + 1,), INF, dtype=torch.int64, device=dev)
+        f = f.scatter_reduce(0, start, idx, reduce="amin", include_self=True)
+        real = torch.arange(N + 1, device=dev) < N
+        par_ext = torch.cat([parent, parent.new_full((1,), -1)])
+        alive_ext = torch.cat([alive, alive.new_zeros(1)])
+        anc = torch.where(real & alive_ext & (par_ext >= 0), par_ext, D)
+        rounds = (N - 1).bit_length() if max_depth is None else min((N - 1).bit_length(), int(max_depth).bit_length())
+        for _ in range(max(1, rounds)):
+            f = f.scatter_reduce(0, anc, f, reduce="amin", include_self=True)
+            anc = anc[anc]
+        f = f[:N]
     # largest partial cover of each node by a request before its F
     early = partial & (idx < f[ln])
     mp = torch.zeros(N + 1, dtype=torch.int64, device=dev)

@@ -263,7 +263,7 @@ class StepGraph:
             cover = p - tree.key_off[node] + 1
             b = self._node_span()
             drop = lock_drops(tree.parent[:b], tree.key_len[:b], tree.lock_ref[:b], tree.alive[:b], node, cover, has,
-                              max_depth=self.max_len // cfg.page_size)
+                              max_depth=self.max_len // cfg.page_size, backend=be)
             ev = tree.evictable_size
         else:
             om, drop = zeros, zeros

@@ -407,6 +407,42 @@ def stamp_paths(nodes: torch.Tensor, stamp: torch.Tensor, parent: torch.Tensor, 
 
 
 @triton.jit
+def _path_min_kernel(start_ptr, parent_ptr, alive_ptr, f_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    cur = tl.load(start_ptr + offs, mask=mask, other=-1)
+    active = mask & (cur >= 0)
+    while tl.reduce(active.to(tl.int32), 0, _MAX) > 0:
+        old = tl.atomic_min(f_ptr + cur, offs, mask=active)
+        # a smaller rank there was written by a walk that goes on up (or hands over to an
+        # even smaller one), so the nodes above end with a smaller minimum anyway: stop
+        active = active & (old > offs)
+        up = active & (tl.load(alive_ptr + cur, mask=active, other=0) != 0)
+        cur = tl.load(parent_ptr + cur, mask=up, other=-1)
+        active = up & (cur >= 0)
+
+
+def path_min(start: torch.Tensor, parent: torch.Tensor, alive: torch.Tensor, f: torch.Tensor,
+             *, block: Optional[int] = None) -> None:
+    """f[v] = min(f[v], i) for every request i and every node v on the path from start[i]
+    (>= 0; -1 for none) up through parents while the node is alive and has one, in place: the
+    first request (by index) whose path holds each node, as `gpu_sched.admission.lock_drops`
+    needs it. One walk per request with atomics instead of pointer-doubling rounds; a walk
+    stops at a node already holding a smaller index (int64 throughout; alive bool)."""
+    where = "path_min"
+    check_tensor(where, "start", start, (torch.int64,))
+    dev = check_launch_device(where, _path_min_kernel, start)
+    n = start.numel()
+    check_tensor(where, "parent", parent, (torch.int64,), device=dev)
+    check_tensor(where, "alive", alive, (torch.bool,), numel=parent.numel(), device=dev)
+    check_tensor(where, "f", f, (torch.int64,), numel=parent.numel(), device=dev)
+    BLOCK, warps = _req_block(block)
+    if n:
+        _path_min_kernel[grid_1d(n, BLOCK)](start, parent, alive.view(torch.uint8), f, n, BLOCK=BLOCK,
+                                            num_warps=warps)
+
+
+@triton.jit
 def _path_counts_kernel(nodes_ptr, parent_ptr, cnt_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n

@@ -234,3 +234,32 @@ def test_first_admission_then_no_token_marks_batch_full():
         assert got[0] == got[1], (pool, got)
         seen.add(got[0])
     assert ("add_no_token", ("a",), True) in seen and ("add_no_token", (), False) in seen, seen
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_lock_drops_triton_walks_equal_rounds(seed):
+    """`lock_drops` with backend "triton" (first request per node by one atomic walk per
+    request, `kernels.radix.path_min`) equals the brute-force sequential locking and the torch
+    pointer-doubling rounds; with some nodes dead too (a walk stops after a dead node, as the
+    rounds' ancestor table does)."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_step_core import brute_drops
+
+    rng = random.Random(seed)
+    N = rng.choice([1, 2, 5, 30, 100])
+    parent = [-1] + [rng.randrange(max(0, i - 3), i) if seed % 2 else rng.randrange(i) for i in range(1, N)]
+    key_len = [0] + [rng.randrange(1, 9) for _ in range(1, N)]
+    lock_ref = [1] + [rng.choice([0, 0, 0, 1, 2]) for _ in range(1, N)]
+    Q = rng.choice([0, 1, 7, 60])
+    valid = [rng.random() < 0.85 and N > 1 for _ in range(Q)]
+    last = [rng.randrange(1, N) if v else 0 for v in valid]
+    cover = [rng.randint(1, key_len[ln]) if v else 0 for ln, v in zip(last, valid)]
+    args = (t(parent), t(key_len), t(lock_ref))
+    req = (t(last), t(cover), t(valid, torch.bool))
+    alive = torch.ones(N, dtype=torch.bool, device=DEV)
+    want = brute_drops(parent, key_len, lock_ref, last, cover, valid)
+    got = S.lock_drops(*args, alive, *req, backend="triton").tolist()
+    assert got == want
+    dead = t([i > 0 and rng.random() < 0.2 for i in range(N)], torch.bool)
+    assert torch.equal(S.lock_drops(*args, ~dead, *req, backend="triton"), S.lock_drops(*args, ~dead, *req))
