@@ -244,17 +244,10 @@ def test_lock_drops_triton_walks_equal_rounds(seed):
     rounds' ancestor table does)."""
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_step_core import brute_drops
+    from test_step_core import brute_drops, random_lock_case
 
-    rng = random.Random(seed)
-    N = rng.choice([1, 2, 5, 30, 100])
-    parent = [-1] + [rng.randrange(max(0, i - 3), i) if seed % 2 else rng.randrange(i) for i in range(1, N)]
-    key_len = [0] + [rng.randrange(1, 9) for _ in range(1, N)]
-    lock_ref = [1] + [rng.choice([0, 0, 0, 1, 2]) for _ in range(1, N)]
-    Q = rng.choice([0, 1, 7, 60])
-    valid = [rng.random() < 0.85 and N > 1 for _ in range(Q)]
-    last = [rng.randrange(1, N) if v else 0 for v in valid]
-    cover = [rng.randint(1, key_len[ln]) if v else 0 for ln, v in zip(last, valid)]
+    rng, parent, key_len, lock_ref, last, cover, valid = random_lock_case(seed)
+    N = len(parent)
     args = (t(parent), t(key_len), t(lock_ref))
     req = (t(last), t(cover), t(valid, torch.bool))
     alive = torch.ones(N, dtype=torch.bool, device=DEV)

@@ -248,8 +248,9 @@ def brute_drops(parent, key_len, lock_ref, last, cover, valid):
     return out
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_lock_drops_partial_covers(seed):
+def random_lock_case(seed: int):
+    """A random tree (deep chains for odd seeds) with locks, and requests' matched paths:
+    (rng, parent, key_len, lock_ref, last, cover, valid) as lists."""
     rng = random.Random(seed)
     N = rng.choice([1, 2, 5, 30, 100])
     parent = [-1] + [rng.randrange(max(0, i - 3), i) if seed % 2 else rng.randrange(i) for i in range(1, N)]
@@ -259,6 +260,13 @@ def test_lock_drops_partial_covers(seed):
     valid = [rng.random() < 0.85 and N > 1 for _ in range(Q)]
     last = [rng.randrange(1, N) if v else 0 for v in valid]
     cover = [rng.randint(1, key_len[ln]) if v else 0 for ln, v in zip(last, valid)]
+    return rng, parent, key_len, lock_ref, last, cover, valid
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lock_drops_partial_covers(seed):
+    _, parent, key_len, lock_ref, last, cover, valid = random_lock_case(seed)
+    N, Q = len(parent), len(last)
     depth = [0] * N
     for v in range(1, N):
         depth[v] = depth[parent[v]] + 1
