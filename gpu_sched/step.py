@@ -249,12 +249,14 @@ class StepGraph:
         # ---- admission (R-STEP-3) on the first W ordered entries ----
         W = self.W
         pw = perm[:W]
-        g = lambda x: torch.index_select(x, 0, pw)  # noqa: E731
-        ovalid = g(valid)
+        ovalid = torch.index_select(valid, 0, pw)
+        # the window's columns in one gather of the stacked queue rows (one kernel, not ten)
+        (w_fill, w_out, w_prompt, w_maxn, w_ie, _, w_cap, w_ns, w_toff,
+         w_coff) = torch.index_select(qi, 1, pw).unbind(0)
         zeros = zeros[:W]
         if cache_on:  # the match capped at max_prefix_len (R-STEP-3.4)
-            capped = torch.where(ovalid, torch.minimum(g(fill), g(cap)).clamp(min=0), 0)
-            om, opos = tree.find_static(tok, g(toff), capped, g(ns), ch, g(coff), self.max_len, backend=be)
+            capped = torch.where(ovalid, torch.minimum(w_fill, w_cap).clamp(min=0), 0)
+            om, opos = tree.find_static(tok, w_toff, capped, w_ns, ch, w_coff, self.max_len, backend=be)
             self.m_cap.copy_(om)
             self.pos_cap.copy_(opos)
             has = ovalid & (om > 0)
@@ -272,8 +274,8 @@ class StepGraph:
         st = StepState(available=sc[_S_AVAIL], evictable=ev, I=sc[_S_I], cur_off=sc[_S_CUR], rem_input=sc[_S_RIN],
                        rem_chunk=sc[_S_RC], ratio=self.ratio, N=sc[_S_NRES], can_run=torch.zeros_like(n),
                        running_bs=sc[_S_RBS], batch_full=sc[_S_FULL] != 0)
-        q = QueueCols(n=torch.clamp(n, max=W), fill_len=g(fill), out_len=g(outl), prompt_len=g(prompt), max_new=g(maxn), prefix_len=om,
-                      drop=drop, ignore_eos=g(ie) != 0)
+        q = QueueCols(n=torch.clamp(n, max=W), fill_len=w_fill, out_len=w_out, prompt_len=w_prompt,
+                      max_new=w_maxn, prefix_len=om, drop=drop, ignore_eos=w_ie != 0)
         held = None
         if scfg.ignore_eos_path:
             h = self.hi
