@@ -11,11 +11,11 @@
 #
 # Every section runs under `timeout`; a failing or timed-out section is recorded in
 # status.tsv and the next one still runs. The script exits non-zero if any section failed.
-# Section limits (s; 0 skips a section): env 20, install 60 (only where gpu_sched is not
+# Section limits (s; 0 skips a section): env 15, install 60 (only where gpu_sched is not
 # importable, a few seconds), radix kernel tests $GPU_CHECK_RADIX_S (50), recorded-step / CUDA
 # graph tests $GPU_CHECK_GRAPH_S (110), other kernel tests $GPU_CHECK_KERNELS_S (80),
-# differential tests $GPU_CHECK_DIFF_S (50), step profiles $GPU_CHECK_PROFILE_S (75), bench
-# $GPU_CHECK_BENCH_S (140; no new row in its last 30 s), plot 20: at most 545 s plus kill grace.
+# differential tests $GPU_CHECK_DIFF_S (50), step profiles $GPU_CHECK_PROFILE_S (45), bench
+# $GPU_CHECK_BENCH_S (115; no new row in its last 30 s), plot 15: at most 480 s plus kill grace.
 set -euo pipefail
 
 OUT="${1:?usage: benchmarks/gpu_check.sh OUTDIR}"
@@ -113,7 +113,7 @@ else
     BENCH_ARGS=(--backends reference,torch-cuda,triton-cuda --policies "${GPU_CHECK_POLICIES:-lpm,fcfs,lof}"
                 --stages step,graph,gstep --min-exp "${GPU_CHECK_MIN_EXP:-12}" --max-exp "${GPU_CHECK_MAX_EXP:-20}"
                 --ref-max-exp 14 --eager-max-exp 12 --warm 500 --max-prompt-len 2048 --reps 5 --budget-s 0.2
-                --max-seconds 10 --slow-s 1 --slow-reps 1 --deadline-s "$(( ${GPU_CHECK_BENCH_S:-140} - 30 ))")
+                --max-seconds 10 --slow-s 1 --slow-reps 1 --deadline-s "$(( ${GPU_CHECK_BENCH_S:-115} - 30 ))")
 fi
 
 run_pytest() {  # run_pytest NAME LIMIT FILES... (LIMIT 0: skipped)
@@ -129,7 +129,7 @@ run_pytest() {  # run_pytest NAME LIMIT FILES... (LIMIT 0: skipped)
 
 export -f env_info
 export DRY PY
-section env 20 "$OUT/env.txt" bash -c env_info
+section env 15 "$OUT/env.txt" bash -c env_info
 if ! "$PY" -c "import gpu_sched.kernels" > /dev/null 2>&1; then
     # a bare GPU machine: its own torch/triton, this checkout installed in place, nothing fetched
     section install 60 "$OUT/install.log" "$PY" -m pip install --no-deps --no-build-isolation --no-index -e .
@@ -139,11 +139,10 @@ run_pytest pytest_graph "${GPU_CHECK_GRAPH_S:-110}" "${T_GRAPH[@]}"
 run_pytest pytest_kernels "${GPU_CHECK_KERNELS_S:-80}" "${T_KERNELS[@]}"
 run_pytest pytest_differential "${GPU_CHECK_DIFF_S:-50}" "${T_DIFF[@]}"
 # Where a step's time goes (phases, host syncs by call site, op table) at 4096 waiting: lpm's
-# whole step() through the recorded graph (triton, torch) and eagerly (torch), fcfs through the
-# graph (triton). Dry run: torch on the CPU at 256.
+# whole step() through the recorded graph and eagerly (triton). Dry run: torch on the CPU at 256.
 profiles() {
     local n=4096 spec pol mode be q=(--queue synthetic)
-    local specs=("lpm graph triton" "lpm eager torch" "lpm graph torch" "fcfs graph triton")
+    local specs=("lpm graph triton" "lpm eager triton")
     if [[ "$DRY" == 1 ]]; then n=256; specs=("lpm graph torch" "fcfs eager torch"); fi
     if [[ -n "$TRACE" ]]; then q=(--queue mooncake --trace "$TRACE"); fi
     for spec in "${specs[@]}"; do
@@ -155,16 +154,16 @@ profiles() {
 }
 export -f profiles
 export OUT TRACE
-if [[ "${GPU_CHECK_PROFILE_S:-75}" != 0 ]]; then
-    section profile "${GPU_CHECK_PROFILE_S:-75}" "$OUT/profile.log" bash -c profiles
+if [[ "${GPU_CHECK_PROFILE_S:-45}" != 0 ]]; then
+    section profile "${GPU_CHECK_PROFILE_S:-45}" "$OUT/profile.log" bash -c profiles
 fi
 rm -f "$OUT/bench_queue_cuda.json"
-if [[ "${GPU_CHECK_BENCH_S:-140}" != 0 ]]; then
-section bench "${GPU_CHECK_BENCH_S:-140}" "$OUT/bench_queue.log" "$PY" benchmarks/bench_queue.py "${QUEUE_ARGS[@]}" "${BENCH_ARGS[@]}" \
+if [[ "${GPU_CHECK_BENCH_S:-115}" != 0 ]]; then
+section bench "${GPU_CHECK_BENCH_S:-115}" "$OUT/bench_queue.log" "$PY" benchmarks/bench_queue.py "${QUEUE_ARGS[@]}" "${BENCH_ARGS[@]}" \
     --threads 1 --out "$OUT/bench_queue_cuda.json"
 fi
 if [[ -s "$OUT/bench_queue_cuda.json" ]]; then
-    section plot 20 "$OUT/plot.log" "$PY" benchmarks/plot_bench.py "$OUT/bench_queue_cuda.json" \
+    section plot 15 "$OUT/plot.log" "$PY" benchmarks/plot_bench.py "$OUT/bench_queue_cuda.json" \
         --out "$OUT/bench_queue_cuda.png"
 else
     printf 'plot\tskipped (no rows)\t0\n' >> "$STATUS"
