@@ -141,7 +141,7 @@ def main(argv=None):
     ap.add_argument("--warm", type=int, default=500)
     ap.add_argument("--max-prompt-len", type=int, default=2048)
     ap.add_argument("--top", type=int, default=25, help="rows of the op table")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave as is)")
     ap.add_argument("--out", default=None, help="write the report as JSON")
     args = ap.parse_args(argv)
     if args.threads:
