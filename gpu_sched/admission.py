@@ -462,6 +462,23 @@ def eval_requests(cfg: StepConfig, sc: torch.Tensor, rn: torch.Tensor, fill, pre
     return stop, kind, tc, passed1 & cap_hit
 
 
+def _held_states(held: Optional[HeldCols], chunked: Optional[ChunkedCols], ratio: torch.Tensor, dev):
+    """R-ADM-6 states of the running requests (`held`) and the in-flight chunk (if given):
+    (left float64 [R'], occupied int64 [R'], valid bool [R'])."""
+    if held is not None:
+        h_left, h_occ = eos_states(held.max_new, held.out_len, held.prompt_len, held.ignore_eos, ratio)
+        h_valid = held.valid
+    else:
+        h_left = torch.zeros(0, dtype=torch.float64, device=dev)
+        h_occ = torch.zeros(0, dtype=torch.int64, device=dev)
+        h_valid = torch.zeros(0, dtype=torch.bool, device=dev)
+    if chunked is not None:
+        cl, co = eos_states(chunked.max_new, chunked.out_len, chunked.prompt_len, chunked.ignore_eos, ratio)
+        h_left, h_occ = torch.cat([h_left, cl.reshape(1)]), torch.cat([h_occ, co.reshape(1)])
+        h_valid = torch.cat([h_valid, chunked.present.reshape(1)])
+    return h_left, h_occ, h_valid
+
+
 # ---- the step ------------------------------------------------------------------------------------
 def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[HeldCols] = None,
                chunked: Optional[ChunkedCols] = None, backend: str = "torch",
@@ -476,6 +493,8 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
     a recorded graph."""
     if backend not in ("torch", "triton"):
         raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    if backend == "triton":
+        return _admit_step_triton(cfg, st, q, held, chunked, early_exit)
     P = cfg.page_size
     Q = q.fill_len.numel()
     dev = q.fill_len.device
@@ -530,17 +549,7 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
     iep = ie & cfg.ignore_eos_path
     if cfg.ignore_eos_path:
         q_left, q_occ = eos_states(maxn, out, prompt, ie, ratio)
-        if held is not None:
-            h_left, h_occ = eos_states(held.max_new, held.out_len, held.prompt_len, held.ignore_eos, ratio)
-            h_valid = held.valid
-        else:
-            h_left = torch.zeros(0, dtype=torch.float64, device=dev)
-            h_occ = torch.zeros(0, dtype=i64, device=dev)
-            h_valid = torch.zeros(0, dtype=torch.bool, device=dev)
-        if chunked is not None:
-            cl, co = eos_states(chunked.max_new, chunked.out_len, chunked.prompt_len, chunked.ignore_eos, ratio)
-            h_left, h_occ = torch.cat([h_left, cl.reshape(1)]), torch.cat([h_occ, co.reshape(1)])
-            h_valid = torch.cat([h_valid, chunked.present.reshape(1)])
+        h_left, h_occ, h_valid = _held_states(held, chunked, ratio, dev)
 
     # round state
     s = zero
@@ -552,32 +561,7 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
     I_fin, cur_fin, rin_fin, rc_fin, ev_fin = I, cur, rin, rc, ev0
     full_fin = st.batch_full
     exD = _excl_cumsum(drop * vm)
-    fused = backend == "triton"
-    if fused:
-        # each round's event and state update as one launch (`kernels.admission.admission_round`)
-        from .kernels.admission import admission_round
-        from .kernels.admission import eval_requests as k_eval
-
-        base = torch.stack([A, ev0, I, cur, rin, rc, can_run0, st.running_bs, st.batch_full.to(i64), n]).to(i64)
-        state = torch.stack([s, cI, cC, cE, done.to(i64), chunk_idx, chunk_len, k_fin, stop_fin, kind_fin, I_fin,
-                             cur_fin, rin_fin, rc_fin, ev0, st.batch_full.to(i64)]).to(i64)
-        sc = base[:9].clone()
-        end_vec = fill.clone()
-        for r in range(cfg.rounds):
-            fail = false
-            if cfg.ignore_eos_path:  # R-ADM-6 reservation scan, c_j = cur_rem_j - ceilP(ext_j)
-                c = (A + ev - (cur + state[2] + exC)) - e
-                fail = pad(ignore_eos_fail(c[:Q], q_left[:Q], q_occ[:Q], valid[:Q], h_left, h_occ, h_valid,
-                                           backend="triton"), False)
-            stop_j, kind_j, tc, mark_j = k_eval(cfg, sc, rn, fill, pre, out, maxn, drop, ie, fail, exI, exC, exE, exD)
-            admission_round(cfg, stop_j, kind_j, tc, mark_j, e, wI, wC, exI, exC, exE, pre, ev, iep, drop, base,
-                            state, sc, end_vec)
-            if early_exit and r + 1 < cfg.rounds and bool(state[4]):
-                break
-        (s, cI, cC, cE, done, chunk_idx, chunk_len, k_fin, stop_fin, kind_fin, I_fin, cur_fin, rin_fin, rc_fin,
-         ev_fin, full_fin) = state.unbind(0)
-        done, full_fin = done != 0, full_fin != 0
-    for r in range(0 if fused else cfg.rounds):
+    for r in range(cfg.rounds):
         sc = torch.stack([A, ev0, I + cI, cur + cC, rin + cE, rc + cE, can_run0, st.running_bs,
                           st.batch_full.to(i64)]).to(i64)
         if cfg.ignore_eos_path:  # R-ADM-6 reservation scan, c_j = cur_rem_j - ceilP(ext_j)
@@ -649,3 +633,57 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
         inflight_left=inflight_left, I=I_fin, cur_off=cur_fin, rem_input=rin_fin, rem_chunk=rc_fin,
         evictable=ev_fin, rem_total=rem_total, cur_rem=A + ev_fin - cur_fin, hit_tokens=hit,
         input_tokens=in_tokens + (rin_loop - rin_fin), decided=done)
+
+
+def _admit_step_triton(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[HeldCols],
+                       chunked: Optional[ChunkedCols], early_exit: bool) -> StepResult:
+    """`admit_step` with backend "triton": the same computation in a few launches. Before the
+    rounds, `kernels.admission.admission_prepare` (the in-flight chunk, padded columns, prefix
+    sums, the loop's constants and state); per round, the per-request checks
+    (`eval_requests`), the ignore-EOS grid when on, and `admission_round` (the event and state
+    update); the result then reads the state buffer. Tests hold it equal to the torch path."""
+    from .kernels import admission as KA
+
+    Q = q.fill_len.numel()
+    dev = q.fill_len.device
+    i64 = torch.int64
+    zero = torch.zeros((), dtype=i64, device=dev)
+    c = chunked
+    sv = torch.stack([st.available, st.evictable, st.I, st.cur_off, st.rem_input,
+                      st.rem_chunk if cfg.chunking else zero, st.N, st.can_run, st.running_bs,
+                      st.batch_full.to(i64), q.n,
+                      c.present.to(i64) if c is not None else zero, c.fill_len if c is not None else zero,
+                      c.prefix_len if c is not None else zero, c.max_new if c is not None else zero]).to(i64)
+    cont = lambda x: x.contiguous()  # noqa: E731
+    p = KA.admission_prepare(cfg, cont(q.fill_len), cont(q.out_len), cont(q.prompt_len), cont(q.max_new),
+                             cont(q.prefix_len), cont(q.drop), cont(q.ignore_eos), sv, st.ratio, c is not None)
+    ar = torch.arange(Q + 1, device=dev)
+    valid = ar < q.n
+    A, ev0 = st.available, st.evictable
+    fail = no_fail = torch.zeros(Q + 1, dtype=torch.bool, device=dev)
+    if cfg.ignore_eos_path:
+        q_left, q_occ = eos_states(p.maxn, p.out, p.prompt, p.ie, st.ratio)
+        h_left, h_occ, h_valid = _held_states(held, c, st.ratio, dev)
+    state, end_vec = p.state, p.fill.clone()
+    for r in range(cfg.rounds):
+        if cfg.ignore_eos_path:  # R-ADM-6 reservation scan, c_j = cur_rem_j - ceilP(ext_j)
+            cj = (A + p.ev - (p.base[KA.B_CUR] + state[KA.ST_CC] + p.exC)) - p.e
+            fail = torch.cat([ignore_eos_fail(cj[:Q], q_left[:Q], q_occ[:Q], valid[:Q], h_left, h_occ, h_valid,
+                                              backend="triton"), no_fail[:1]])
+        stop_j, kind_j, tc, mark_j = KA.eval_requests(cfg, p.sc, p.rn, p.fill, p.pre, p.out, p.maxn, p.drop, p.ie,
+                                                      fail, p.exI, p.exC, p.exE, p.exD)
+        KA.admission_round(cfg, stop_j, kind_j, tc, mark_j, p.e, p.wI, p.wC, p.exI, p.exC, p.exE, p.pre, p.ev,
+                           p.iep, p.drop, p.base, state, p.sc, end_vec)
+        if early_exit and r + 1 < cfg.rounds and bool(state[KA.ST_DONE]):
+            break
+    (_, _, _, _, done, chunk_idx, chunk_len, k_fin, stop_fin, kind_fin, I_fin, cur_fin, rin_fin, rc_fin, ev_fin,
+     full_fin) = state.unbind(0)
+    in_tokens, inflight_end, inflight_left, rin_loop = p.extra.unbind(0)
+    admitted = valid & ((ar < k_fin) | ((ar == k_fin) & (kind_fin != KIND_NONE)))
+    hit = torch.where(admitted & ~p.iep, p.pre, 0).sum()
+    return StepResult(
+        admitted=admitted[:Q], extend_start=p.pre[:Q], extend_end=end_vec[:Q], stop_index=k_fin, stop=stop_fin,
+        chunk_index=chunk_idx, chunk_len=chunk_len, batch_full=full_fin != 0, inflight_end=inflight_end,
+        inflight_left=inflight_left != 0, I=I_fin, cur_off=cur_fin, rem_input=rin_fin, rem_chunk=rc_fin,
+        evictable=ev_fin, rem_total=(A + ev_fin - I_fin).to(torch.float64) - p.rn, cur_rem=A + ev_fin - cur_fin,
+        hit_tokens=hit, input_tokens=in_tokens + (rin_loop - rin_fin), decided=done != 0)

@@ -11,13 +11,14 @@ compiled kernel and the interpreter); float64 only where D7 puts it, with FMA co
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from ._utils import block_config, check_launch_device, check_tensor, grid_1d
+from .ignore_eos import _no_fma
 
 # stop codes (gpu_sched.admission.STOP_*) and kinds (KIND_*), as literals inside the kernel:
 # 0 none, 2 budget_other, 3 batch_full, 4 add_no_token, 5 add_other, 6 needs_preempt;
@@ -304,3 +305,217 @@ def admission_round(cfg, stop, kind, tc, mark, e, wI, wC, exI, exC, exE, pre, ev
     _round_kernel[(1,)](stop, kind, tc, mark.view(torch.uint8), e, wI, wC, exI, exC, exE, pre, ev,
                         iep.view(torch.uint8), drop, base, state, sc, end, L, P=cfg.page_size, BLOCK=BLOCK,
                         num_warps=warps)
+
+
+# ---- the loop's inputs, before the first round ------------------------------------------------------
+#: packed scalar inputs of `admission_prepare` (int64 [SV_LEN])
+(SV_A, SV_EV0, SV_I, SV_CUR, SV_RIN, SV_RC, SV_N_RES, SV_CAN_RUN, SV_RUNNING_BS, SV_FULL, SV_N, SV_C_PRESENT,
+ SV_C_FILL, SV_C_PREFIX, SV_C_MAXNEW) = range(15)
+SV_LEN = 15
+#: `admission_prepare`'s extra scalar outputs (int64 [EXTRA_LEN])
+X_IN_TOKENS, X_INFLIGHT_END, X_INFLIGHT_LEFT, X_RIN_LOOP = range(4)
+EXTRA_LEN = 4
+
+
+@triton.jit
+def _prepare_kernel(fill_ptr, out_ptr, prompt_ptr, maxn_ptr, pre_ptr, drop_ptr, ie_ptr, sv_ptr, ratio_ptr,
+                    fill_o, out_o, prompt_o, maxn_o, pre_o, drop_o, ie_o, e_o, wI_o, wC_o, exI_o, exC_o, exE_o,
+                    exD_o, ev_o, iep_o, base_ptr, state_ptr, sc_ptr, rn_ptr, extra_ptr, Q, clip,
+                    P: tl.constexpr, CHUNKED: tl.constexpr, IE_PATH: tl.constexpr, BLOCK: tl.constexpr):
+    # one program: the budgets after the in-flight chunk (R-ADM-5), then the padded columns and
+    # their exclusive prefix sums block by block, carrying the running totals
+    A = tl.load(sv_ptr + 0)
+    ev0 = tl.load(sv_ptr + 1)
+    I = tl.load(sv_ptr + 2)
+    cur = tl.load(sv_ptr + 3)
+    rin = tl.load(sv_ptr + 4)
+    rc = tl.load(sv_ptr + 5)
+    N = tl.load(sv_ptr + 6)
+    can_run0 = tl.load(sv_ptr + 7)
+    running_bs = tl.load(sv_ptr + 8)
+    full0 = tl.load(sv_ptr + 9)
+    n = tl.load(sv_ptr + 10)
+    rn = tl.load(ratio_ptr) * N.to(tl.float64)  # float64(ratio * N), D7
+    zero = n * 0
+    in_tokens = zero
+    inflight_end = zero
+    inflight_left = zero
+    if CHUNKED:
+        pr = tl.load(sv_ptr + 11) != 0
+        cfill = tl.load(sv_ptr + 12)
+        cpre = tl.load(sv_ptr + 13)
+        cmaxn = tl.load(sv_ptr + 14)
+        rt = (A + ev0 - I).to(tl.float64) - rn
+        room = tl.minimum(rc, rt.to(tl.int64))
+        room = tl.where(room <= 0, rc, room)
+        ext_c = cfill - cpre
+        nc = tl.minimum(ext_c, room)
+        ec = _ceil_page(nc, P)
+        resc = tl.where(nc == ext_c, tl.minimum(cmaxn, clip), 0)
+        I = tl.where(pr, I + ec + resc + P, I)
+        cur = tl.where(pr, cur + ec + P, cur)
+        rin = tl.where(pr, rin - ec, rin)
+        rc = tl.where(pr, rc - ec, rc)
+        in_tokens = tl.where(pr, ec, zero)
+        inflight_end = tl.where(pr, cpre + nc, zero)
+        inflight_left = (pr & (nc < ext_c)).to(tl.int64)
+        can_run0 = can_run0 + pr.to(tl.int64)
+    tl.store(rn_ptr, rn)
+    tl.store(extra_ptr + 0, in_tokens)
+    tl.store(extra_ptr + 1, inflight_end)
+    tl.store(extra_ptr + 2, inflight_left)
+    tl.store(extra_ptr + 3, rin)
+    # the round loop's constants, its starting state (admission_round's ST_*) and first budgets
+    tl.store(base_ptr + 0, A)
+    tl.store(base_ptr + 1, ev0)
+    tl.store(base_ptr + 2, I)
+    tl.store(base_ptr + 3, cur)
+    tl.store(base_ptr + 4, rin)
+    tl.store(base_ptr + 5, rc)
+    tl.store(base_ptr + 6, can_run0)
+    tl.store(base_ptr + 7, running_bs)
+    tl.store(base_ptr + 8, full0)
+    tl.store(base_ptr + 9, n)
+    tl.store(sc_ptr + 0, A)
+    tl.store(sc_ptr + 1, ev0)
+    tl.store(sc_ptr + 2, I)
+    tl.store(sc_ptr + 3, cur)
+    tl.store(sc_ptr + 4, rin)
+    tl.store(sc_ptr + 5, rc)
+    tl.store(sc_ptr + 6, can_run0)
+    tl.store(sc_ptr + 7, running_bs)
+    tl.store(sc_ptr + 8, full0)
+    # every state entry written once: s, cI, cC, cE, done, chunk (none), chunk_len, k, stop, kind
+    tl.store(state_ptr + 0, zero)
+    tl.store(state_ptr + 1, zero)
+    tl.store(state_ptr + 2, zero)
+    tl.store(state_ptr + 3, zero)
+    tl.store(state_ptr + 4, zero)
+    tl.store(state_ptr + 5, zero - 1)
+    tl.store(state_ptr + 6, zero)
+    tl.store(state_ptr + 7, zero)
+    tl.store(state_ptr + 8, zero)
+    tl.store(state_ptr + 9, zero)
+    tl.store(state_ptr + 10, I)
+    tl.store(state_ptr + 11, cur)
+    tl.store(state_ptr + 12, rin)
+    tl.store(state_ptr + 13, rc)
+    tl.store(state_ptr + 14, ev0)
+    tl.store(state_ptr + 15, full0)
+    # per-request columns, padded with one zero entry at Q
+    cI = zero
+    cC = zero
+    cE = zero
+    cD = zero
+    for start in range(0, Q + 1, BLOCK):
+        offs = start + tl.arange(0, BLOCK).to(tl.int64)
+        m = offs < Q + 1
+        src = offs < Q
+        fill = tl.load(fill_ptr + offs, mask=src, other=0)
+        out = tl.load(out_ptr + offs, mask=src, other=0)
+        prompt = tl.load(prompt_ptr + offs, mask=src, other=0)
+        maxn = tl.load(maxn_ptr + offs, mask=src, other=0)
+        pre = tl.load(pre_ptr + offs, mask=src, other=0)
+        drop = tl.load(drop_ptr + offs, mask=src, other=0)
+        ie = tl.load(ie_ptr + offs, mask=src, other=0)
+        vm = (m & (offs < n)).to(tl.int64)
+        e = _ceil_page(fill - pre, P)
+        wI = e + tl.minimum(maxn, clip) + P
+        wC = e + P
+        xI = wI * vm
+        xC = wC * vm
+        xE = e * vm
+        xD = drop * vm
+        exI = tl.cumsum(xI, 0) - xI + cI
+        exC = tl.cumsum(xC, 0) - xC + cC
+        exE = tl.cumsum(xE, 0) - xE + cE
+        exD = tl.cumsum(xD, 0) - xD + cD
+        cI += tl.sum(xI, 0)
+        cC += tl.sum(xC, 0)
+        cE += tl.sum(xE, 0)
+        cD += tl.sum(xD, 0)
+        tl.store(fill_o + offs, fill, mask=m)
+        tl.store(out_o + offs, out, mask=m)
+        tl.store(prompt_o + offs, prompt, mask=m)
+        tl.store(maxn_o + offs, maxn, mask=m)
+        tl.store(pre_o + offs, pre, mask=m)
+        tl.store(drop_o + offs, drop, mask=m)
+        tl.store(ie_o + offs, ie, mask=m)
+        tl.store(e_o + offs, e, mask=m)
+        tl.store(wI_o + offs, wI, mask=m)
+        tl.store(wC_o + offs, wC, mask=m)
+        tl.store(exI_o + offs, exI, mask=m)
+        tl.store(exC_o + offs, exC, mask=m)
+        tl.store(exE_o + offs, exE, mask=m)
+        tl.store(exD_o + offs, exD, mask=m)
+        tl.store(ev_o + offs, ev0 - exD, mask=m)
+        if IE_PATH:
+            tl.store(iep_o + offs, ie, mask=m)
+        else:
+            tl.store(iep_o + offs, ie * 0, mask=m)
+
+
+class Prepared(NamedTuple):
+    """`admission_prepare`'s outputs: padded columns [Q+1] and the loop's scalars."""
+
+    fill: torch.Tensor
+    out: torch.Tensor
+    prompt: torch.Tensor
+    maxn: torch.Tensor
+    pre: torch.Tensor
+    drop: torch.Tensor
+    ie: torch.Tensor  # bool
+    e: torch.Tensor
+    wI: torch.Tensor
+    wC: torch.Tensor
+    exI: torch.Tensor
+    exC: torch.Tensor
+    exE: torch.Tensor
+    exD: torch.Tensor
+    ev: torch.Tensor
+    iep: torch.Tensor  # bool
+    base: torch.Tensor  # int64 [BASE_LEN]
+    state: torch.Tensor  # int64 [STATE_LEN]
+    sc: torch.Tensor  # int64 [9]
+    rn: torch.Tensor  # float64 0-d
+    extra: torch.Tensor  # int64 [EXTRA_LEN]
+
+
+def admission_prepare(cfg, fill, out, prompt, maxn, pre, drop, ie, sv: torch.Tensor, ratio: torch.Tensor,
+                      chunked: bool, *, block: Optional[int] = None) -> Prepared:
+    """Everything `gpu_sched.admission.admit_step` computes before its rounds, as one
+    single-program launch: the in-flight chunk's budgets (R-ADM-5, when `chunked`), float64
+    `ratio * N` (D7), the columns padded with one zero entry, each request's whole-admission
+    commits and their exclusive prefix sums over the valid entries, the round loop's constants,
+    starting state and first budgets (`admission_round`'s B_*, ST_*, sc).
+
+    Columns int64 [Q] (ie bool), contiguous, on one device; sv int64 [SV_LEN] (`SV_*`), ratio
+    float64 0-d.
+    """
+    where = "admission_prepare"
+    check_tensor(where, "fill", fill, (torch.int64,))
+    dev = check_launch_device(where, _prepare_kernel, fill)
+    Q = fill.numel()
+    for name, t in (("out", out), ("prompt", prompt), ("maxn", maxn), ("pre", pre), ("drop", drop)):
+        check_tensor(where, name, t, (torch.int64,), numel=Q, device=dev)
+    check_tensor(where, "ie", ie, (torch.bool,), numel=Q, device=dev)
+    check_tensor(where, "sv", sv, (torch.int64,), numel=SV_LEN, device=dev)
+    check_tensor(where, "ratio", ratio, (torch.float64,), ndim=ratio.dim(), numel=1, device=dev)
+    BLOCK, warps = block_config(block)
+    L = Q + 1
+    cols = torch.empty((14, L), dtype=torch.int64, device=dev)
+    flags = torch.empty((2, L), dtype=torch.bool, device=dev)
+    base = torch.empty(BASE_LEN, dtype=torch.int64, device=dev)
+    state = torch.empty(STATE_LEN, dtype=torch.int64, device=dev)
+    sc = torch.empty(9, dtype=torch.int64, device=dev)
+    rn = torch.empty((), dtype=torch.float64, device=dev)
+    extra = torch.empty(EXTRA_LEN, dtype=torch.int64, device=dev)
+    c = cols.unbind(0)
+    u8 = flags.view(torch.uint8)
+    _prepare_kernel[(1,)](fill, out, prompt, maxn, pre, drop, ie.view(torch.uint8), sv, ratio,
+                          c[0], c[1], c[2], c[3], c[4], c[5], u8[0], c[6], c[7], c[8], c[9], c[10], c[11], c[12],
+                          c[13], u8[1], base, state, sc, rn, extra, Q, cfg.clip, P=cfg.page_size, CHUNKED=chunked,
+                          IE_PATH=cfg.ignore_eos_path, BLOCK=BLOCK, num_warps=warps, **_no_fma(_prepare_kernel))
+    fl = flags.unbind(0)
+    return Prepared(c[0], c[1], c[2], c[3], c[4], c[5], fl[0], c[6], c[7], c[8], c[9], c[10], c[11], c[12],
+                    c[13], fl[1], base, state, sc, rn, extra)

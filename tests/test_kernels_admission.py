@@ -205,6 +205,12 @@ def test_launchers_check_arguments():
     cols += [t([False] * L, torch.bool), t([0] * L)]
     with pytest.raises(ValueError, match="admission_round: state must have 16 elements"):
         KA.admission_round(cfg, *cols, t([0] * KA.BASE_LEN), t([0] * 3), t([0] * 9), t([0] * L))
+    qc = [t([0] * L) for _ in range(6)] + [t([False] * L, torch.bool)]
+    ratio = t(0.5, torch.float64)
+    with pytest.raises(ValueError, match="admission_prepare: sv must have 15 elements"):
+        KA.admission_prepare(cfg, *qc, t([0] * 3), ratio, False)
+    with pytest.raises(TypeError, match="admission_prepare: ie must have dtype bool"):
+        KA.admission_prepare(cfg, *qc[:6], t([0] * L), t([0] * KA.SV_LEN), ratio, False)
     with pytest.raises(TypeError, match="admission_round: mark must have dtype bool"):
         bad = list(cols)
         bad[3] = t([0] * L)
@@ -256,3 +262,42 @@ def test_lock_drops_triton_walks_equal_rounds(seed):
     assert got == want
     dead = t([i > 0 and rng.random() < 0.2 for i in range(N)], torch.bool)
     assert torch.equal(S.lock_drops(*args, ~dead, *req, backend="triton"), S.lock_drops(*args, ~dead, *req))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_admission_prepare_blocks_carry_prefix_sums(chunked):
+    """`admission_prepare` with blocks of 16 over 100 requests (the prefix sums carried from
+    block to block) against the torch formulas of `admit_step`'s set-up."""
+    rng = random.Random(7 + chunked)
+    cfg = S.StepConfig(page_size=4, clip=50, chunking=True)
+    Q = 100
+    col = lambda lo, hi: t([rng.randrange(lo, hi) for _ in range(Q)])  # noqa: E731
+    pre = t([4 * rng.randrange(0, 10) for _ in range(Q)])
+    fill, out, maxn, drop = pre + col(1, 60), col(0, 5), col(1, 90), col(0, 9)
+    prompt = fill - out
+    ie = t([rng.random() < 0.3 for _ in range(Q)], torch.bool)
+    n = 77
+    sv = t([5000, 300, 40, 60, 800, 700, 3, 2, 1, 0, n, 1 if chunked else 0, 130, 16, 80])
+    ratio = t(0.7, torch.float64)
+    p = KA.admission_prepare(cfg, fill, out, prompt, maxn, pre, drop, ie, sv, ratio, chunked, block=16)
+    pad = lambda x: torch.cat([x, x.new_zeros(1)])  # noqa: E731
+    vm = (torch.arange(Q + 1) < n).to(torch.int64)
+    e = -torch.div(-(pad(fill) - pad(pre)), 4, rounding_mode="floor") * 4
+    wI, wC = e + pad(maxn).clamp(max=50) + 4, e + 4
+    ex = lambda x: torch.cumsum(x * vm, 0) - x * vm  # noqa: E731
+    for name, want in (("fill", pad(fill)), ("pre", pad(pre)), ("drop", pad(drop)), ("ie", pad(ie)), ("e", e),
+                       ("wI", wI), ("wC", wC), ("exI", ex(wI)), ("exC", ex(wC)), ("exE", ex(e)), ("exD", ex(pad(drop))),
+                       ("ev", 300 - ex(pad(drop)))):
+        assert torch.equal(getattr(p, name).cpu(), want), name
+    rn = 0.7 * 3.0
+    I, cur, rin, rc, can = 40, 60, 800, 700, 2
+    if chunked:  # R-ADM-5 by hand: room from the budgets, a 114-token extend cut to whole pages
+        room = min(700, int((5000 + 300 - 40) - rn))
+        nc = min(130 - 16, room)
+        ec = -(-nc // 4) * 4
+        I, cur, rin, rc, can = I + ec + (min(80, 50) if nc == 114 else 0) + 4, cur + ec + 4, rin - ec, rc - ec, 3
+        assert p.extra.tolist() == [ec, 16 + nc, int(nc < 114), rin]
+    assert p.base.tolist() == [5000, 300, I, cur, rin, rc, can, 1, 0, n]
+    assert p.sc.tolist() == p.base.tolist()[:9]
+    assert p.state.tolist() == [0, 0, 0, 0, 0, -1, 0, 0, 0, 0, I, cur, rin, rc, 300, 0]
+    assert float(p.rn) == rn
