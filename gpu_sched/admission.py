@@ -664,7 +664,7 @@ def _admit_step_triton(cfg: StepConfig, st: StepState, q: QueueCols, held: Optio
     if cfg.ignore_eos_path:
         q_left, q_occ = eos_states(p.maxn, p.out, p.prompt, p.ie, st.ratio)
         h_left, h_occ, h_valid = _held_states(held, c, st.ratio, dev)
-    state, end_vec = p.state, p.fill.clone()
+    state, spare, end_vec = p.state, torch.empty_like(p.state), p.fill.clone()
     for r in range(cfg.rounds):
         if cfg.ignore_eos_path:  # R-ADM-6 reservation scan, c_j = cur_rem_j - ceilP(ext_j)
             cj = (A + p.ev - (p.base[KA.B_CUR] + state[KA.ST_CC] + p.exC)) - p.e
@@ -673,7 +673,8 @@ def _admit_step_triton(cfg: StepConfig, st: StepState, q: QueueCols, held: Optio
         stop_j, kind_j, tc, mark_j = KA.eval_requests(cfg, p.sc, p.rn, p.fill, p.pre, p.out, p.maxn, p.drop, p.ie,
                                                       fail, p.exI, p.exC, p.exE, p.exD)
         KA.admission_round(cfg, stop_j, kind_j, tc, mark_j, p.e, p.wI, p.wC, p.exI, p.exC, p.exE, p.pre, p.ev,
-                           p.iep, p.drop, p.base, state, p.sc, end_vec)
+                           p.iep, p.drop, p.base, state, spare, p.sc, end_vec)
+        state, spare = spare, state
         if early_exit and r + 1 < cfg.rounds and bool(state[KA.ST_DONE]):
             break
     (_, _, _, _, done, chunk_idx, chunk_len, k_fin, stop_fin, kind_fin, I_fin, cur_fin, rin_fin, rc_fin, ev_fin,

@@ -190,9 +190,11 @@ def _ceil_page(x, P: tl.constexpr):
 
 @triton.jit
 def _round_kernel(stop_ptr, kind_ptr, tc_ptr, mark_ptr, e_ptr, wI_ptr, wC_ptr, exI_ptr, exC_ptr, exE_ptr,
-                  pre_ptr, ev_ptr, iep_ptr, drop_ptr, base_ptr, st_ptr, sc_ptr, end_ptr, L,
+                  pre_ptr, ev_ptr, iep_ptr, drop_ptr, base_ptr, st_ptr, st_out, sc_ptr, end_ptr, L,
                   P: tl.constexpr, BLOCK: tl.constexpr):
-    # one program: the first event of the round (a min over the queue), then scalar updates
+    # one program: the first event of the round (a min over the queue), then scalar updates.
+    # The state is read from st_ptr and written whole to st_out (another buffer): the
+    # program's warps never read what another one may already have written.
     n = tl.load(base_ptr + 9)
     s = tl.load(st_ptr + 0)
     k = n
@@ -216,6 +218,17 @@ def _round_kernel(stop_ptr, kind_ptr, tc_ptr, mark_ptr, e_ptr, wI_ptr, wC_ptr, e
     cC = tl.load(st_ptr + 2)
     cE = tl.load(st_ptr + 3)
     done = tl.load(st_ptr + 4)
+    chunk_idx = tl.load(st_ptr + 5)
+    chunk_len = tl.load(st_ptr + 6)
+    k_fin = tl.load(st_ptr + 7)
+    stop_fin = tl.load(st_ptr + 8)
+    kind_fin = tl.load(st_ptr + 9)
+    I_fin = tl.load(st_ptr + 10)
+    cur_fin = tl.load(st_ptr + 11)
+    rin_fin = tl.load(st_ptr + 12)
+    rc_fin = tl.load(st_ptr + 13)
+    ev_fin = tl.load(st_ptr + 14)
+    full_fin = tl.load(st_ptr + 15)
     atend = k >= n
     stop_k = tl.where(atend, 1, tl.load(stop_ptr + k))
     kind_k = tl.where(atend, 0, tl.load(kind_ptr + k))
@@ -248,22 +261,22 @@ def _round_kernel(stop_ptr, kind_ptr, tc_ptr, mark_ptr, e_ptr, wI_ptr, wC_ptr, e
     ev_after = tl.where(tl.load(iep_ptr + k) != 0, ev_k, ev_k - tl.load(drop_ptr + k))
     fl = (batch_full != 0) | (~atend & (tl.load(mark_ptr + k) != 0))
     fl = tl.where(stop_k == 4, ((can_run0 + k + admi) > 0) | (running_bs > 0), fl)
-    tl.store(st_ptr + 0, tl.where(upd, k + 1, s))
-    tl.store(st_ptr + 1, cI)
-    tl.store(st_ptr + 2, cC)
-    tl.store(st_ptr + 3, cE)
-    tl.store(st_ptr + 4, (~live | term).to(tl.int64))
-    tl.store(st_ptr + 5, k, mask=is_chunk)
-    tl.store(st_ptr + 6, tc_k, mask=is_chunk)
-    tl.store(st_ptr + 7, k, mask=term)
-    tl.store(st_ptr + 8, stop_k, mask=term)
-    tl.store(st_ptr + 9, kind_k, mask=term)
-    tl.store(st_ptr + 10, Ik + tl.where(adm, dI, 0), mask=term)
-    tl.store(st_ptr + 11, curk + tl.where(adm, dC, 0), mask=term)
-    tl.store(st_ptr + 12, rink - tl.where(adm, dE, 0), mask=term)
-    tl.store(st_ptr + 13, rck - tl.where(adm, dE, 0), mask=term)
-    tl.store(st_ptr + 14, tl.where(adm, ev_after, ev_k), mask=term)
-    tl.store(st_ptr + 15, fl.to(tl.int64), mask=term)
+    tl.store(st_out + 0, tl.where(upd, k + 1, s))
+    tl.store(st_out + 1, cI)
+    tl.store(st_out + 2, cC)
+    tl.store(st_out + 3, cE)
+    tl.store(st_out + 4, (~live | term).to(tl.int64))
+    tl.store(st_out + 5, tl.where(is_chunk, k, chunk_idx))
+    tl.store(st_out + 6, tl.where(is_chunk, tc_k, chunk_len))
+    tl.store(st_out + 7, tl.where(term, k, k_fin))
+    tl.store(st_out + 8, tl.where(term, stop_k, stop_fin))
+    tl.store(st_out + 9, tl.where(term, kind_k, kind_fin))
+    tl.store(st_out + 10, tl.where(term, Ik + tl.where(adm, dI, 0), I_fin))
+    tl.store(st_out + 11, tl.where(term, curk + tl.where(adm, dC, 0), cur_fin))
+    tl.store(st_out + 12, tl.where(term, rink - tl.where(adm, dE, 0), rin_fin))
+    tl.store(st_out + 13, tl.where(term, rck - tl.where(adm, dE, 0), rc_fin))
+    tl.store(st_out + 14, tl.where(term, tl.where(adm, ev_after, ev_k), ev_fin))
+    tl.store(st_out + 15, tl.where(term, fl.to(tl.int64), full_fin))
     # the next round's budgets for the per-request checks
     tl.store(sc_ptr + 0, A)
     tl.store(sc_ptr + 1, ev0)
@@ -277,7 +290,8 @@ def _round_kernel(stop_ptr, kind_ptr, tc_ptr, mark_ptr, e_ptr, wI_ptr, wC_ptr, e
 
 
 def admission_round(cfg, stop, kind, tc, mark, e, wI, wC, exI, exC, exE, pre, ev, iep, drop, base: torch.Tensor,
-                    state: torch.Tensor, sc: torch.Tensor, end: torch.Tensor, *, block: Optional[int] = None) -> None:
+                    state: torch.Tensor, state_out: torch.Tensor, sc: torch.Tensor, end: torch.Tensor, *,
+                    block: Optional[int] = None) -> None:
     """One round of `gpu_sched.admission.admit_step` after its per-request checks, in place, as
     one single-program launch instead of some 120 small tensor ops: the round's first event
     k (the first index from the round's start that is not "admit whole, loop goes on"), the
@@ -287,7 +301,8 @@ def admission_round(cfg, stop, kind, tc, mark, e, wI, wC, exI, exC, exE, pre, ev
     Columns [L] on one device, contiguous: stop, kind, tc, e, wI, wC, exI, exC, exE, pre, ev,
     drop int64 (the checks' outputs and admit_step's per-request quantities, padded), mark and
     iep bool; base int64 [BASE_LEN] (the loop's constants, `B_*`); state int64 [STATE_LEN]
-    (`ST_*`, read and written); sc int64 [9] (written); end int64 [L] (written at k).
+    (`ST_*`, read) and state_out (another int64 [STATE_LEN], written whole: callers alternate
+    the two); sc int64 [9] (written); end int64 [L] (written at k).
     """
     where = "admission_round"
     check_tensor(where, "stop", stop, (torch.int64,))
@@ -300,11 +315,14 @@ def admission_round(cfg, stop, kind, tc, mark, e, wI, wC, exI, exC, exE, pre, ev
         check_tensor(where, name, t, (torch.bool,), numel=L, device=dev)
     check_tensor(where, "base", base, (torch.int64,), numel=BASE_LEN, device=dev)
     check_tensor(where, "state", state, (torch.int64,), numel=STATE_LEN, device=dev)
+    check_tensor(where, "state_out", state_out, (torch.int64,), numel=STATE_LEN, device=dev)
+    if state_out.data_ptr() == state.data_ptr():
+        raise ValueError(f"{where}: state_out must be another buffer than state")
     check_tensor(where, "sc", sc, (torch.int64,), numel=9, device=dev)
     BLOCK, warps = block_config(block)
     _round_kernel[(1,)](stop, kind, tc, mark.view(torch.uint8), e, wI, wC, exI, exC, exE, pre, ev,
-                        iep.view(torch.uint8), drop, base, state, sc, end, L, P=cfg.page_size, BLOCK=BLOCK,
-                        num_warps=warps)
+                        iep.view(torch.uint8), drop, base, state, state_out, sc, end, L, P=cfg.page_size,
+                        BLOCK=BLOCK, num_warps=warps)
 
 
 # ---- the loop's inputs, before the first round ------------------------------------------------------

@@ -203,8 +203,11 @@ def test_launchers_check_arguments():
     L = 4
     cols = [t([0] * L) for _ in range(3)] + [t([False] * L, torch.bool)] + [t([0] * L) for _ in range(8)]
     cols += [t([False] * L, torch.bool), t([0] * L)]
+    base, st = t([0] * KA.BASE_LEN), t([0] * KA.STATE_LEN)
     with pytest.raises(ValueError, match="admission_round: state must have 16 elements"):
-        KA.admission_round(cfg, *cols, t([0] * KA.BASE_LEN), t([0] * 3), t([0] * 9), t([0] * L))
+        KA.admission_round(cfg, *cols, base, t([0] * 3), st, t([0] * 9), t([0] * L))
+    with pytest.raises(ValueError, match="admission_round: state_out must be another buffer"):
+        KA.admission_round(cfg, *cols, base, st, st, t([0] * 9), t([0] * L))
     qc = [t([0] * L) for _ in range(6)] + [t([False] * L, torch.bool)]
     ratio = t(0.5, torch.float64)
     with pytest.raises(ValueError, match="admission_prepare: sv must have 15 elements"):
@@ -214,7 +217,7 @@ def test_launchers_check_arguments():
     with pytest.raises(TypeError, match="admission_round: mark must have dtype bool"):
         bad = list(cols)
         bad[3] = t([0] * L)
-        KA.admission_round(cfg, *bad, t([0] * KA.BASE_LEN), t([0] * KA.STATE_LEN), t([0] * 9), t([0] * L))
+        KA.admission_round(cfg, *bad, base, st, st.clone(), t([0] * 9), t([0] * L))
     assert dataclasses.is_dataclass(cfg)
 
 
