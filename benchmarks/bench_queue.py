@@ -182,6 +182,13 @@ def parse_backend(spec: str):
     return be, dev
 
 
+def kv_pool_size(wl: Workload, running: int, headroom: int) -> int:
+    """KV pool [tokens]: the warm cache's distinct tokens, the running requests' KV (400 each)
+    and `headroom` free."""
+    probe = ReferenceScheduler(SchedulerConfig(), sum(len(p) for p in wl.warm_prompts) + 1)
+    return sum(probe.seed_cache(p) for p in wl.warm_prompts) + running * 400 + headroom
+
+
 def make_scheduler(backend: str, device: str, wl: Workload, pool: int):
     cfg = SchedulerConfig(**POLICIES["fcfs"])
     if backend == "reference":
@@ -483,10 +490,7 @@ def main(argv=None):
     print(f"# {args.queue} queue: {wl.distinct} distinct prompts, warm cache from {args.warm} requests, "
           f"prompt cap {args.max_prompt_len}, {torch.get_num_threads()} torch threads; "
           f"workload built in {time.perf_counter() - t0:.1f} s", flush=True)
-    probe = ReferenceScheduler(SchedulerConfig(), sum(len(p) for p in wl.warm_prompts) + 1)
-    unique = sum(probe.seed_cache(p) for p in wl.warm_prompts)
-    del probe
-    pool = unique + args.running * 400 + args.kv_headroom  # cache + running requests' KV + free
+    pool = kv_pool_size(wl, args.running, args.kv_headroom)
 
     rows: List[dict] = []
     ref_med: Dict[tuple, float] = {}

@@ -155,7 +155,7 @@ def main(argv=None):
                                max_prompt_len=args.max_prompt_len, routing_keys=32, running=64,
                                synthetic_groups=16)
     wl = bq.build_workload(wargs, args.n)
-    s, cached = bq.make_scheduler(args.backend, args.device, wl, pool=cached_pool(wl, args))
+    s, cached = bq.make_scheduler(args.backend, args.device, wl, pool=bq.kv_pool_size(wl, 64, 1_000_000))
     s.config = SchedulerConfig(**bq.POLICIES[args.policy])
     bq.set_queue(s, wl.queue[: args.n])
     stage = "gstep" if args.mode == "graph" else "step"
@@ -254,13 +254,6 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     return 0
-
-
-def cached_pool(wl, args) -> int:
-    """KV pool tokens: the warm cache, the running batch's KV and headroom (as bench_queue)."""
-    probe = ReferenceScheduler(SchedulerConfig(), sum(len(p) for p in wl.warm_prompts) + 1)
-    unique = sum(probe.seed_cache(p) for p in wl.warm_prompts)
-    return unique + 64 * 400 + 1_000_000
 
 
 if __name__ == "__main__":

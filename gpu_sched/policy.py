@@ -243,9 +243,9 @@ def _hash_weights(T: int, dev: torch.device) -> torch.Tensor:
     after the first call: some 50 small kernels fewer in every later one (a recorded step
     makes it in its warm-up runs); made afresh while torch.compile traces."""
     key = (T, str(dev))
-    W = None if torch.compiler.is_compiling() or dev.type == "meta" else _WEIGHTS.get(key)
-    if W is not None:
-        return W
+    keep = not torch.compiler.is_compiling() and dev.type != "meta"
+    if keep and key in _WEIGHTS:
+        return _WEIGHTS[key]
     pos = torch.arange(T, device=dev)
     cols = []
     for base in _HASH_BASES:
@@ -256,7 +256,7 @@ def _hash_weights(T: int, dev: torch.device) -> torch.Tensor:
             b = b * b % _HASH_MOD
         cols.append(w)
     W = torch.stack(cols, dim=1).to(torch.float64)
-    if not torch.compiler.is_compiling() and dev.type != "meta":
+    if keep:
         _WEIGHTS[key] = W
     return W
 
