@@ -480,6 +480,48 @@ def _held_states(held: Optional[HeldCols], chunked: Optional[ChunkedCols], ratio
 
 
 # ---- the step ------------------------------------------------------------------------------------
+class _QueueSums(NamedTuple):
+    """The queue's columns padded by one entry (index Q: where a loop that reached the end
+    "stops") and the round-independent prefix sums of whole commits (module doc)."""
+
+    ar: torch.Tensor
+    valid: torch.Tensor
+    fill: torch.Tensor
+    out: torch.Tensor
+    prompt: torch.Tensor
+    maxn: torch.Tensor
+    pre: torch.Tensor
+    drop: torch.Tensor
+    ie: torch.Tensor
+    e: torch.Tensor  # ceilP(extend)
+    wI: torch.Tensor  # whole commit of I, cur_off
+    wC: torch.Tensor
+    exI: torch.Tensor  # exclusive prefix sums over valid entries
+    exC: torch.Tensor
+    exE: torch.Tensor
+    exD: torch.Tensor
+
+
+def _queue_sums(cfg: StepConfig, q: QueueCols, n) -> _QueueSums:
+    Q = q.fill_len.numel()
+    dev = q.fill_len.device
+
+    def pad(x, v=0):
+        return torch.cat([x, x.new_full((1,), v)])
+
+    ar = torch.arange(Q + 1, device=dev)
+    valid = ar < n
+    vm = valid.to(torch.int64)
+    fill, pre = pad(q.fill_len), pad(q.prefix_len)
+    maxn, drop = pad(q.max_new), pad(q.drop)
+    e = _ceil_p(fill - pre, cfg.page_size)
+    res = torch.clamp(maxn, max=cfg.clip)
+    wI, wC = e + res + cfg.page_size, e + cfg.page_size
+    return _QueueSums(ar, valid, fill, pad(q.out_len), pad(q.prompt_len), maxn, pre, drop, pad(q.ignore_eos, False),
+                      e, wI, wC, _excl_cumsum(wI * vm), _excl_cumsum(wC * vm), _excl_cumsum(e * vm),
+                      _excl_cumsum(drop * vm))
+
+
 def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[HeldCols] = None,
                chunked: Optional[ChunkedCols] = None, backend: str = "torch",
                early_exit: bool = False) -> StepResult:
@@ -500,14 +542,9 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
     dev = q.fill_len.device
     i64 = torch.int64
 
-    def pad(x, v=0):
-        return torch.cat([x, x.new_full((1,), v)])
-
-    ar = torch.arange(Q + 1, device=dev)
     n = q.n
-    valid = ar < n
-    fill, out, prompt, maxn = pad(q.fill_len), pad(q.out_len), pad(q.prompt_len), pad(q.max_new)
-    pre, drop, ie = pad(q.prefix_len), pad(q.drop), pad(q.ignore_eos, False)
+    qs = _queue_sums(cfg, q, n)
+    ar, valid, fill, out, prompt, maxn, pre, drop, ie = qs[:9]
     A, ev0, ratio = st.available, st.evictable, st.ratio
     rn = ratio * st.N.to(torch.float64)  # float64(ratio * N), D7
     I, cur, rin = st.I, st.cur_off, st.rem_input
@@ -538,13 +575,8 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
     rin_loop = rin
 
     # per-request quantities (independent of the round)
-    vm = valid.to(i64)
-    ext = fill - pre
-    e = _ceil_p(ext, P)
-    res = torch.clamp(maxn, max=cfg.clip)
-    wI, wC = e + res + P, e + P
-    exI, exC, exE = _excl_cumsum(wI * vm), _excl_cumsum(wC * vm), _excl_cumsum(e * vm)
-    ev = ev0 - _excl_cumsum(drop * vm)
+    e, wI, wC, exI, exC, exE, exD = qs[9:]
+    ev = ev0 - exD
     false = torch.zeros(Q + 1, dtype=torch.bool, device=dev)
     iep = ie & cfg.ignore_eos_path
     if cfg.ignore_eos_path:
@@ -560,7 +592,6 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
     end_vec = fill
     I_fin, cur_fin, rin_fin, rc_fin, ev_fin = I, cur, rin, rc, ev0
     full_fin = st.batch_full
-    exD = _excl_cumsum(drop * vm)
     for r in range(cfg.rounds):
         sc = torch.stack([A, ev0, I + cI, cur + cC, rin + cE, rc + cE, can_run0, st.running_bs,
                           st.batch_full.to(i64)]).to(i64)
@@ -572,7 +603,7 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
             else:
                 fail = ignore_eos_fail(c[:Q], q_left[:Q], q_occ[:Q], valid[:Q], h_left, h_occ, h_valid,
                                        rows=cfg.grid_rows)
-            fail = pad(fail, False)
+            fail = torch.cat([fail, false[:1]])
         else:
             fail = false
         if backend == "triton":
@@ -635,6 +666,171 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
         input_tokens=in_tokens + (rin_loop - rin_fin), decided=done)
 
 
+# ---- the eager form: the rounds' scalar state on the host ------------------------------------------
+class HostStepResult(NamedTuple):
+    """`admit_step_host`'s result: what `StepResult` holds, as Python values. `admitted` is
+    the length of the admitted prefix of the queue and `extend_end` its extend ends [tokens]
+    (a chunked admission's truncated end included); rem_total and cur_rem follow from the
+    budgets (`A + evictable - I - ratio * N`, `A + evictable - cur_off`)."""
+
+    admitted: int
+    extend_end: list
+    stop_index: int
+    stop: int
+    chunk_index: int
+    chunk_len: int
+    batch_full: bool
+    inflight_end: int
+    inflight_left: bool
+    I: int
+    cur_off: int
+    rem_input: int
+    rem_chunk: int
+    evictable: int
+    hit_tokens: int
+    input_tokens: int
+    decided: bool
+
+
+
+def read_step_result(res: StepResult) -> HostStepResult:
+    """`admit_step`'s tensor result as a `HostStepResult`, in one read-back (the admitted
+    entries are a prefix of the queue: the loop admits in order until it stops)."""
+    i64 = torch.int64
+    head = torch.stack([res.admitted.sum(), res.stop_index, res.stop, res.chunk_index, res.chunk_len,
+                        res.batch_full.to(i64), res.inflight_end, res.inflight_left.to(i64), res.I, res.cur_off,
+                        res.rem_input, res.rem_chunk, res.evictable, res.hit_tokens, res.input_tokens,
+                        res.decided.to(i64)])
+    vals = torch.cat([head, res.extend_end]).tolist()
+    na = vals[0]
+    return HostStepResult(na, vals[16 : 16 + na], *vals[1:5], bool(vals[5]), vals[6], bool(vals[7]), *vals[8:15],
+                          bool(vals[15]))
+
+def _py(x):
+    """A 0-d tensor's value (one host read) or the number itself."""
+    return x.item() if isinstance(x, torch.Tensor) else x
+
+
+def _ceil_i(x: int, P: int) -> int:
+    return -((-x) // P) * P
+
+
+def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[HeldCols] = None,
+                    chunked: Optional[ChunkedCols] = None) -> HostStepResult:
+    """`admit_step` for eager callers of the torch backend: the same per-request checks
+    (`eval_requests`, the ignore-EOS grid) as tensors over the queue, but each round's event
+    (the first index that is not "admit whole, budget CONTINUE") is read back with the values
+    at it, and the round's state update (R-STEP-3's budget commits, R-ADM-3's chunk, the
+    batch-full mark) is done in Python integers and float64 floats, exactly as `admit_step`'s
+    tensor formulas do it. That replaces some 90 scalar tensor ops per round (a few us each
+    on a CPU, a kernel launch each on a GPU) by two reads.
+
+    Args: as `admit_step`; the fields of `st`, `q.n` and `chunked` may be Python numbers or
+    0-d tensors (read once). Returns `HostStepResult`. Tests hold it equal to `admit_step`
+    field by field (`tests/test_step_core.py`).
+    """
+    P = cfg.page_size
+    Q = q.fill_len.numel()
+    dev = q.fill_len.device
+    i64 = torch.int64
+    A, ev0, N = int(_py(st.available)), int(_py(st.evictable)), int(_py(st.N))
+    ratio = float(_py(st.ratio))
+    rn = ratio * float(N)  # float64(ratio * N), D7 (Python floats are IEEE doubles)
+    I, cur, rin = int(_py(st.I)), int(_py(st.cur_off)), int(_py(st.rem_input))
+    rc = int(_py(st.rem_chunk)) if cfg.chunking else 0
+    can_run0, running_bs, full0 = int(_py(st.can_run)), int(_py(st.running_bs)), bool(_py(st.batch_full))
+    n = int(_py(q.n))
+    in_tokens, inflight_end, inflight_left = 0, 0, False
+
+    # R-ADM-5: the in-flight chunked request comes first
+    if chunked is not None and bool(_py(chunked.present)):
+        c_fill, c_pre, c_max = (int(_py(v)) for v in (chunked.fill_len, chunked.prefix_len, chunked.max_new))
+        rt = float(A + ev0 - I) - rn
+        room = min(rc, int(rt))  # float64 -> int64 truncates toward zero, as int() does
+        room = rc if room <= 0 else room
+        ext_c = c_fill - c_pre
+        nc = min(ext_c, room)
+        ec = _ceil_i(nc, P)
+        resc = min(c_max, cfg.clip) if nc == ext_c else 0
+        I, cur, rin, rc = I + ec + resc + P, cur + ec + P, rin - ec, rc - ec
+        in_tokens, inflight_end, inflight_left = ec, c_pre + nc, nc < ext_c
+        can_run0 += 1
+    rin_loop = rin
+
+    qs = _queue_sums(cfg, q, n)
+    ar, valid, fill, out, prompt, maxn, pre, drop, ie, e, wI, wC, exI, exC, exE, exD = qs
+    ev = ev0 - exD
+    iep = ie & cfg.ignore_eos_path
+    exH = _excl_cumsum(torch.where(iep | ~valid, 0, pre))  # hit tokens of a prefix (ignore-EOS ones count none)
+    # every column the round update reads at the event, read back as one row
+    cols = torch.stack([e, wI, wC, pre, exI, exC, exE, ev, drop, iep.to(i64), exH, fill])
+    false = torch.zeros(Q + 1, dtype=torch.bool, device=dev)
+    ratio_t = torch.tensor(ratio, dtype=torch.float64, device=dev)
+    rn_t = torch.tensor(rn, dtype=torch.float64, device=dev)
+    if cfg.ignore_eos_path:
+        q_left, q_occ = eos_states(maxn, out, prompt, ie, ratio_t)
+        h_left, h_occ, h_valid = _held_states(held, chunked if chunked is None else ChunkedCols(
+            *(torch.as_tensor(_py(v), device=dev) for v in chunked)), ratio_t, dev)
+
+    s, cI, cC, cE = 0, 0, 0, 0
+    done = False
+    k_fin = stop_fin = kind_fin = 0
+    chunk_idx, chunk_len, chunk_ends = -1, 0, {}
+    I_fin, cur_fin, rin_fin, rc_fin, ev_fin, full_fin, hit = I, cur, rin, rc, ev0, full0, 0
+    for _ in range(cfg.rounds):
+        sc = torch.tensor([A, ev0, I + cI, cur + cC, rin + cE, rc + cE, can_run0, running_bs, int(full0)],
+                          dtype=i64, device=dev)
+        fail = false
+        if cfg.ignore_eos_path:  # R-ADM-6 reservation scan, c_j = cur_rem_j - ceilP(ext_j)
+            c = (A + ev - (cur + cC + exC)) - e
+            fail = torch.cat([ignore_eos_fail(c[:Q], q_left[:Q], q_occ[:Q], valid[:Q], h_left, h_occ, h_valid,
+                                              rows=cfg.grid_rows), false[:1]])
+        stop_j, kind_j, tc, mark_j = eval_requests(cfg, sc, rn_t, fill, pre, out, maxn, drop, ie, fail,
+                                                   exI, exC, exE, exD)
+        event = valid & (ar >= s) & ~((kind_j == KIND_WHOLE) & (stop_j == STOP_NONE))
+        k = int(torch.where(event, ar, n).min())
+        stop_r, kind_r, tc_k, mark_k = torch.stack([stop_j, kind_j, tc, mark_j.to(i64)])[:, k].tolist()
+        e_k, wI_k, wC_k, pre_k, exI_k, exC_k, exE_k, ev_k, drop_k, iep_k, exH_k, _ = cols[:, k].tolist()
+        atend = k >= n
+        stop_k = STOP_QUEUE_END if atend else stop_r
+        kind_k = KIND_NONE if atend else kind_r
+        whole_k = kind_k == KIND_WHOLE
+        ec_k = _ceil_i(tc_k, P)
+        dI = wI_k if whole_k else ec_k + P
+        dC = wC_k if whole_k else ec_k + P
+        dE = e_k if whole_k else ec_k
+        if kind_k == KIND_CHUNK:
+            chunk_idx, chunk_len = k, tc_k
+            chunk_ends[k] = pre_k + tc_k
+        upd = kind_k == KIND_CHUNK and stop_k == STOP_NONE
+        Ik, curk = I + cI + exI_k, cur + cC + exC_k
+        rink, rck = rin + cE - exE_k, rc + cE - exE_k
+        if upd:  # a chunk that leaves the budget at CONTINUE: the loop goes on after it
+            cI, cC, cE, s = cI + dI - wI_k, cC + dC - wC_k, cE + e_k - dE, k + 1
+            continue
+        adm = kind_k != KIND_NONE
+        k_fin, stop_fin, kind_fin = k, stop_k, kind_k
+        I_fin, cur_fin = Ik + (dI if adm else 0), curk + (dC if adm else 0)
+        rin_fin, rc_fin = rink - (dE if adm else 0), rck - (dE if adm else 0)
+        ev_fin = (ev_k if iep_k else ev_k - drop_k) if adm else ev_k
+        full_fin = full0 or (not atend and bool(mark_k))
+        if stop_k == STOP_NO_TOKEN:
+            full_fin = can_run0 + k + int(adm) > 0 or running_bs > 0
+        hit = exH_k + (pre_k if adm and not iep_k else 0)
+        done = True
+        break
+    na = k_fin + int(kind_fin != KIND_NONE) if done else 0
+    ends = fill[:na].tolist()
+    for j, end in chunk_ends.items():  # admitted chunks end where they were truncated
+        if j < na:
+            ends[j] = end
+    return HostStepResult(
+        admitted=na, extend_end=ends, stop_index=k_fin, stop=stop_fin, chunk_index=chunk_idx, chunk_len=chunk_len,
+        batch_full=full_fin, inflight_end=inflight_end, inflight_left=inflight_left, I=I_fin, cur_off=cur_fin,
+        rem_input=rin_fin, rem_chunk=rc_fin, evictable=ev_fin, hit_tokens=hit,
+        input_tokens=in_tokens + (rin_loop - rin_fin), decided=done)
+
+
 def _admit_step_triton(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[HeldCols],
                        chunked: Optional[ChunkedCols], early_exit: bool) -> StepResult:
     """`admit_step` with backend "triton": the same computation in a few launches. Before the
@@ -659,7 +855,7 @@ def _admit_step_triton(cfg: StepConfig, st: StepState, q: QueueCols, held: Optio
                              cont(q.prefix_len), cont(q.drop), cont(q.ignore_eos), sv, st.ratio, c is not None)
     ar = torch.arange(Q + 1, device=dev)
     valid = ar < q.n
-    A, ev0 = st.available, st.evictable
+    A = st.available
     fail = no_fail = torch.zeros(Q + 1, dtype=torch.bool, device=dev)
     if cfg.ignore_eos_path:
         q_left, q_occ = eos_states(p.maxn, p.out, p.prompt, p.ie, st.ratio)

@@ -18,8 +18,9 @@ from gpu_sched.config import SchedulerConfig
 from gpu_sched.reference import ReferenceScheduler
 from gpu_sched.reference.adder import AddResult, PrefillAdder
 from gpu_sched.request import Request
-from gpu_sched.admission import (STOP_NAMES, ChunkedCols, HeldCols, QueueCols, StepConfig, StepResult, StepState,
-                            admit_step, eos_states, ignore_eos_fail, lock_drops, preempt_select)
+from gpu_sched.admission import (STOP_NAMES, ChunkedCols, HeldCols, QueueCols, StepConfig, StepResult,
+                                 StepState, admit_step, admit_step_host, eos_states, ignore_eos_fail, lock_drops,
+                                 preempt_select)
 
 i64 = torch.int64
 
@@ -228,6 +229,55 @@ def test_admit_step_several_chunks_in_one_step():
         multi += k >= 2
     assert multi > 0
 
+
+
+def host_equals_tensor_form(seed, **over):
+    """`admit_step_host` (rounds' state on the host) == `admit_step` field by field, on the same
+    inputs; returns the number of chunked admissions (so callers can check chunks occurred)."""
+    rng, cfg, ref, ratio, full0 = build(seed, **over)
+    pad = rng.choice([0, 1, 5])
+    scfg, st, q, held, chunked, _ = static_inputs(cfg, ref, ratio, full0, pad)
+    want = admit_step(scfg, st, q, held, chunked)
+    got = admit_step_host(scfg, st, q, held, chunked)
+    msg = f"seed {seed} ({cfg})"
+    assert got.decided == bool(want.decided), msg
+    adm = want.admitted.tolist()
+    na = sum(adm)
+    assert adm == [True] * na + [False] * (len(adm) - na), msg  # the tensor form admits a prefix
+    assert got.admitted == na, f"{msg}: admitted {got.admitted} != {na}"
+    assert got.extend_end == want.extend_end[:na].tolist(), msg
+    for f in ("stop_index", "stop", "chunk_index", "chunk_len", "inflight_end", "I", "cur_off", "rem_input",
+              "rem_chunk", "evictable", "hit_tokens", "input_tokens"):
+        assert getattr(got, f) == int(getattr(want, f)), f"{msg}: {f} {getattr(got, f)} != {int(getattr(want, f))}"
+    assert got.batch_full == bool(want.batch_full), msg
+    assert got.inflight_left == bool(want.inflight_left), msg
+    return int(want.chunk_index) >= 0
+
+
+def test_admit_step_host_equals_tensor_form():
+    """The eager form against the static one over the random scenarios of the reference test
+    (every stop reason, chunks, ignore-EOS, the in-flight chunk) and the multi-chunk configs."""
+    chunks = sum(host_equals_tensor_form(seed) for seed in range(500))
+    assert chunks > 20
+    for seed in range(150):
+        host_equals_tensor_form(seed, page_size=4, truncation_align_size=7, chunked_prefill_size=20 + seed % 13,
+                                max_prefill_tokens=4096, prefill_max_requests=None, enable_priority_preemption=False)
+
+
+def test_admit_step_host_first_admission_spends_budget():
+    """One request admitted whole that leaves no token budget, nothing running or admitted
+    before: the batch is marked full (the admission itself counts); both forms agree."""
+    scfg = StepConfig(page_size=1, clip=4096)
+    st = StepState(available=t0(100), evictable=t0(0), I=t0(0), cur_off=t0(0), rem_input=t0(1000),
+                   rem_chunk=t0(0), ratio=t0(1.0, torch.float64), N=t0(0), can_run=t0(0), running_bs=t0(0),
+                   batch_full=t0(False, torch.bool))
+    q = QueueCols(n=t0(2), fill_len=t0([50, 5]), out_len=t0([10, 0]), prompt_len=t0([40, 5]), max_new=t0([50, 5]),
+                  prefix_len=t0([0, 0]), drop=t0([0, 0]), ignore_eos=t0([False, False], torch.bool))
+    want = admit_step(scfg, st, q)
+    got = admit_step_host(scfg, st, q)
+    assert (got.admitted, STOP_NAMES[got.stop], got.stop_index) == (1, "add_no_token", 0)
+    assert got.batch_full is True and bool(want.batch_full)
+    assert (got.I, got.cur_off) == (int(want.I), int(want.cur_off))
 
 # ---- lock-aware drops ------------------------------------------------------------------------
 def brute_drops(parent, key_len, lock_ref, last, cover, valid):
