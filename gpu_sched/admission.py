@@ -203,7 +203,7 @@ def _at(v: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 # ---- lock-aware evictable drops ------------------------------------------------------------------
 def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tensor, alive: torch.Tensor,
                last_node: torch.Tensor, cover: torch.Tensor, valid: torch.Tensor,
-               max_depth: Optional[int] = None, backend: str = "torch") -> torch.Tensor:
+               max_depth: Optional[int] = None, backend: str = "torch", early_exit: bool = False) -> torch.Tensor:
     """drop_i [Q] int64: what locking request i's matched path moves from `evictable` to
     `protected` after requests 0..i-1 locked theirs (R-RC-6; SPEC section 8).
 
@@ -221,6 +221,9 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     partial cover adds what it covers beyond earlier partial covers of the same node, unless an
     earlier request covered the node whole. `backend` "triton" finds F with one walk per
     request and atomics (`gpu_sched.kernels.radix.path_min`: one launch; max_depth unused).
+    `early_exit` (eager callers; host reads): the doubling stops at its first round that
+    changes nothing (a fixed point: every later round would change nothing either, and every
+    descendant is then counted), and the partial-cover part is skipped when no request has one.
     """
     N = parent.numel()
     Q = last_node.numel()
@@ -249,19 +252,26 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
         anc = torch.where(real & alive_ext & (par_ext >= 0), par_ext, D)
         rounds = (N - 1).bit_length() if max_depth is None else min((N - 1).bit_length(), int(max_depth).bit_length())
         for _ in range(max(1, rounds)):
-            f = f.scatter_reduce(0, anc, f, reduce="amin", include_self=True)
+            g = f.scatter_reduce(0, anc, f, reduce="amin", include_self=True)
+            if early_exit and torch.equal(g, f):
+                break
+            f = g
             anc = anc[anc]
         f = f[:N]
-    # largest partial cover of each node by a request before its F
-    early = partial & (idx < f[ln])
-    mp = torch.zeros(N + 1, dtype=torch.int64, device=dev)
-    mp = mp.scatter_reduce(0, torch.where(early, ln, D), torch.where(early, cover, 0), reduce="amax",
-                           include_self=True)[:N]
+    any_partial = not early_exit or bool(partial.any())  # else every match ends at its node's end
+    mp = 0
+    if any_partial:  # largest partial cover of each node by a request before its F
+        early = partial & (idx < f[ln])
+        mp = torch.zeros(N + 1, dtype=torch.int64, device=dev)
+        mp = mp.scatter_reduce(0, torch.where(early, ln, D), torch.where(early, cover, 0), reduce="amax",
+                               include_self=True)[:N]
     node_ids = torch.arange(N, device=dev)
     gain_ok = alive & (lock_ref == 0) & (node_ids != 0) & (f < INF)
     w = torch.where(gain_ok, key_len - mp, 0)
     drop = torch.zeros(Q + 1, dtype=torch.int64, device=dev)
     drop = drop.scatter_add(0, torch.where(gain_ok, f, Q), w)[:Q]
+    if not any_partial:
+        return torch.where(valid, drop, 0)
     # partial covers: beyond the largest earlier partial cover of the same node
     key = torch.where(partial, ln, N)
     order = torch.sort(key, stable=True).indices

@@ -893,7 +893,7 @@ class GpuScheduler(ReferenceScheduler):
             b = min(1 << max(tree.node_bound() - 1, 1).bit_length(), tree.parent.numel())
             drop = lock_drops(tree.parent[:b], tree.key_len[:b], tree.lock_ref[:b], tree.alive[:b], node, cover,
                               has, max_depth=1 << depth.bit_length(),  # power of two: few distinct shapes
-                              backend=self.backend)
+                              backend=self.backend, early_exit=True)
             ev = tree.evictable_size
         budgets = [self.pool.available, adder.I, adder.cur_off, adder.rem_input,
                    adder.rem_chunk if adder.rem_chunk is not None else 0, adder.N, len(adder.can_run), running_bs,

@@ -320,12 +320,16 @@ def test_lock_drops_partial_covers(seed):
     depth = [0] * N
     for v in range(1, N):
         depth[v] = depth[parent[v]] + 1
-    want = brute_drops(parent, key_len, lock_ref, last, cover, valid)
-    for bound in (None, max([depth[v] for v in last], default=0)):  # the tight depth bound too
-        got = lock_drops(t0(parent), t0(key_len), t0(lock_ref), torch.ones(N, dtype=torch.bool), t0(last), t0(cover),
-                         t0(valid, torch.bool), max_depth=bound).tolist()
-        bad = [i for i in range(Q) if got[i] != want[i]]
-        assert not bad, f"max_depth {bound}: first differing request {bad[0]}: {got[bad[0]]} != {want[bad[0]]}"
+    whole = [key_len[v] for v in last]  # the same paths, every match ending at its node's end
+    for cov in (cover, whole):
+        want = brute_drops(parent, key_len, lock_ref, last, cov, valid)
+        for bound in (None, max([depth[v] for v in last], default=0)):  # the tight depth bound too
+            for early in (False, True):  # eager callers: doubling to its fixed point, no partial part
+                got = lock_drops(t0(parent), t0(key_len), t0(lock_ref), torch.ones(N, dtype=torch.bool), t0(last),
+                                 t0(cov), t0(valid, torch.bool), max_depth=bound, early_exit=early).tolist()
+                bad = [i for i in range(Q) if got[i] != want[i]]
+                assert not bad, (f"max_depth {bound} early_exit {early}: first differing request {bad[0]}: "
+                                 f"{got[bad[0]]} != {want[bad[0]]}")
 
 
 # ---- R-ADM-6 grid ----------------------------------------------------------------------------
