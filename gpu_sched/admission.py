@@ -33,6 +33,13 @@ How it works (read this first)
   Priority preemption (R-ADM-7) is a host event here (`STOP_PREEMPT` names the request that
   needs it); `preempt_select` decides one attempt on the device.
 
+  Eager callers (`GpuScheduler.step` without a recorded graph, torch backend) use
+  `admit_step_host`: the same per-request checks as tensors, but each round's event and the
+  values at it are read back and the round's state update runs in Python integers, which
+  replaces some 90 scalar tensor ops per round (each a few us on a CPU, a kernel launch on a
+  GPU) by two reads. The static `admit_step` is what a CUDA graph records; tests hold the two
+  equal field by field.
+
 Static shapes: the queue has a fixed capacity Q with a device count `n`; budgets are 0-d
 tensors; config values are Python ints. No `.item()`, no `nonzero`, no boolean-mask indexing,
 no data-dependent shape (tests run it on `meta` tensors and under `torch.compile(fullgraph)`).

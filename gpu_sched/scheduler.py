@@ -582,9 +582,9 @@ class GpuScheduler(ReferenceScheduler):
             # R-ORD-8: match in queue order (splits and stamps as sequential matching), then
             # keys, deprioritization and the order on the device; one read-back at the end
             tree = self.cache.tree
-            tok, toff, lens, ns, ch, coff, cl = self._csr(rows, False)  # hashes fills on first use
-            sel = _RowCols(self._rt, rows)  # columns read after `_csr` set the pool offsets
-            m, pos = self._full_match(rows, sel, (tok, toff, lens, ns, ch, coff, cl))
+            sel = _RowCols(self._rt, rows)
+            lens = torch.from_numpy(sel[:, RT_FILL]).to(dev)
+            m, pos = self._full_match(rows, sel, lens)  # hashes the fills it searches on first use
             version = tree.version  # the matches hold until the tree's content changes
             m, last = tree._apply(m, pos, tree.backend)
             num = torch.minimum(m, torch.from_numpy(sel[:, RT_CAP].copy()).to(dev))
@@ -648,8 +648,9 @@ class GpuScheduler(ReferenceScheduler):
             sel = _RowCols(self._rt, rows)
         miss = np.flatnonzero(sel[:, RT_HEADT] != T)
         if miss.size:
+            self._ensure_hashed(rows[miss])  # their tokens are read from the pool
             tok, _ = self._pools()
-            toff = torch.from_numpy(sel[miss, RT_TOFF]).to(self.device)
+            toff = torch.from_numpy(_rt_get(self._rt, rows[miss], RT_TOFF)).to(self.device)
             cols = (toff[:, None] + torch.arange(T, device=self.device)).clamp(0, max(tok.numel() - 1, 0))
             heads = tok[cols] if tok.numel() else torch.zeros((miss.size, T), dtype=torch.int32, device=self.device)
             lens = torch.from_numpy(np.minimum(sel[miss, RT_FILL], T)).to(self.device)
@@ -664,16 +665,16 @@ class GpuScheduler(ReferenceScheduler):
             return torch.from_numpy(group).to(self.device), len(ids)
         return torch.from_numpy(sel[:, RT_HEAD]).to(self.device), len(self._hg_id)
 
-    def _full_match(self, rows: np.ndarray, sel: "_RowCols", csr):
-        """Full-length matches (R-ORD-8) of table rows `rows` (`sel` = their columns) given as
-        CSR tensors (`_csr`): (length, last pool position) int64 device tensors [B], kept in
+    def _full_match(self, rows: np.ndarray, sel: "_RowCols", lens: torch.Tensor):
+        """Full-length matches (R-ORD-8) of table rows `rows` (`sel` = their columns, `lens` their
+        fill lengths as an int64 device tensor [B]): (length, last pool position) int64 device tensors [B], kept in
         the rows for later steps and for admission (`_window_match`). A row whose full match
         was found on a tree version the tree's change log reaches keeps it, position included,
         when neither of its two hashes was entered or removed since (`FlatRadixTree.unchanged`:
         a binary search in the few hashes the steps between changed, no table lookup); other
         rows matched before (any earlier step) have their old length checked (`check_matches`:
-        two lookups); only rows without one, or whose match changed, are searched."""
-        tok, toff, lens, ns, ch, coff, cl = csr
+        two lookups); only rows without one, or whose match changed, are searched (their fills
+        hashed into the pools first if new, and read as CSR tensors: `_csr`)."""
         tree = self.cache.tree
         be = tree.backend
         dev = self.device
@@ -702,15 +703,15 @@ class GpuScheduler(ReferenceScheduler):
             m = pos = None
             miss = torch.arange(len(rows), device=dev)
         if miss.numel():
-            mc = int(sel[:, RT_FILL].max(initial=0)) // tree.C
-            sub = (toff[miss], lens[miss], ns[miss], coff[miss])
-            fm, fp = tree._find_csr(tok, sub[0], sub[1], sub[1], sub[2], ch, sub[3], cl[miss], mc, be)
-            h1, h2 = tree.depth_hashes(tok, sub[0], sub[2], ch, sub[3], fm)
+            mi = miss.cpu().numpy()
+            tok, toff, mlen, ns, ch, coff, cl = self._csr(rows[mi], False)
+            mc = int(sel[mi, RT_FILL].max(initial=0)) // tree.C
+            fm, fp = tree._find_csr(tok, toff, mlen, mlen, ns, ch, coff, cl, mc, be)
+            h1, h2 = tree.depth_hashes(tok, toff, ns, ch, coff, fm)
             if m is None:
                 m, pos = fm, fp
             else:
                 m, pos = m.index_copy(0, miss, fm), pos.index_copy(0, miss, fp)
-            mi = miss.cpu().numpy()
             hh = torch.stack([h1, h2]).cpu().numpy()
             _rt_set(self._rt, rows[mi], RT_MVER, -1)  # no hint until the caller writes the new lengths
             _rt_set(self._rt, rows[mi], RT_H1, hh[0])
