@@ -108,6 +108,13 @@ class RowQueue(_ListLike):
         head = pick(self._s._rt_owner, self.rows[a:k].tolist()) if a < k else []
         return head + self.tail[max(a - k, 0) : b - k], None
 
+    def window_rows(self, a: int, b: int) -> Optional[np.ndarray]:
+        """The rows of requests a..b-1 (int64 [b-a], a view), or None when some are in the tail."""
+        a, b = max(a, 0), min(b, len(self))
+        if b <= a:
+            return _EMPTY
+        return self.rows[a:b] if b <= len(self.rows) else None
+
     def after(self, k: int) -> "RowQueue":
         """The queue without its first k requests (R-STEP-4's rest as a slice)."""
         r = len(self.rows)

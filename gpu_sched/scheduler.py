@@ -775,7 +775,11 @@ class GpuScheduler(ReferenceScheduler):
             else:
                 # a window of the queue: the loop never reads past its stop point, and one that
                 # gets through the window goes on with the next (twice as long)
-                rest, wrows = queue.window(i, i + W) if isinstance(queue, RowQueue) else (queue[i : i + W], None)
+                wrows = queue.window_rows(i, i + W) if isinstance(queue, RowQueue) else None
+                if wrows is not None:  # a view: requests are looked up only where read (the admitted ones)
+                    rest = RowQueue(self, wrows)
+                else:
+                    rest = queue.window(i, i + W)[0] if isinstance(queue, RowQueue) else queue[i : i + W]
                 W *= 2
                 res, matched = self._static_admission(rest, adder, running_bs, scfg, wrows)
                 vals = [res.stop, res.stop_index, res.chunk_index, int(res.batch_full), res.I, res.cur_off,
@@ -788,9 +792,11 @@ class GpuScheduler(ReferenceScheduler):
             ends = vals[12 : 12 + na]
             refused = na == k and k < Q and stop in (STOP_NO_TOKEN, STOP_OTHER)  # re-matched, then refused
             if matched is not None:  # the admission's own capped match of the rows applied
-                rows = torch.tensor(list(range(na)) + ([k] if refused else []), dtype=torch.int64,
-                                    device=self.device)
-                matched = (matched[0][rows], matched[1][rows])
+                if refused:  # the admitted prefix and the refused request after it
+                    sel = torch.tensor([k], dtype=torch.int64, device=self.device)
+                    matched = tuple(torch.cat([v[:na], v.index_select(0, sel)]) for v in matched)
+                else:
+                    matched = (matched[0][:na], matched[1][:na])
             self._admit_run(rest[:na], ends[:na], adder, rematch=rest[k] if refused else None, matched=matched)
             if lead == i:
                 lead += na
