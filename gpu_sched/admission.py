@@ -709,7 +709,6 @@ class HostStepResult(NamedTuple):
     decided: bool
 
 
-
 def read_step_result(res: StepResult) -> HostStepResult:
     """`admit_step`'s tensor result as a `HostStepResult`, in one read-back (the admitted
     entries are a prefix of the queue: the loop admits in order until it stops)."""
@@ -722,6 +721,7 @@ def read_step_result(res: StepResult) -> HostStepResult:
     na = vals[0]
     return HostStepResult(na, vals[16 : 16 + na], *vals[1:5], bool(vals[5]), vals[6], bool(vals[7]), *vals[8:15],
                           bool(vals[15]))
+
 
 def _py(x):
     """A 0-d tensor's value (one host read) or the number itself."""
