@@ -12,6 +12,7 @@ with the same (policy, stage, n, backend, device) would otherwise overlap.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -32,7 +33,8 @@ STYLE = {  # (backend, device) -> matplotlib style
 
 
 def load_rows(path, run=None, all_runs=False, queue=None):
-    rows = json.loads(Path(path).read_text())
+    p = Path(path)  # a .gz file too (older runs are archived compressed)
+    rows = json.loads(gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_text())
     rows = [r for r in rows if r.get("median_s") is not None]
     if queue:
         rows = [r for r in rows if r.get("queue") == queue]
