@@ -780,11 +780,11 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
     iep = ie & cfg.ignore_eos_path
     exH = _excl_cumsum(torch.where(iep | ~valid, 0, pre))  # hit tokens of a prefix (ignore-EOS ones count none)
     # every column the round update reads at the event, read back as one row
-    cols = torch.stack([e, wI, wC, pre, exI, exC, exE, ev, drop, iep.to(i64), exH, fill])
+    cols = torch.stack([e, wI, wC, pre, exI, exC, exE, ev, drop, iep.to(i64), exH])
     false = torch.zeros(Q + 1, dtype=torch.bool, device=dev)
-    ratio_t = torch.tensor(ratio, dtype=torch.float64, device=dev)
     rn_t = torch.tensor(rn, dtype=torch.float64, device=dev)
     if cfg.ignore_eos_path:
+        ratio_t = torch.tensor(ratio, dtype=torch.float64, device=dev)
         q_left, q_occ = eos_states(maxn, out, prompt, ie, ratio_t)
         h_left, h_occ, h_valid = _held_states(held, chunked if chunked is None else ChunkedCols(
             *(torch.as_tensor(_py(v), device=dev) for v in chunked)), ratio_t, dev)
@@ -807,7 +807,7 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
         event = valid & (ar >= s) & ~((kind_j == KIND_WHOLE) & (stop_j == STOP_NONE))
         k = int(torch.where(event, ar, n).min())
         stop_r, kind_r, tc_k, mark_k = torch.stack([stop_j, kind_j, tc, mark_j.to(i64)])[:, k].tolist()
-        e_k, wI_k, wC_k, pre_k, exI_k, exC_k, exE_k, ev_k, drop_k, iep_k, exH_k, _ = cols[:, k].tolist()
+        e_k, wI_k, wC_k, pre_k, exI_k, exC_k, exE_k, ev_k, drop_k, iep_k, exH_k = cols[:, k].tolist()
         atend = k >= n
         stop_k = STOP_QUEUE_END if atend else stop_r
         kind_k = KIND_NONE if atend else kind_r
