@@ -574,7 +574,10 @@ class GpuScheduler(ReferenceScheduler):
         if cfg.effective_policy == "fcfs":
             if not (cfg.enable_priority_scheduling and n):
                 return OrderResult("fcfs", q)
-            perm = dpolicy.fcfs_priority_order(col(RT_PRIO), col(RT_TIME).view(torch.float64), sign, backend=be)
+            t = _rt_get(self._rt, rows, RT_TIME).view(np.float64)
+            # a queue appended to in arrival order needs no time key (checked on the host)
+            tk = None if bool((t[1:] >= t[:-1]).all()) else torch.from_numpy(t).to(dev)
+            perm = dpolicy.fcfs_priority_order(col(RT_PRIO), tk, sign, backend=be)
             return OrderResult("fcfs", RowQueue(self, rows[perm.cpu().numpy()]))
         if policy in ("lpm", "dfs-weight"):
             if n == 0:
@@ -624,9 +627,11 @@ class GpuScheduler(ReferenceScheduler):
         else:  # routing-key: interned ids, ranked by their strings among the keys present
             qk = _rt_get(self._rt, rows, RT_RKEY)
             run_ids = np.array([self._rk_intern(r.req.routing_key) for r in self.running], dtype=np.int64)
-            ids = np.unique(np.concatenate([qk, run_ids]))
-            ids = ids[ids >= 0]
-            lut = np.full(len(self._rk_names) + 1, -1, dtype=np.int64)  # slot -1 (last): absent
+            present = np.zeros(len(self._rk_names) + 1, dtype=bool)  # slot -1 (last): absent
+            present[qk] = True
+            present[run_ids] = True
+            ids = np.flatnonzero(present[:-1])
+            lut = np.full(len(self._rk_names) + 1, -1, dtype=np.int64)
             lut[ids] = np.arange(ids.size)
             names = self._rk_names
             rank = np.empty(ids.size, dtype=np.int64)

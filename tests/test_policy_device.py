@@ -118,6 +118,60 @@ def test_fcfs_integer_times_and_int32_priority():
     assert_perm_equal(got, want, "fcfs int times")
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("low_first", [False, True])
+def test_fcfs_priority_order_of_a_queue_in_time_order(backend, low_first):
+    """enqueue_time None (the caller saw the queue in non-decreasing time order): the same
+    order as with the times, and as the reference's, equal times and absent priorities included."""
+    rng = random.Random(11 + low_first)
+    cfg = SchedulerConfig(schedule_policy="fcfs", enable_priority_scheduling=True,
+                          schedule_low_priority_values_first=low_first)
+    for n in (0, 1, 2, 300, 3000):
+        queue = make_queue(n, rng, low_first)
+        times = sorted(rng.choice([0.0, 1.0, 1.0, 2.5, 7.0, 7.0]) for _ in range(n))
+        for r, t in zip(queue, times):
+            r.enqueue_time = t
+        if n > 2:  # small priorities too, so the sort by priority alone takes the narrow path
+            for r in queue[: n // 2]:
+                r.priority = rng.choice([0, 1, 2])
+        want = ref_perm(queue, order_queue(queue, cfg, empty_cache(), [], no_shuffle).queue)
+        prio = torch.tensor([r.priority for r in queue], dtype=torch.int64)
+        t = torch.tensor(times, dtype=torch.float64)
+        got = P.fcfs_priority_order(prio, None, cfg.priority_sign, **kw(backend))
+        assert_perm_equal(got, want, f"fcfs in time order {backend} n={n}")
+        assert_perm_equal(P.fcfs_priority_order(prio, t, cfg.priority_sign, **kw(backend)), want, "with times")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("radix_min", [32768, 64])
+def test_stable_perm_on_the_cpu_equals_torch_sort(dtype, radix_min, monkeypatch):
+    """The CPU's narrow-key path (`_narrow_perm`: numpy's radix argsort below `_CPU_RADIX_MIN`
+    elements, torch's sort on an int16/int32 key above) gives torch.sort(stable=True)'s
+    permutation, at the span limits 2^15 and 2^16 and at the dtype's ends; wider keys go to
+    torch.sort (None from `_narrow_perm`)."""
+    monkeypatch.setattr(P, "_CPU_RADIX_MIN", radix_min)
+    info = torch.iinfo(dtype)
+    g = torch.Generator().manual_seed(radix_min + info.bits)
+    for n in (0, 1, 2, 63, 64, 1000):
+        for span in (0, 1, 5, 2**15 - 1, 2**15, 2**16 - 1, 2**16, 2**30):
+            for lo in (info.min, -7, 0, info.max - span):
+                if n == 0:
+                    key = torch.empty(0, dtype=dtype)
+                else:  # heavy ties, and both ends of the span present
+                    key = torch.randint(0, min(span, 40) + 1, (n,), generator=g, dtype=torch.int64)
+                    key = torch.where(key == 1, span, key) if span > 40 else key
+                    key = (key + lo).to(dtype)
+                    key[0], key[-1] = lo + span, lo
+                want = torch.sort(key, stable=True).indices
+                narrow = P._narrow_perm(key)
+                real_span = int(key.max()) - int(key.min()) if n else 0
+                assert (narrow is None) == (n >= 2 and real_span >= 2**16), (n, span, lo)
+                got = P._stable_perm(key)
+                assert got.dtype == torch.int64 and torch.equal(got, want), (dtype, n, span, lo)
+                strided = key[::2]  # a non-contiguous view
+                assert torch.equal(P._stable_perm(strided), torch.sort(strided, stable=True).indices)
+
+
 # ---- R-ORD-5 lof ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend,n", BACKEND_CASES)
 @pytest.mark.parametrize("priority_on,low_first", [(False, False), (True, False), (True, True)])
