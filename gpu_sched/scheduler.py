@@ -452,38 +452,31 @@ class GpuScheduler(ReferenceScheduler):
 
     def _ensure_hashed(self, rows: np.ndarray, max_batch_tokens: int = 1 << 24) -> None:
         """With the cache on: the fills of table rows `rows` not yet in the pools are hashed
-        (`prefix_hashes`) in padded batches of ~`max_batch_tokens` tokens and appended, once
-        per fill, when a match first needs them (ordering by lpm/dfs-weight, an admission
-        window, the recorded step), not when the request arrives: fcfs/lof/routing-key queues
-        hash only what admission reaches."""
+        (`chunk_hashes_flat`, end to end in batches of ~`max_batch_tokens` tokens) and
+        appended, once per fill, when a match first needs them (ordering by lpm/dfs-weight, an
+        admission window, the recorded step), not when the request arrives: fcfs/lof/routing-key
+        queues hash only what admission reaches."""
         if self.cache.disable or not len(rows):
             return
         rt = self._rt
         todo = np.unique(rows[_rt_get(rt, rows, RT_TOFF) < 0])
         if not todo.size:
             return
-        reqs = [self._rt_owner[k] for k in todo.tolist()]
         tree = self.cache.tree
         C = tree.C
+        lens_all = _rt_get(rt, todo, RT_FILL)
+        # batch b holds the rows whose fills end within its share of the tokens (>= 1 row)
+        ends = np.cumsum(lens_all)
         i = 0
-        while i < len(reqs):
-            j, L = i, 1
-            while j < len(reqs) and (j - i + 1) * max(L, int(rt[todo[j], RT_FILL])) <= max_batch_tokens or j == i:
-                L = max(L, int(rt[todo[j], RT_FILL]))
-                j += 1
-            batch, brow = reqs[i:j], todo[i:j]
-            lens = rt[brow, RT_FILL]
-            buf = np.zeros((len(batch), L), dtype=np.int32)
-            for k, r in enumerate(batch):
-                buf[k, : lens[k]] = r.fill()
-            toks = torch.from_numpy(buf).to(self.device)
-            ch = tree.prefix_hashes(toks, torch.from_numpy(lens).to(self.device),
-                                    torch.from_numpy(rt[brow, RT_NS]).to(self.device), C)
+        while i < todo.size:
+            j = max(i + 1, int(np.searchsorted(ends, (ends[i - 1] if i else 0) + max_batch_tokens, side="right")))
+            brow, lens = todo[i:j], lens_all[i:j]
+            fills = [self._rt_owner[k].fill() for k in brow.tolist()]
+            flat = np.concatenate(fills).astype(np.int32, copy=False) if fills else np.zeros(0, np.int32)
+            toks = torch.from_numpy(flat).to(self.device)
+            ch = tree.chunk_hashes_flat(toks, lens, _rt_get(rt, brow, RT_NS), C)
             cnt = lens // C
-            ar = np.arange(L)
-            tmask = torch.from_numpy(ar[None, :] < lens[:, None]).to(self.device)
-            cmask = torch.from_numpy(ar[None, : ch.shape[1]] < cnt[:, None]).to(self.device)
-            t0, c0 = self._pool_append(toks[tmask], ch[cmask])
+            t0, c0 = self._pool_append(toks, ch)
             rt[brow, RT_TOFF] = t0 + np.cumsum(lens) - lens
             rt[brow, RT_COFF] = c0 + np.cumsum(cnt) - cnt
             self._stamp += 1

@@ -357,3 +357,32 @@ def test_stamp_paths_equals_a_walk_per_request(n):
             v = int(tree.parent[v])
     tree._stamp_paths(nodes, stamp)
     assert torch.equal(tree.last_access, want)
+
+
+@pytest.mark.parametrize("every", [1, 3, 8])
+def test_chunk_hashes_flat_equal_padded_prefix_hashes(every):
+    """`chunk_hashes_flat` (sequences end to end) gives `prefix_hashes`' values (padded batch,
+    masked to each sequence's lengths // every), empty and short sequences and token ids up to
+    int32's top included; more than 2^32 - 1 tokens are refused before anything is computed."""
+    rng = np.random.default_rng(every)
+    tree = FlatRadixTree(page_size=1)
+    for B in (0, 1, 7, 40):
+        lens = rng.integers(0, 60, B)
+        lens[: B // 4] = rng.integers(0, every, B // 4) if B else lens[:0]  # no whole chunk
+        seqs = [rng.integers(0, 2**31 - 1, int(n), dtype=np.int64).astype(np.int32) for n in lens]
+        if B:
+            seqs[-1][:1] = 2**31 - 1
+        ns = rng.integers(0, 3, B)
+        flat = torch.from_numpy(np.concatenate(seqs) if B else np.zeros(0, np.int32))
+        got = tree.chunk_hashes_flat(flat, lens, ns, every)
+        L = max([1, *lens.tolist()])
+        pad = torch.zeros((B, L), dtype=torch.int32)
+        for b, q in enumerate(seqs):
+            pad[b, : len(q)] = torch.from_numpy(q)
+        full = tree.prefix_hashes(pad, torch.from_numpy(lens), torch.from_numpy(ns), every)
+        want = [full[b, : int(lens[b]) // every] for b in range(B)]
+        want = torch.cat(want) if want else torch.zeros(0, dtype=torch.int64)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (every, B)
+    big = torch.zeros(1, dtype=torch.int32).expand(2**32)  # no storage behind the 2^32 tokens
+    with pytest.raises(ValueError, match="2\\^32"):
+        tree.chunk_hashes_flat(big, np.array([2**32]), np.array([0]), every)
