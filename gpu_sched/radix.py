@@ -265,6 +265,12 @@ class FlatRadixTree:
         T, dev = tokens.numel(), tokens.device
         if T >= 2**32:
             raise ValueError(f"chunk_hashes_flat: at most 2^32 - 1 tokens per batch, got {T}")
+        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+            raise ValueError(f"chunk_hashes_flat: every must be an int > 0, got {every!r}")
+        if (lengths < 0).any() or int(lengths.sum()) != T or np.shape(ns) != lengths.shape:
+            raise ValueError(f"chunk_hashes_flat: lengths must be >= 0 and sum to the {T} tokens, with one "
+                             f"namespace each; got lengths summing to {int(lengths.sum())} (min "
+                             f"{int(lengths.min()) if lengths.size else 0}) and {np.size(ns)} namespaces")
         cnt = lengths // every
         if not T or not cnt.any():
             return torch.zeros(0, dtype=torch.int64, device=dev)

@@ -383,6 +383,12 @@ def test_chunk_hashes_flat_equal_padded_prefix_hashes(every):
         want = [full[b, : int(lens[b]) // every] for b in range(B)]
         want = torch.cat(want) if want else torch.zeros(0, dtype=torch.int64)
         assert got.dtype == torch.int64 and torch.equal(got, want), (every, B)
+    three = torch.zeros(3, dtype=torch.int32)
+    for lens, ns, what in (([2], [0], "sum to the 3"), ([4, -1], [0, 0], "min -1"), ([3], [0, 1], "2 namespaces")):
+        with pytest.raises(ValueError, match=what):
+            tree.chunk_hashes_flat(three, np.array(lens), np.array(ns), every)
+    with pytest.raises(ValueError, match="every must be"):
+        tree.chunk_hashes_flat(three, np.array([3]), np.array([0]), 0)
     big = torch.zeros(1, dtype=torch.int32).expand(2**32)  # no storage behind the 2^32 tokens
     with pytest.raises(ValueError, match="2\\^32"):
         tree.chunk_hashes_flat(big, np.array([2**32]), np.array([0]), every)
