@@ -20,7 +20,7 @@ from gpu_sched.reference.adder import AddResult, PrefillAdder
 from gpu_sched.request import Request
 from gpu_sched.admission import (STOP_NAMES, ChunkedCols, HeldCols, QueueCols, StepConfig, StepResult,
                                  StepState, admit_step, admit_step_host, eos_states, ignore_eos_fail, lock_drops,
-                                 preempt_select)
+                                 preempt_select, read_step_result)
 
 i64 = torch.int64
 
@@ -251,6 +251,9 @@ def host_equals_tensor_form(seed, **over):
         assert getattr(got, f) == int(getattr(want, f)), f"{msg}: {f} {getattr(got, f)} != {int(getattr(want, f))}"
     assert got.batch_full == bool(want.batch_full), msg
     assert got.inflight_left == bool(want.inflight_left), msg
+    # the triton eager path's one read-back of the tensor form gives the same record
+    read = read_step_result(want)
+    assert read == got, f"{msg}: " + ", ".join(f"{f} {a!r} != {b!r}" for f, a, b in zip(got._fields, read, got) if a != b)
     return int(want.chunk_index) >= 0
 
 
