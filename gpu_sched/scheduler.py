@@ -790,11 +790,8 @@ class GpuScheduler(ReferenceScheduler):
             ends = vals[12 : 12 + na]
             refused = na == k and k < Q and stop in (STOP_NO_TOKEN, STOP_OTHER)  # re-matched, then refused
             if matched is not None:  # the admission's own capped match of the rows applied
-                if refused:  # the admitted prefix and the refused request after it
-                    sel = torch.tensor([k], dtype=torch.int64, device=self.device)
-                    matched = tuple(torch.cat([v[:na], v.index_select(0, sel)]) for v in matched)
-                else:
-                    matched = (matched[0][:na], matched[1][:na])
+                # the admitted prefix, and the refused request after it (slices: no index tensor)
+                matched = tuple(torch.cat([v[:na], v[k : k + 1]]) if refused else v[:na] for v in matched)
             self._admit_run(rest[:na], ends[:na], adder, rematch=rest[k] if refused else None, matched=matched)
             if lead == i:
                 lead += na
