@@ -80,11 +80,6 @@ def _check_sign(sign) -> int:
     return int(sign)
 
 
-#: torch's CPU sort of integer keys is a comparison sort (n log n) below this many elements and
-#: a radix sort at and above it
-_CPU_RADIX_MIN = 32768
-
-
 def _stable_perm(key: torch.Tensor) -> torch.Tensor:
     """Permutation sorting `key` ascending, ties in index order.
 
@@ -102,10 +97,11 @@ def _narrow_perm(key: torch.Tensor) -> Optional[torch.Tensor]:
     """The stable ascending permutation of a CPU integer key [n] whose values span fewer than
     2^16 (max - min, read on the host: the CPU has no device to sync with), else None.
 
-    The key minus its minimum fits 16 bits: below `_CPU_RADIX_MIN` elements numpy's stable
-    argsort sorts it as a radix sort (linear; torch's comparison sort costs 30-75 ns per
-    element there), above it torch's own radix sort gets it as int16 or int32, fewer bytes to
-    pass over than the int64 keys the orders build. Returns int64 [n]."""
+    The key minus its minimum fits 8 or 16 bits, which numpy's stable argsort sorts as a radix
+    sort (one pass per byte). Measured on the 2-core CI-class CPU against torch's CPU sort (a
+    comparison sort below 32,768 elements, 30-75 ns per element; a radix sort above, over
+    int16/int32 keys): 4-10x faster up to 4k elements, 1.5-3x at 32k-1M for 16-bit keys,
+    about even for 8-bit ones at 1M. Returns int64 [n]."""
     n = key.numel()
     if n < 2:
         return torch.arange(n)
@@ -114,10 +110,8 @@ def _narrow_perm(key: torch.Tensor) -> Optional[torch.Tensor]:
     span = int(k.max()) - lo
     if span >= 1 << 16:
         return None
-    if n < _CPU_RADIX_MIN:
-        return torch.from_numpy(np.argsort((k - lo).astype(np.uint16), kind="stable"))
-    small = torch.int16 if span < 1 << 15 else torch.int32
-    return torch.sort((key - lo).to(small), stable=True).indices
+    # the offsets fit, so wrapping arithmetic at the dtype's ends is exact
+    return torch.from_numpy(np.argsort((k - lo).astype(np.uint8 if span < 1 << 8 else np.uint16), kind="stable"))
 
 
 def _lex_perm(primary: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:

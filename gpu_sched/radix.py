@@ -881,10 +881,20 @@ class FlatRadixTree:
         path), then a walk stops at a node already holding a larger stamp: that stamp is this batch's (older
         stamps are smaller than every stamp of the batch) and whoever wrote it walks on to the
         root, or wrote it at a split under its own path (the head's creator starts at the head),
-        so the nodes above end with the same maxima. Stamps of one batch are distinct."""
+        so the nodes above end with the same maxima. Stamps of one batch are distinct. On the
+        CPU the walk runs on numpy views of the node arrays (`_stamp_paths_host`), elsewhere as
+        torch ops (`_stamp_paths_walk`)."""
         if be == "triton":
             self._kernels().stamp_paths(nodes.contiguous(), stamp.contiguous(), self.parent, self.last_access)
             return
+        if self.device.type == "cpu":
+            b = self.node_bound()  # every live id is below it
+            _stamp_paths_host(self.parent[:b].numpy(), self.last_access[:b].numpy(), nodes.numpy(), stamp.numpy())
+            return
+        self._stamp_paths_walk(nodes, stamp)
+
+    def _stamp_paths_walk(self, nodes: torch.Tensor, stamp: torch.Tensor) -> None:
+        """`_stamp_paths` as torch ops on the tree's device: one compaction per level."""
         if nodes.numel() > 64:  # many requests, few distinct last nodes: walk each node once
             best = torch.full((self.node_bound(),), INT64_MIN, dtype=stamp.dtype, device=stamp.device)
             best.scatter_reduce_(0, nodes, stamp, reduce="amax")
@@ -1191,3 +1201,24 @@ class FlatRadixTree:
             f"evictable/protected {int(self.evictable_size)}/{int(self.protected_size)} != {ev}/{pr}")
         live_entries = int((self.hkeys >= 0).sum())
         assert live_entries == (ev + pr) // self.P, f"hash entries {live_entries} != pages {(ev + pr) // self.P}"
+
+
+def _stamp_paths_host(parent: np.ndarray, last_access: np.ndarray, nodes: np.ndarray, stamp: np.ndarray) -> None:
+    """`FlatRadixTree._stamp_paths` for a tree on the CPU, in place on numpy views of its arrays
+    (int64 [capacity]): the same walk, each level a few numpy calls (several times cheaper
+    than torch's per call on small arrays; the walk is a dozen levels of them per batch)."""
+    if nodes.size > 64:  # many requests, few distinct last nodes: walk each node once
+        best = np.full(parent.size, INT64_MIN, dtype=np.int64)
+        np.maximum.at(best, nodes, stamp)
+        cur = np.flatnonzero(best != INT64_MIN)
+        stamp = best[cur]
+    else:
+        cur = nodes
+    while cur.size:
+        # a walk stops at a node holding a larger stamp (see _stamp_paths)
+        go = last_access[cur] <= stamp
+        cur, stamp = cur[go], stamp[go]
+        np.maximum.at(last_access, cur, stamp)
+        nxt = parent[cur]
+        keep = nxt >= 0
+        cur, stamp = nxt[keep], stamp[keep]

@@ -5,6 +5,7 @@ backend (without CUDA in Triton's interpreter, `TRITON_INTERPRET=1` set by conft
 CUDA compiled, the tests' tensors on the GPU) at small sizes around its block. Heavy ties everywhere: few distinct priorities, lengths, keys.
 """
 
+import itertools
 import random
 
 import numpy as np
@@ -143,23 +144,22 @@ def test_fcfs_priority_order_of_a_queue_in_time_order(backend, low_first):
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("radix_min", [32768, 64])
-def test_stable_perm_on_the_cpu_equals_torch_sort(dtype, radix_min, monkeypatch):
-    """The CPU's narrow-key path (`_narrow_perm`: numpy's radix argsort below `_CPU_RADIX_MIN`
-    elements, torch's sort on an int16/int32 key above) gives torch.sort(stable=True)'s
-    permutation, at the span limits 2^15 and 2^16 and at the dtype's ends; wider keys go to
-    torch.sort (None from `_narrow_perm`)."""
-    monkeypatch.setattr(P, "_CPU_RADIX_MIN", radix_min)
+def test_stable_perm_on_the_cpu_equals_torch_sort(dtype):
+    """The CPU's narrow-key path (`_narrow_perm`: numpy's radix argsort of the key less its
+    minimum as uint8 or uint16) gives torch.sort(stable=True)'s permutation, at the span
+    limits 2^8 and 2^16 and at the dtype's ends; wider keys go to torch.sort (None from
+    `_narrow_perm`)."""
     info = torch.iinfo(dtype)
-    g = torch.Generator().manual_seed(radix_min + info.bits)
-    for n in (0, 1, 2, 63, 64, 1000):
-        for span in (0, 1, 5, 2**15 - 1, 2**15, 2**16 - 1, 2**16, 2**30):
-            for lo in (info.min, -7, 0, info.max - span):
+    g = torch.Generator().manual_seed(info.bits)
+    for n in (0, 1, 2, 63, 64, 1000, 40000):
+        for span in (0, 1, 5, 2**8 - 1, 2**8, 2**15 - 1, 2**15, 2**16 - 1, 2**16, 2**30):
+            for lo, uniform in itertools.product((info.min, -7, 0, info.max - span), (False, True)):
                 if n == 0:
                     key = torch.empty(0, dtype=dtype)
-                else:  # heavy ties, and both ends of the span present
-                    key = torch.randint(0, min(span, 40) + 1, (n,), generator=g, dtype=torch.int64)
-                    key = torch.where(key == 1, span, key) if span > 40 else key
+                else:  # heavy ties or values over the whole span; both ends of the span present
+                    key = torch.randint(0, (span if uniform else min(span, 40)) + 1, (n,), generator=g,
+                                        dtype=torch.int64)
+                    key = torch.where(key == 1, span, key) if span > 40 and not uniform else key
                     key = (key + lo).to(dtype)
                     key[0], key[-1] = lo + span, lo
                 want = torch.sort(key, stable=True).indices

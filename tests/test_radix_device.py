@@ -340,7 +340,8 @@ def test_batched_match_splits_like_sequential():
 @pytest.mark.parametrize("n", [5, 64, 65, 3000])
 def test_stamp_paths_equals_a_walk_per_request(n):
     """`_stamp_paths` (a batch's LRU stamps up each path; large batches merged per start node
-    first) against one walk per request to the root, with repeated start nodes."""
+    first) against one walk per request to the root, with repeated start nodes: both the CPU's
+    numpy walk and the torch walk of other devices."""
     rng = random.Random(n)
     tree = FlatRadixTree(1, max_nodes=512, token_capacity=1 << 14)
     for i in range(60):
@@ -355,7 +356,11 @@ def test_stamp_paths_equals_a_walk_per_request(n):
         while v >= 0:
             want[v] = max(int(want[v]), s)
             v = int(tree.parent[v])
-    tree._stamp_paths(nodes, stamp)
+    before = tree.last_access.clone()
+    tree._stamp_paths(nodes, stamp)  # on the CPU: the numpy walk
+    assert torch.equal(tree.last_access, want)
+    tree.last_access.copy_(before)
+    tree._stamp_paths_walk(nodes, stamp)  # the torch ops other devices run
     assert torch.equal(tree.last_access, want)
 
 

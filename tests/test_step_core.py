@@ -318,7 +318,7 @@ def random_lock_case(seed: int):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_lock_drops_partial_covers(seed):
-    _, parent, key_len, lock_ref, last, cover, valid = random_lock_case(seed)
+    rng, parent, key_len, lock_ref, last, cover, valid = random_lock_case(seed)
     N, Q = len(parent), len(last)
     depth = [0] * N
     for v in range(1, N):
@@ -333,6 +333,10 @@ def test_lock_drops_partial_covers(seed):
                 bad = [i for i in range(Q) if got[i] != want[i]]
                 assert not bad, (f"max_depth {bound} early_exit {early}: first differing request {bad[0]}: "
                                  f"{got[bad[0]]} != {want[bad[0]]}")
+        # dead nodes: a path's first request stops after one, in both forms
+        alive = torch.tensor([i == 0 or rng.random() < 0.8 for i in range(N)], dtype=torch.bool)
+        args = (t0(parent), t0(key_len), t0(lock_ref), alive, t0(last), t0(cov), t0(valid, torch.bool))
+        assert torch.equal(lock_drops(*args, early_exit=True), lock_drops(*args)), seed
 
 
 # ---- R-ADM-6 grid ----------------------------------------------------------------------------
