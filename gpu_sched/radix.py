@@ -793,10 +793,7 @@ class FlatRadixTree:
             self.clock += B
             self.next_cid += B
         has = m > 0
-        X = torch.where(has, gather(self.owner, pos.clamp(min=0)), torch.zeros_like(m))
-        cover = pos - self.key_off[X] + 1
-        interior = has & (cover < self.key_len[X])
-        idx = torch.nonzero(interior).flatten()
+        X, idx = self._match_ends(m, pos)
         if idx.numel():
             # A request ending where an earlier one of the batch ends finds that cut made: drop it.
             p = pos[idx]
@@ -824,6 +821,24 @@ class FlatRadixTree:
             last = X
         self._stamp_paths(last, stamp, be)
         return m, last
+
+    def _match_ends(self, m: torch.Tensor, pos: torch.Tensor,
+                    host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(X, idx) of a batch of matches (lengths m, last pool positions pos; int64 [B]): the node
+        holding each match's last token (0 = root where m is 0) and the rows whose match ends
+        inside its node (a sequential match would split there), int64. `host` (default: the
+        tree is on the CPU): as numpy calls on views of the tree's arrays (several times
+        cheaper per call than torch's), else as torch ops."""
+        if self.device.type == "cpu" if host is None else host:
+            mn, pn = m.numpy(), pos.numpy()
+            has = mn > 0
+            X = np.where(has, self.owner.numpy()[np.maximum(pn, 0)], 0)
+            interior = has & (pn - self.key_off.numpy()[X] + 1 < self.key_len.numpy()[X])
+            return torch.from_numpy(X), torch.from_numpy(np.flatnonzero(interior))
+        has = m > 0
+        X = torch.where(has, gather(self.owner, pos.clamp(min=0)), torch.zeros_like(m))
+        cover = pos - self.key_off[X] + 1
+        return X, torch.nonzero(has & (cover < self.key_len[X])).flatten()
 
     def _split_round(self, req: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor, cid: torch.Tensor,
                      be: str = "torch") -> None:

@@ -364,6 +364,32 @@ def test_stamp_paths_equals_a_walk_per_request(n):
     assert torch.equal(tree.last_access, want)
 
 
+def test_match_ends_host_equals_torch():
+    """`_match_ends` (each match's last node and the matches ending inside a node) on numpy
+    views (the CPU's path) equals its torch ops, for matches ending at node ends, inside
+    nodes and empty ones; and against the definition."""
+    rng = random.Random(11)
+    tree = FlatRadixTree(1, max_nodes=512, token_capacity=1 << 14)
+    seqs = []
+    for i in range(50):
+        seq = [rng.randrange(3) for _ in range(rng.randrange(1, 40))]
+        seqs.append(seq)
+        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(i * 40, i * 40 + len(seq)), 0)
+    qs = [s[: rng.randrange(0, len(s) + 1)] + [rng.randrange(3)] * rng.randrange(3) for s in seqs * 4]
+    L = max(len(q) for q in qs)
+    tok = torch.tensor([q + [0] * (L - len(q)) for q in qs], dtype=torch.int32)
+    lens = torch.tensor([len(q) for q in qs], dtype=torch.int64)
+    m, pos = tree._find(tok, lens, torch.zeros(len(qs), dtype=torch.int64))
+    X, idx = tree._match_ends(m, pos)
+    Xt, idxt = tree._match_ends(m, pos, host=False)
+    assert torch.equal(X, Xt) and torch.equal(idx, idxt)
+    owner, off, kl = tree.owner.tolist(), tree.key_off.tolist(), tree.key_len.tolist()
+    want_x = [owner[p] if k > 0 else 0 for k, p in zip(m.tolist(), pos.tolist())]
+    want_i = [i for i, (k, p, x) in enumerate(zip(m.tolist(), pos.tolist(), want_x)) if k > 0 and p - off[x] + 1 < kl[x]]
+    assert X.tolist() == want_x and idx.tolist() == want_i
+    assert 0 < len(want_i) < len(qs) and 0 in m.tolist()  # both kinds of ends, and empty matches
+
+
 @pytest.mark.parametrize("every", [1, 3, 8])
 def test_chunk_hashes_flat_equal_padded_prefix_hashes(every):
     """`chunk_hashes_flat` (sequences end to end) gives `prefix_hashes`' values (padded batch,
