@@ -1060,7 +1060,8 @@ class FlatRadixTree:
             cur = cur[cur > 0]
         return cnt
 
-    def _path_nodes(self, nodes: torch.Tensor, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
+    def _path_nodes(self, nodes: torch.Tensor, be: str = "torch",
+                    host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """The distinct nodes on the paths nodes[i]..root (root excluded) and how many paths pass
         through each: `_path_counts` restricted to its nonzero entries. The torch walk visits
         only the path nodes (rounds of parent steps over the nodes still below the root), so it
@@ -1069,6 +1070,9 @@ class FlatRadixTree:
             cnt = self._path_counts(nodes, be)
             u = torch.nonzero(cnt).flatten()
             return u, cnt[u]
+        if self.device.type == "cpu" if host is None else host:  # numpy calls on views of the arrays
+            u, c = _path_nodes_host(self.parent.numpy(), nodes.numpy(), self.node_bound())
+            return torch.from_numpy(u), torch.from_numpy(c)
         cur = nodes[nodes > 0]
         single = cur.numel() == 1  # one lock holder (the common call): its path has distinct nodes
         parts = []
@@ -1237,3 +1241,28 @@ def _stamp_paths_host(parent: np.ndarray, last_access: np.ndarray, nodes: np.nda
         nxt = parent[cur]
         keep = nxt >= 0
         cur, stamp = nxt[keep], stamp[keep]
+
+
+def _path_nodes_host(parent: np.ndarray, nodes: np.ndarray, bound: int) -> Tuple[np.ndarray, np.ndarray]:
+    """`FlatRadixTree._path_nodes` for a tree on the CPU, on numpy views: the same walk; the
+    counts by `np.bincount` over the live ids (below `bound`) when the paths are not much
+    shorter than that, else by `np.unique`. int64 [U] nodes ascending (one holder: its path
+    from the node up) and int64 [U] counts."""
+    cur = nodes[nodes > 0]
+    single = cur.size == 1  # one lock holder (the common call): its path has distinct nodes
+    parts = []
+    while cur.size:
+        parts.append(cur)
+        cur = parent[cur]
+        cur = cur[cur > 0]
+    if not parts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    u = np.concatenate(parts).astype(np.int64, copy=False)
+    if single:
+        return u, np.ones_like(u)
+    if u.size * 16 < bound:
+        v, c = np.unique(u, return_counts=True)
+        return v, c.astype(np.int64, copy=False)
+    c = np.bincount(u, minlength=bound)
+    v = np.flatnonzero(c)
+    return v, c[v].astype(np.int64, copy=False)

@@ -390,6 +390,30 @@ def test_match_ends_host_equals_torch():
     assert 0 < len(want_i) < len(qs) and 0 in m.tolist()  # both kinds of ends, and empty matches
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 40, 3000])
+def test_path_nodes_host_equals_torch(n):
+    """`_path_nodes` (the distinct nodes on lock holders' paths and how many paths pass each)
+    by the CPU's numpy walk equals the torch walk and the definition; root entries and
+    repeated holders included, both ways of counting (few paths: np.unique; many: bincount)."""
+    rng = random.Random(n)
+    tree = FlatRadixTree(1, max_nodes=4096, token_capacity=1 << 15)
+    for i in range(400):
+        seq = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(i * 40, i * 40 + len(seq)), 0)
+    live = torch.nonzero(tree.alive[: tree.node_bound()]).flatten().tolist()
+    nodes = torch.tensor([rng.choice(live) for _ in range(n)], dtype=torch.int64)
+    u, c = tree._path_nodes(nodes)
+    ut, ct = tree._path_nodes(nodes, host=False)
+    assert torch.equal(u, ut) and torch.equal(c, ct) and u.dtype == c.dtype == torch.int64
+    want = {}
+    for v in nodes.tolist():
+        while v > 0:
+            want[v] = want.get(v, 0) + 1
+            v = int(tree.parent[v])
+    assert dict(zip(u.tolist(), c.tolist())) == want
+    assert (0 < u.numel() * 16 < tree.node_bound()) == (n in (1, 2))  # the np.unique branch at n 2
+
+
 @pytest.mark.parametrize("every", [1, 3, 8])
 def test_chunk_hashes_flat_equal_padded_prefix_hashes(every):
     """`chunk_hashes_flat` (sequences end to end) gives `prefix_hashes`' values (padded batch,
