@@ -337,18 +337,24 @@ def test_batched_match_splits_like_sequential():
     pr.check()
 
 
+def random_tree_and_nodes(rng: random.Random, seqs: int, n: int):
+    """A tree of `seqs` random sequences (1-29 tokens over 4 ids, page size 1) and n live node
+    ids drawn with repeats (int64 [n])."""
+    tree = FlatRadixTree(1, max_nodes=16 * seqs, token_capacity=1 << 15)
+    for i in range(seqs):
+        seq = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(i * 40, i * 40 + len(seq)), 0)
+    live = torch.nonzero(tree.alive[: tree.node_bound()]).flatten().tolist()
+    return tree, torch.tensor([rng.choice(live) for _ in range(n)], dtype=torch.int64)
+
+
 @pytest.mark.parametrize("n", [5, 64, 65, 3000])
 def test_stamp_paths_equals_a_walk_per_request(n):
     """`_stamp_paths` (a batch's LRU stamps up each path; large batches merged per start node
     first) against one walk per request to the root, with repeated start nodes: both the CPU's
     numpy walk and the torch walk of other devices."""
     rng = random.Random(n)
-    tree = FlatRadixTree(1, max_nodes=512, token_capacity=1 << 14)
-    for i in range(60):
-        seq = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
-        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(i * 40, i * 40 + len(seq)), 0)
-    live = torch.nonzero(tree.alive[: tree.node_bound()]).flatten().tolist()
-    nodes = torch.tensor([rng.choice(live) for _ in range(n)], dtype=torch.int64)
+    tree, nodes = random_tree_and_nodes(rng, 60, n)
     base = int(tree.last_access[: tree.node_bound()].max()) + 1
     stamp = base + torch.randperm(n, generator=torch.Generator().manual_seed(n))  # distinct, as a batch's
     want = tree.last_access.clone()
@@ -396,12 +402,7 @@ def test_path_nodes_host_equals_torch(n):
     by the CPU's numpy walk equals the torch walk and the definition; root entries and
     repeated holders included, both ways of counting (few paths: np.unique; many: bincount)."""
     rng = random.Random(n)
-    tree = FlatRadixTree(1, max_nodes=4096, token_capacity=1 << 15)
-    for i in range(400):
-        seq = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
-        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(i * 40, i * 40 + len(seq)), 0)
-    live = torch.nonzero(tree.alive[: tree.node_bound()]).flatten().tolist()
-    nodes = torch.tensor([rng.choice(live) for _ in range(n)], dtype=torch.int64)
+    tree, nodes = random_tree_and_nodes(rng, 400, n)
     u, c = tree._path_nodes(nodes)
     ut, ct = tree._path_nodes(nodes, host=False)
     assert torch.equal(u, ut) and torch.equal(c, ct) and u.dtype == c.dtype == torch.int64
