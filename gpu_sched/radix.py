@@ -1223,9 +1223,10 @@ class FlatRadixTree:
 
 
 def _stamp_paths_host(parent: np.ndarray, last_access: np.ndarray, nodes: np.ndarray, stamp: np.ndarray) -> None:
-    """`FlatRadixTree._stamp_paths` for a tree on the CPU, in place on numpy views of its arrays
-    (int64 [capacity]): the same walk, each level a few numpy calls (several times cheaper
-    than torch's per call on small arrays; the walk is a dozen levels of them per batch)."""
+    """`FlatRadixTree._stamp_paths` for a tree on the CPU, in place on numpy views of its
+    `parent` and `last_access` (int64 [node_bound]; nodes int64 [B] below it, stamps int64 [B]):
+    the same walk, each level a few numpy calls (several times cheaper than torch's per call
+    on small arrays; a batch walks about as many levels as its paths have nodes)."""
     if nodes.size > 64:  # many requests, few distinct last nodes: walk each node once
         best = np.full(parent.size, INT64_MIN, dtype=np.int64)
         np.maximum.at(best, nodes, stamp)
