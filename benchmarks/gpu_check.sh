@@ -98,14 +98,14 @@ echo "== benchmark queue: ${QUEUE_ARGS[*]}"
 if [[ "$DRY" == 1 ]]; then
     TEST_DEV=cpu
     # the full files take ~12 min in Triton's interpreter: a dry run only collects them
-    PYTEST_ARGS=(-q --collect-only)
+    PYTEST_ARGS=(-q -n 0 --collect-only)
     BENCH_ARGS=(--backends reference,torch-cpu --min-exp 6 --max-exp 8 --ref-max-exp 7 --warm 50
                 --max-prompt-len 1024 --reps 2 --budget-s 0.1 --max-seconds 5 --deadline-s 100)
 else
     unset TRITON_INTERPRET
     TEST_DEV=cuda
     # failures print as they happen (-x would stop the section at the first one)
-    PYTEST_ARGS=(-q -rfE --tb=short --maxfail=3 -p no:cacheprovider)
+    PYTEST_ARGS=(-q -n 0 -rfE --tb=short --maxfail=3 -p no:cacheprovider)
     # torch and triton on CUDA from 2^12 to 2^20: the recorded step (graph: one CUDA-graph
     # replay; gstep: the whole step() through it) at every size, the eager step at 2^12, the
     # reference to 2^14 for ratios; Mooncake prefixes capped at 2048 tokens; a call over 10 s
