@@ -2,9 +2,10 @@
 functions.
 
 Inputs are column tensors of the waiting queue in its current order (length n); every function
-returns an int64 permutation `perm` [n] with `queue[perm]` the new order. Nothing here reads a
-value back to the host (no `.item()`, `.tolist()`, `.cpu()`, `nonzero`): sizes come from tensor
-shapes, and "no reordering" cases pick the identity with `torch.where` on the device.
+returns an int64 permutation `perm` [n] with `queue[perm]` the new order. On a device nothing
+here reads a value back to the host (no `.item()`, `.tolist()`, `.cpu()`, `nonzero`): sizes
+come from tensor shapes, and "no reordering" cases pick the identity with `torch.where` on the
+device (CPU tensors may take host forms, below).
 
 How the orders are built (one idea per policy):
 - Every key is made an int64 whose ascending order is the policy's order: a priority times
@@ -24,6 +25,12 @@ How the orders are built (one idea per policy):
   `(N-1).bit_length()` rounds, or `max_depth.bit_length()` given a depth bound, instead of one
   round per tree level (a 10^5-deep chain takes 17 rounds); then one stable sort of the
   requests by position.
+
+On CPU tensors (outside `torch.compile`, `HOST_PATHS` on) the narrow-key sorts and the fcfs,
+lof and routing-key orders run as numpy calls on views of the tensors: there is no device to
+sync with, and a numpy call costs 1-3 us where a torch CPU op costs 5-15 us, which is most of
+an ordering's time below a few thousand requests. The torch forms run everywhere else (CUDA,
+`meta`, compiled graphs); `test_host_forms_equal_torch_forms` checks the two give one order.
 
 `backend="triton"` runs the key and tree passes as Triton kernels (CUDA tensors, or any tensors
 with `TRITON_INTERPRET=1` set before the kernels are imported); sorts and scans are torch's.
@@ -80,44 +87,77 @@ def _check_sign(sign) -> int:
     return int(sign)
 
 
-def _stable_perm(key: torch.Tensor) -> torch.Tensor:
-    """Permutation sorting `key` ascending, ties in index order.
+#: False sends CPU tensors through the torch forms too (tests compare the two forms)
+HOST_PATHS = True
+
+
+def _host(t: torch.Tensor) -> bool:
+    """True for a CPU tensor outside `torch.compile` (and `HOST_PATHS` on): the host paths
+    (numpy on views of the tensors) may read values, as there is no device to sync with."""
+    return HOST_PATHS and t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _stable_perm(key: torch.Tensor, descending: bool = False) -> torch.Tensor:
+    """Permutation sorting `key` ascending (descending: by `~key`, i.e. largest first), ties in
+    index order.
 
     Integer keys on the CPU, outside `torch.compile`, whose values span fewer than 2^16 go
     through `_narrow_perm`, whose cost per element does not grow with n; everything else
     (other devices included) is `torch.sort(stable=True)`. Both give the one stable order."""
-    if key.device.type == "cpu" and key.dtype in INT_DTYPES and not torch.compiler.is_compiling():
-        perm = _narrow_perm(key)
-        if perm is not None:
-            return perm
-    return torch.sort(key, stable=True).indices
+    if key.dtype in INT_DTYPES and _host(key):
+        off = _narrow_offsets(key, descending)
+        if off is not None:
+            return torch.from_numpy(np.argsort(off, kind="stable"))
+    return torch.sort(_neg(key) if descending else key, stable=True).indices
 
 
-def _narrow_perm(key: torch.Tensor) -> Optional[torch.Tensor]:
-    """The stable ascending permutation of a CPU integer key [n] whose values span fewer than
-    2^16 (max - min, read on the host: the CPU has no device to sync with), else None.
+def _narrow_offsets(key: torch.Tensor, descending: bool = False) -> Optional[np.ndarray]:
+    """A CPU integer key [n] as uint8 / uint16 offsets with the same order (descending: the
+    reverse order) and the same ties, when its values span fewer than 2^16 (max - min, read
+    on the host), else None. Offsets are `key - min` (descending: `max - key`); the wrapping
+    arithmetic at the dtype's ends is exact because the true offsets fit."""
+    k = key.numpy()
+    if k.size < 2:
+        return np.zeros(k.size, dtype=np.uint8)
+    lo, hi = k.min(), k.max()
+    span = int(hi) - int(lo)
+    if span >= 1 << 16:
+        return None
+    off = (hi - k) if descending else (k - lo)
+    return off.astype(np.uint8 if span < 1 << 8 else np.uint16)
 
-    The key minus its minimum fits 8 or 16 bits, which numpy's stable argsort sorts as a radix
-    sort (one pass per byte). Measured on the 2-core CI-class CPU against torch's CPU sort (a
+
+def _narrow_perm(key: torch.Tensor, descending: bool = False) -> Optional[torch.Tensor]:
+    """The stable ascending (descending: largest first) permutation of a CPU integer key [n]
+    whose values span fewer than 2^16, else None.
+
+    The offsets of `_narrow_offsets` fit 8 or 16 bits, which numpy's stable argsort sorts as a
+    radix sort (one pass per byte). Measured on the 2-core CI-class CPU against torch's CPU sort (a
     comparison sort below 32,768 elements, 30-75 ns per element; a radix sort above, over
     int16/int32 keys): 4-10x faster up to 4k elements, 1.5-3x at 32k-1M for 16-bit keys,
     about even for 8-bit ones at 1M. Returns int64 [n]."""
-    n = key.numel()
-    if n < 2:
-        return torch.arange(n)
-    k = key.numpy()
-    lo = int(k.min())
-    span = int(k.max()) - lo
-    if span >= 1 << 16:
-        return None
-    # the offsets fit, so wrapping arithmetic at the dtype's ends is exact
-    return torch.from_numpy(np.argsort((k - lo).astype(np.uint8 if span < 1 << 8 else np.uint16), kind="stable"))
+    off = _narrow_offsets(key, descending)
+    return None if off is None else torch.from_numpy(np.argsort(off, kind="stable"))
 
 
-def _lex_perm(primary: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
-    """Stable permutation by (primary, secondary): two stable sorts, least significant first."""
-    p1 = _stable_perm(secondary)
-    return gather(p1, _stable_perm(gather(primary, p1)))
+def _lex_perm(primary: torch.Tensor, secondary: torch.Tensor, desc_primary: bool = False,
+              desc_secondary: bool = False) -> torch.Tensor:
+    """Stable permutation by (primary, secondary), each ascending or descending: two stable
+    sorts, least significant first. On the host, two narrow keys whose spans multiply to
+    fewer than 2^16 values are packed into one uint16 key: one radix sort."""
+    if primary.dtype in INT_DTYPES and secondary.dtype in INT_DTYPES and _host(primary):
+        b = _narrow_offsets(secondary, desc_secondary)
+        a = _narrow_offsets(primary, desc_primary) if b is not None else None
+        if a is not None and a.size:
+            wa, wb = int(a.max()) + 1, int(b.max()) + 1
+            if wa == 1 or wb == 1:  # one part is constant: the other alone orders
+                return torch.from_numpy(np.argsort(b if wa == 1 else a, kind="stable"))
+            if wa * wb <= 1 << 16:  # both > 1, so wb <= 2^15 and every packed value fits 16 bits
+                key = a.astype(np.uint16) * np.uint16(wb) + b
+                return torch.from_numpy(np.argsort(key.astype(np.uint8) if wa * wb <= 1 << 8 else key,
+                                                   kind="stable"))
+    p1 = _stable_perm(secondary, desc_secondary)
+    return gather(p1, _stable_perm(gather(primary, p1), desc_primary))
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:
@@ -159,12 +199,12 @@ def fcfs_priority_order(priority: torch.Tensor, enqueue_time: Optional[torch.Ten
     check_tensor("fcfs_priority_order", "priority", priority, INT_DTYPES, contiguous=False)
     if enqueue_time is None:  # the priority key alone is one torch op on either backend
         _kernels(backend, "sort_keys")  # validates backend
-        return _stable_perm(_neg(priority, sign))
+        return _stable_perm(priority, descending=sign < 0)
     check_tensor("fcfs_priority_order", "enqueue_time", enqueue_time, (torch.float64,) + INT_DTYPES,
                  numel=priority.numel(), device=priority.device, contiguous=False)
     k = _kernels(backend, "sort_keys")
     if k is None:
-        return _lex_perm(_neg(priority, sign), _time_bits(enqueue_time))
+        return _lex_perm(priority, _time_bits(enqueue_time), desc_primary=sign < 0)
     pk, tk = k.fcfs_keys(_contig(priority), _contig(enqueue_time), sign, block=block)
     return _lex_perm(pk, tk)
 
@@ -183,8 +223,9 @@ def lof_order(max_new_tokens: torch.Tensor, priority: Optional[torch.Tensor] = N
                      contiguous=False)
     k = _kernels(backend, "sort_keys")
     if k is None:
-        mk = _neg(max_new_tokens)
-        return _stable_perm(mk) if priority is None else _lex_perm(_neg(priority, sign), mk)
+        if priority is None:
+            return _stable_perm(max_new_tokens, descending=True)
+        return _lex_perm(priority, max_new_tokens, desc_primary=sign < 0, desc_secondary=True)
     pk, mk = k.lof_keys(_contig(max_new_tokens), None if priority is None else _contig(priority),
                         sign, block=block)
     return _stable_perm(mk) if pk is None else _lex_perm(pk, mk)
@@ -218,6 +259,9 @@ def routing_key_order(key_id: torch.Tensor, key_rank: torch.Tensor, running_key_
     if m > 2**30:
         raise ValueError(f"{where}: at most 2^30 running requests fit the packed key, got {m}")
     k = _kernels(backend, "sort_keys")
+    if k is None and _host(key_id):
+        return torch.from_numpy(_routing_perm_host(key_id.numpy(), key_rank.numpy(), running_key_ids.numpy(),
+                                                   empty_rank))
     if k is None:
         # the packed key of each id is a table over slots 0 (absent), 1..K (ids 0..K-1) and
         # K+1 (ids >= K, absent too): per request one gather and one sort
@@ -238,6 +282,30 @@ def routing_key_order(key_id: torch.Tensor, key_rank: torch.Tensor, running_key_
     key = k.routing_keys(_contig(key_id), _contig(key_rank), counts, m, empty_rank, block=block)
     any_counted = counts[:K].sum() > 0
     return torch.where(any_counted, _stable_perm(key), torch.arange(n, device=dev))
+
+
+def _routing_perm_host(key_id: np.ndarray, key_rank: np.ndarray, running_key_ids: np.ndarray,
+                       empty_rank: int) -> np.ndarray:
+    """`routing_key_order`'s torch branch on host arrays (the same table of K+2 slots, ranked),
+    in numpy calls of 1-3 us instead of torch CPU ops of 5-15 us; the per-request work is one
+    add, one clipped gather of the narrow table and one radix argsort. Returns int64 [n]."""
+    n, K, m = key_id.size, key_rank.size, running_key_ids.size
+    counts = np.bincount(np.clip(running_key_ids + 1, 0, K + 1), minlength=K + 2)
+    counts[0] = counts[K + 1] = 0  # absent running keys are not counted
+    if not counts.any():
+        return np.arange(n, dtype=np.int64)
+    ranks = np.empty(K + 2, dtype=np.int64)
+    ranks[0] = ranks[K + 1] = empty_rank
+    ranks[1:K + 1] = key_rank
+    table = (m - counts) * 2**32 + ranks + 2**31
+    table = np.searchsorted(np.sort(table), table)  # same order and ties, values < K + 2
+    if K + 2 <= 1 << 16:
+        table = table.astype(np.uint8 if K + 2 <= 1 << 8 else np.uint16)
+    # mode="clip" sends ids below -1 to slot 0 and ids >= K to slot K+1: absent, as the torch clamp
+    key = np.take(table, key_id + 1, mode="clip")
+    if key.dtype == np.int64:
+        return torch.sort(torch.from_numpy(key), stable=True).indices.numpy()
+    return np.argsort(key, kind="stable")
 
 
 # ---- R-ORD-6 random ----------------------------------------------------------------------------

@@ -619,7 +619,11 @@ class GpuScheduler(ReferenceScheduler):
                 perm = dpolicy.random_order(n, self._torch_gen, backend=be)
         else:  # routing-key: interned ids, ranked by their strings among the keys present
             qk = _rt_get(self._rt, rows, RT_RKEY)
-            run_ids = np.array([self._rk_intern(r.req.routing_key) for r in self.running], dtype=np.int64)
+            get = self._rk_id.get  # running keys are interned already, unless compaction dropped them
+            run_ids = [get(r.req.routing_key, -2) for r in self.running]
+            if -2 in run_ids:  # no key or '' (-1 from _rk_intern), or a key to intern anew
+                run_ids = [k if k != -2 else self._rk_intern(r.req.routing_key) for k, r in zip(run_ids, self.running)]
+            run_ids = np.array(run_ids, dtype=np.int64)
             present = np.zeros(len(self._rk_names) + 1, dtype=bool)  # slot -1 (last): absent
             present[qk] = True
             present[run_ids] = True
@@ -628,7 +632,7 @@ class GpuScheduler(ReferenceScheduler):
             lut[ids] = np.arange(ids.size)
             names = self._rk_names
             rank = np.empty(ids.size, dtype=np.int64)
-            rank[sorted(range(ids.size), key=lambda j: names[ids[j]])] = np.arange(ids.size)
+            rank[lut[sorted(ids.tolist(), key=names.__getitem__)]] = np.arange(ids.size)
             perm = dpolicy.routing_key_order(torch.from_numpy(lut[qk]).to(dev), torch.from_numpy(rank).to(dev),
                                              torch.from_numpy(lut[run_ids]).to(dev), backend=be)
         return OrderResult(policy, RowQueue(self, rows[perm.cpu().numpy()]))

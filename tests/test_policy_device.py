@@ -172,6 +172,62 @@ def test_stable_perm_on_the_cpu_equals_torch_sort(dtype):
                 assert torch.equal(P._stable_perm(strided), torch.sort(strided, stable=True).indices)
 
 
+def _torch_forms(fn, *args, **kwargs):
+    """fn on the CPU through its torch form (`policy.HOST_PATHS` off), not its numpy one."""
+    P.HOST_PATHS = False
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        P.HOST_PATHS = True
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_host_forms_equal_torch_forms(dtype):
+    """On the CPU, fcfs, lof and routing-key run as numpy calls (narrow keys as uint8/uint16
+    offsets, two narrow keys packed into one when their spans multiply to at most 2^16, the
+    routing table ranked in numpy); each gives the torch form's permutation exactly: spans
+    either side of 2^8 and 2^16, packed products at 2^8 / 2^16 and one more, both signs and
+    directions, the dtype's ends, ids outside [0, K), K either side of 2^16 - 2."""
+    info = torch.iinfo(dtype)
+    g = torch.Generator().manual_seed(7 + info.bits)
+
+    def draw(n, span, lo, ties):
+        v = torch.randint(0, (min(span, 6) if ties else span) + 1, (n,), generator=g, dtype=torch.int64)
+        if n >= 2:
+            v[0], v[-1] = span, 0  # both ends of the span present
+        return (v + lo).to(dtype)
+
+    spans = (0, 1, 4, 2**8 - 1, 2**8, 2**16 - 1, 2**16, 2**20)
+    checked = 0
+    for n in (0, 1, 2, 3, 300, 5000):
+        for sp, sm in ((4, 50), (15, 15), (16, 15), (255, 255), (256, 255), (1, 2**15 - 1), (1, 2**15),
+                       (2**15, 1)) + tuple(
+                (a, b) for a, b in itertools.product(spans, spans) if (a * b) % 3 == 0):
+            for lo, ties, sign in ((0, True, 1), (info.min, False, -1), (info.max - sp, True, -1), (-5, False, 1)):
+                pr = draw(n, sp, lo, ties)
+                mn = draw(n, sm, max(info.min, min(lo, info.max - sm)), not ties)
+                t = torch.randint(0, 4, (n,), generator=g).to(torch.float64)
+                for call in (lambda: P.fcfs_priority_order(pr, None, sign), lambda: P.fcfs_priority_order(pr, t, sign),
+                             lambda: P.lof_order(mn), lambda: P.lof_order(mn, pr, sign)):
+                    want = _torch_forms(call)
+                    got = call()
+                    assert got.dtype == torch.int64 and torch.equal(got, want), (dtype, n, sp, sm, lo, sign)
+                    checked += 1
+    assert checked > 1000
+    for n, K, m in ((0, 3, 2), (1, 3, 2), (400, 3, 0), (400, 5, 6), (3000, 250, 40), (3000, 255, 40),
+                    (3000, 2**16 - 3, 50), (3000, 2**16 - 2, 50), (3000, 2**16 + 5, 50)):
+        for lo_ids in (False, True):
+            key_id = torch.randint(-1, min(K, 40), (n,), generator=g).to(dtype)
+            if lo_ids and n:  # odd ids: below -1, >= K, the dtype's ends
+                odd = torch.tensor([-2, K, K + 9, info.max, info.min], dtype=dtype)
+                key_id[::5] = odd[torch.arange(key_id[::5].numel()) % 5]
+            rank = torch.randperm(K, generator=g).to(dtype)
+            run = torch.randint(-1, min(K, 40), (m,), generator=g).to(dtype)
+            for er in (-1, 0, 2**31 - 1):
+                want = _torch_forms(P.routing_key_order, key_id, rank, run, er)
+                assert torch.equal(P.routing_key_order(key_id, rank, run, er), want), (dtype, n, K, m, er)
+
+
 # ---- R-ORD-5 lof ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend,n", BACKEND_CASES)
 @pytest.mark.parametrize("priority_on,low_first", [(False, False), (True, False), (True, True)])
