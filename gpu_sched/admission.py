@@ -37,8 +37,10 @@ How it works (read this first)
   `admit_step_host`: the same per-request checks as tensors, but each round's event and the
   values at it are read back and the round's state update runs in Python integers, which
   replaces some 90 scalar tensor ops per round (each a few us on a CPU, a kernel launch on a
-  GPU) by two reads. The static `admit_step` is what a CUDA graph records; tests hold the two
-  equal field by field.
+  GPU) by two reads. On CPU tensors the checks themselves (`_queue_sums`, `eval_requests`)
+  and `lock_drops` run as numpy calls on views of the columns (the same formulas; a numpy
+  call costs 1-3 us where a torch CPU op costs 5-15 us). The static `admit_step` is what a
+  CUDA graph records; tests hold the forms equal field by field.
 
 Static shapes: the queue has a fixed capacity Q with a device count `n`; budgets are 0-d
 tensors; config values are Python ints. No `.item()`, no `nonzero`, no boolean-mask indexing,
@@ -51,7 +53,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
+
+from .policy import _host
 
 STOP_NONE = 0
 STOP_QUEUE_END = 1
@@ -181,12 +186,35 @@ class StepResult(NamedTuple):
 
 
 # ---- small helpers ------------------------------------------------------------------------------
+# The per-request checks (`eval_requests`, `_queue_sums`) take torch tensors, or numpy arrays
+# in `admit_step_host`'s CPU form: these few helpers pick the library by the argument's type;
+# the rest is operators to which both libraries give the same int64 / IEEE float64 meaning
+# (floor division included).
+def _where(c, a, b):
+    return np.where(c, a, b) if isinstance(c, np.ndarray) else torch.where(c, a, b)
+
+
+def _f64(x):
+    return x.astype(np.float64) if isinstance(x, np.ndarray) else x.to(torch.float64)
+
+
+def _clamp(x, lo=None, hi=None):
+    if isinstance(x, np.ndarray):
+        x = x if lo is None else np.maximum(x, lo)
+        return x if hi is None else np.minimum(x, hi)
+    return torch.clamp(x, min=lo, max=hi)
+
+
+def _floordiv(x, d: int):
+    return x // d if isinstance(x, np.ndarray) else torch.div(x, d, rounding_mode="floor")
+
+
 def _floor_p(x: torch.Tensor, P: int) -> torch.Tensor:
-    return x if P == 1 else torch.div(x, P, rounding_mode="floor") * P
+    return x if P == 1 else _floordiv(x, P) * P
 
 
 def _ceil_p(x: torch.Tensor, P: int) -> torch.Tensor:
-    return x if P == 1 else -torch.div(-x, P, rounding_mode="floor") * P
+    return x if P == 1 else -_floordiv(-x, P) * P
 
 
 def _budget(rem_total, cur_rem, rem_input, rem_chunk, chunking: bool):
@@ -195,11 +223,11 @@ def _budget(rem_total, cur_rem, rem_input, rem_chunk, chunking: bool):
     oth = rem_input <= 0
     if chunking:
         oth = oth | (rem_chunk <= 0)
-    return torch.where(nt, _NT, torch.where(oth, _OTH, _CONT))
+    return _where(nt, _NT, _where(oth, _OTH, _CONT))
 
 
 def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(x, 0) - x
+    return (np.cumsum(x) if isinstance(x, np.ndarray) else torch.cumsum(x, 0)) - x
 
 
 def _at(v: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -231,7 +259,12 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     `early_exit` (eager callers; host reads): the doubling stops at its first round that
     changes nothing (a fixed point: every later round would change nothing either, and every
     descendant is then counted), and the partial-cover part is skipped when no request has one.
+    On CPU tensors with backend "torch" the same steps run as numpy calls (`_lock_drops_host`).
     """
+    if backend == "torch" and _host(parent):
+        return torch.from_numpy(_lock_drops_host(parent.numpy(), key_len.numpy(), lock_ref.numpy(), alive.numpy(),
+                                                 last_node.numpy(), cover.numpy(), valid.numpy(), max_depth,
+                                                 early_exit))
     N = parent.numel()
     Q = last_node.numel()
     dev = parent.device
@@ -295,6 +328,65 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     pgain = (cover - prev_q).clamp(min=0)
     pok = partial & (lock_ref[ln] == 0) & (f[ln] > idx)
     return torch.where(valid, drop + torch.where(pok, pgain, 0), 0)
+
+
+def _lock_drops_host(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray,
+                     last_node: np.ndarray, cover: np.ndarray, valid: np.ndarray, max_depth: Optional[int],
+                     early_exit: bool) -> np.ndarray:
+    """`lock_drops`' torch form on host arrays (CPU tensors' views), step for step: scatter-min
+    and scatter-max by `np.minimum.at` / `np.maximum.at`, scatter-add by `np.add.at`, the same
+    doubling rounds and early exit. Some 40 numpy calls of 1-3 us where the torch form spends
+    5-15 us per op on a CPU. Returns int64 [Q]."""
+    N, Q = parent.size, last_node.size
+    if Q == 0:
+        return np.zeros(0, dtype=np.int64)
+    D = N  # dummy node slot
+    idx = np.arange(Q, dtype=np.int64)
+    ln = np.clip(np.where(valid, last_node, 0), 0, N - 1)
+    full = valid & (cover >= key_len[ln])
+    partial = valid & ~full
+    start = np.where(full, ln, parent[ln])
+    INF = Q
+    f = np.full(N + 1, INF, dtype=np.int64)
+    np.minimum.at(f, np.where(valid & (start > 0), start, D), idx)
+    anc = np.full(N + 1, D, dtype=np.int64)
+    anc[:N] = np.where(alive & (parent >= 0), parent, D)
+    rounds = (N - 1).bit_length() if max_depth is None else min((N - 1).bit_length(), int(max_depth).bit_length())
+    for _ in range(max(1, rounds)):
+        g = f.copy()
+        np.minimum.at(g, anc, f)
+        if early_exit and np.array_equal(g, f):
+            break
+        f = g
+        anc = anc[anc]
+    f = f[:N]
+    any_partial = not early_exit or bool(partial.any())
+    mp = 0
+    if any_partial:
+        early = partial & (idx < f[ln])
+        mp = np.zeros(N + 1, dtype=np.int64)
+        np.maximum.at(mp, np.where(early, ln, D), np.where(early, cover, 0))
+        mp = mp[:N]
+    gain_ok = alive & (lock_ref == 0) & (np.arange(N) != 0) & (f < INF)
+    drop = np.zeros(Q + 1, dtype=np.int64)
+    np.add.at(drop, np.where(gain_ok, f, Q), np.where(gain_ok, key_len - mp, 0))
+    drop = drop[:Q]
+    if not any_partial:
+        return np.where(valid, drop, 0)
+    key = np.where(partial, ln, N)
+    order = np.argsort(key, kind="stable")
+    ks, cs = key[order], np.where(partial, cover, 0)[order]
+    first = np.ones(Q, dtype=bool)
+    first[1:] = ks[1:] != ks[:-1]
+    grp = np.cumsum(first, dtype=np.int64)
+    big = 1 << 32
+    incl = np.maximum.accumulate(grp * big + cs) - grp * big
+    prev = np.where(first, 0, np.concatenate([[0], incl[:-1]]))
+    prev_q = np.empty(Q, dtype=np.int64)
+    prev_q[order] = prev
+    pgain = np.maximum(cover - prev_q, 0)
+    pok = partial & (lock_ref[ln] == 0) & (f[ln] > idx)
+    return np.where(valid, drop + np.where(pok, pgain, 0), 0)
 
 
 # ---- R-ADM-6: the ignore-EOS reservation scan as a grid ---------------------------------------------
@@ -415,21 +507,27 @@ def eval_requests(cfg: StepConfig, sc: torch.Tensor, rn: torch.Tensor, fill, pre
     int64 columns and the exclusive prefix sums of the whole commits (exI, exC, exE) and drops
     (exD); `fail` the ignore-EOS scan result. Returns (stop, kind, chunk length t, full mark):
     the STOP_* code after j (STOP_NONE: the loop goes on), KIND_* of j's admission, the extend
-    length a chunk of j would get, and whether j's iteration marks the batch full.
+    length a chunk of j would get, and whether j's iteration marks the batch full. The columns
+    may also be numpy arrays (with `sc` a sequence and `rn` a float): `admit_step_host`'s CPU
+    form, the same formulas.
     """
     P = cfg.page_size
-    A, ev0, I, cur, rin, rc, can_run, running_bs, full0 = sc.unbind(0)
-    ar = torch.arange(fill.numel(), device=fill.device)
-    false = torch.zeros(fill.numel(), dtype=torch.bool, device=fill.device)
+    host = isinstance(fill, np.ndarray)  # `admit_step_host`'s CPU form: numpy arrays, sc a sequence
+    A, ev0, I, cur, rin, rc, can_run, running_bs, full0 = sc if host else sc.unbind(0)
+    if host:
+        ar, false = np.arange(fill.size), np.zeros(fill.size, dtype=bool)
+    else:
+        ar = torch.arange(fill.numel(), device=fill.device)
+        false = torch.zeros(fill.numel(), dtype=torch.bool, device=fill.device)
     ext = fill - pre
     e = _ceil_p(ext, P)
-    res = torch.clamp(maxn, max=cfg.clip)
-    mn = torch.clamp(torch.clamp(maxn - out, min=0), max=cfg.clip)
-    total = (ext + mn + P).to(torch.float64)
+    res = _clamp(maxn, hi=cfg.clip)
+    mn = _clamp(maxn - out, lo=0, hi=cfg.clip)
+    total = _f64(ext + mn + P)
     Ij, curj, rinj, rcj = I + exI, cur + exC, rin - exE, rc - exE
     ev = ev0 - exD
     cnt = can_run + ar
-    rt = (A + ev - Ij).to(torch.float64) - rn
+    rt = _f64(A + ev - Ij) - rn
     cr = A + ev - curj
     passed1 = _budget(rt, cr, rinj, rcj, cfg.chunking) != _OTH
     cap_hit = (running_bs + cnt >= cfg.max_running) if cfg.max_running is not None else false
@@ -439,43 +537,43 @@ def eval_requests(cfg: StepConfig, sc: torch.Tensor, rn: torch.Tensor, fill, pre
     nt1 = total >= rt
     oth = (cnt > 0) & (e >= rinj) if not cfg.chunking else false
     ev2 = ev - drop
-    nt2 = total >= (A + ev2 - Ij).to(torch.float64) - rn
-    refuse = torch.where(nt1, _NT, torch.where(oth, _OTH, torch.where(nt2, _NT, _CONT)))
+    nt2 = total >= _f64(A + ev2 - Ij) - rn
+    refuse = _where(nt1, _NT, _where(oth, _OTH, _where(nt2, _NT, _CONT)))
     whole = (e <= rcj) if cfg.chunking else ~false
     t = _floor_p(rcj, P)
     chunk_bad = false
     if cfg.align is not None:
         chunk_bad = t < cfg.align
-        t = torch.div(t, cfg.align, rounding_mode="floor") * cfg.align
+        t = _floordiv(t, cfg.align) * cfg.align
     t = _floor_p(pre + t, P) - pre
     chunk_bad = chunk_bad | (t <= 0)
-    refuse = torch.where((refuse == _CONT) & ~whole & chunk_bad, _OTH, refuse)
+    refuse = _where((refuse == _CONT) & ~whole & chunk_bad, _OTH, refuse)
     tc = t
     ev_after = ev2
     if cfg.ignore_eos_path:  # R-ADM-6
         iep = ie
-        nt_b = (e > cr) | (e.to(torch.float64) > rt) | fail
+        nt_b = (e > cr) | (_f64(e) > rt) | fail
         whole_b = (ext <= rcj) if cfg.chunking else ~false
-        ref_b = torch.where(nt_b, _NT, torch.where(~whole_b & (rcj <= 0), _OTH, _CONT))
-        refuse = torch.where(iep, ref_b, refuse)
-        whole = torch.where(iep, whole_b, whole)
-        tc = torch.where(iep, rcj, tc)
-        ev_after = torch.where(iep, ev, ev2)
+        ref_b = _where(nt_b, _NT, _where(~whole_b & (rcj <= 0), _OTH, _CONT))
+        refuse = _where(iep, ref_b, refuse)
+        whole = _where(iep, whole_b, whole)
+        tc = _where(iep, rcj, tc)
+        ev_after = _where(iep, ev, ev2)
     ecn = _ceil_p(tc, P)
-    dI = torch.where(whole, e + res + P, ecn + P)
-    dC = torch.where(whole, e + P, ecn + P)
-    dE = torch.where(whole, e, ecn)
-    after = _budget((A + ev_after - (Ij + dI)).to(torch.float64) - rn, A + ev_after - (curj + dC),
+    dI = _where(whole, e + res + P, ecn + P)
+    dC = _where(whole, e + P, ecn + P)
+    dE = _where(whole, e, ecn)
+    after = _budget(_f64(A + ev_after - (Ij + dI)) - rn, A + ev_after - (curj + dC),
                     rinj - dE, rcj - dE, cfg.chunking)
-    pre_stop = torch.where(~passed1, STOP_BUDGET_OTHER,
-                           torch.where(full, STOP_PREEMPT if cfg.preemption else STOP_BATCH_FULL,
-                                       torch.where(pmr_hit, STOP_OTHER, STOP_NONE)))
-    add_stop = torch.where(refuse == _NT, STOP_NO_TOKEN, torch.where(refuse == _OTH, STOP_OTHER,
-                           torch.where(after == _NT, STOP_NO_TOKEN,
-                                       torch.where(after == _OTH, STOP_OTHER, STOP_NONE))))
-    stop = torch.where(pre_stop != STOP_NONE, pre_stop, add_stop)
+    pre_stop = _where(~passed1, STOP_BUDGET_OTHER,
+                           _where(full, STOP_PREEMPT if cfg.preemption else STOP_BATCH_FULL,
+                                       _where(pmr_hit, STOP_OTHER, STOP_NONE)))
+    add_stop = _where(refuse == _NT, STOP_NO_TOKEN, _where(refuse == _OTH, STOP_OTHER,
+                           _where(after == _NT, STOP_NO_TOKEN,
+                                       _where(after == _OTH, STOP_OTHER, STOP_NONE))))
+    stop = _where(pre_stop != STOP_NONE, pre_stop, add_stop)
     admits = (pre_stop == STOP_NONE) & (refuse == _CONT)
-    kind = torch.where(admits, torch.where(whole, KIND_WHOLE, KIND_CHUNK), KIND_NONE)
+    kind = _where(admits, _where(whole, KIND_WHOLE, KIND_CHUNK), KIND_NONE)
     return stop, kind, tc, passed1 & cap_hit
 
 
@@ -520,19 +618,26 @@ class _QueueSums(NamedTuple):
 
 
 def _queue_sums(cfg: StepConfig, q: QueueCols, n) -> _QueueSums:
-    Q = q.fill_len.numel()
-    dev = q.fill_len.device
+    """`_QueueSums` of q's columns: torch tensors, or numpy arrays (`admit_step_host`'s CPU
+    form, n an int)."""
+    if isinstance(q.fill_len, np.ndarray):
+        def pad(x, v=0):
+            return np.concatenate([x, np.full(1, v, dtype=x.dtype)])
 
-    def pad(x, v=0):
-        return torch.cat([x, x.new_full((1,), v)])
+        ar = np.arange(q.fill_len.size + 1)
+        valid = ar < n
+        vm = valid.astype(np.int64)
+    else:
+        def pad(x, v=0):
+            return torch.cat([x, x.new_full((1,), v)])
 
-    ar = torch.arange(Q + 1, device=dev)
-    valid = ar < n
-    vm = valid.to(torch.int64)
+        ar = torch.arange(q.fill_len.numel() + 1, device=q.fill_len.device)
+        valid = ar < n
+        vm = valid.to(torch.int64)
     fill, pre = pad(q.fill_len), pad(q.prefix_len)
     maxn, drop = pad(q.max_new), pad(q.drop)
     e = _ceil_p(fill - pre, cfg.page_size)
-    res = torch.clamp(maxn, max=cfg.clip)
+    res = _clamp(maxn, hi=cfg.clip)
     wI, wC = e + res + cfg.page_size, e + cfg.page_size
     return _QueueSums(ar, valid, fill, pad(q.out_len), pad(q.prompt_len), maxn, pre, drop, pad(q.ignore_eos, False),
                       e, wI, wC, _excl_cumsum(wI * vm), _excl_cumsum(wC * vm), _excl_cumsum(e * vm),
@@ -774,15 +879,21 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
         can_run0 += 1
     rin_loop = rin
 
+    # CPU tensors without the ignore-EOS grid: the checks run as numpy calls on their views
+    # (each 1-3 us where a torch CPU op costs 5-15 us); the same formulas (`eval_requests`)
+    host = not cfg.ignore_eos_path and _host(q.fill_len)
+    if host:
+        q = QueueCols(n, *(v.numpy() for v in q[1:]))
     qs = _queue_sums(cfg, q, n)
     ar, valid, fill, out, prompt, maxn, pre, drop, ie, e, wI, wC, exI, exC, exE, exD = qs
     ev = ev0 - exD
     iep = ie & cfg.ignore_eos_path
-    exH = _excl_cumsum(torch.where(iep | ~valid, 0, pre))  # hit tokens of a prefix (ignore-EOS ones count none)
+    exH = _excl_cumsum(_where(iep | ~valid, 0, pre))  # hit tokens of a prefix (ignore-EOS ones count none)
     # every column the round update reads at the event, read back as one row
-    cols = torch.stack([e, wI, wC, pre, exI, exC, exE, ev, drop, iep.to(i64), exH])
-    false = torch.zeros(Q + 1, dtype=torch.bool, device=dev)
-    rn_t = torch.tensor(rn, dtype=torch.float64, device=dev)
+    cols = [e, wI, wC, pre, exI, exC, exE, ev, drop, iep, exH]
+    cols = np.stack(cols) if host else torch.stack(cols[:9] + [iep.to(i64), exH])
+    false = np.zeros(Q + 1, dtype=bool) if host else torch.zeros(Q + 1, dtype=torch.bool, device=dev)
+    rn_t = rn if host else torch.tensor(rn, dtype=torch.float64, device=dev)
     if cfg.ignore_eos_path:
         ratio_t = torch.tensor(ratio, dtype=torch.float64, device=dev)
         q_left, q_occ = eos_states(maxn, out, prompt, ie, ratio_t)
@@ -795,8 +906,8 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
     chunk_idx, chunk_len, chunk_ends = -1, 0, {}
     I_fin, cur_fin, rin_fin, rc_fin, ev_fin, full_fin, hit = I, cur, rin, rc, ev0, full0, 0
     for _ in range(cfg.rounds):
-        sc = torch.tensor([A, ev0, I + cI, cur + cC, rin + cE, rc + cE, can_run0, running_bs, int(full0)],
-                          dtype=i64, device=dev)
+        sc = [A, ev0, I + cI, cur + cC, rin + cE, rc + cE, can_run0, running_bs, int(full0)]
+        sc = np.array(sc, dtype=np.int64) if host else torch.tensor(sc, dtype=i64, device=dev)
         fail = false
         if cfg.ignore_eos_path:  # R-ADM-6 reservation scan, c_j = cur_rem_j - ceilP(ext_j)
             c = (A + ev - (cur + cC + exC)) - e
@@ -805,8 +916,11 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
         stop_j, kind_j, tc, mark_j = eval_requests(cfg, sc, rn_t, fill, pre, out, maxn, drop, ie, fail,
                                                    exI, exC, exE, exD)
         event = valid & (ar >= s) & ~((kind_j == KIND_WHOLE) & (stop_j == STOP_NONE))
-        k = int(torch.where(event, ar, n).min())
-        stop_r, kind_r, tc_k, mark_k = torch.stack([stop_j, kind_j, tc, mark_j.to(i64)])[:, k].tolist()
+        k = int(_where(event, ar, n).min())
+        if host:
+            stop_r, kind_r, tc_k, mark_k = int(stop_j[k]), int(kind_j[k]), int(tc[k]), int(mark_j[k])
+        else:
+            stop_r, kind_r, tc_k, mark_k = torch.stack([stop_j, kind_j, tc, mark_j.to(i64)])[:, k].tolist()
         e_k, wI_k, wC_k, pre_k, exI_k, exC_k, exE_k, ev_k, drop_k, iep_k, exH_k = cols[:, k].tolist()
         atend = k >= n
         stop_k = STOP_QUEUE_END if atend else stop_r

@@ -70,6 +70,7 @@ import numpy as np
 import torch
 
 from .kernels._utils import gather
+from .policy import _host
 
 P1, P2 = 2**31 - 1, 2147483629
 EMPTY, TOMB = -1, -2
@@ -299,6 +300,8 @@ class FlatRadixTree:
         """Table slot of each hash, -1 if absent. h: int64 [n]."""
         if be == "triton":
             return self._kernels().probe(h.contiguous(), self.hkeys, self.hvals, self.max_probe)[0]
+        if _host(h):
+            return torch.from_numpy(self._probe_host(h.numpy()))
         H = self.hkeys.numel()
         slot = torch.full_like(h, -1)
         # Probe the home slot first (most keys stop there), then windows of consecutive slots
@@ -326,6 +329,39 @@ class FlatRadixTree:
             first = stop.to(torch.int8).argmax(1)  # first stop in the window (0 if none)
             rows = torch.arange(idx.numel(), device=h.device)
             found = hit[rows, first]  # a stop that is a hit (False where the window has no stop)
+            slot[idx[found]] = cols[rows[found], first[found]]
+            more = ~stop.any(1)
+            idx, pos, hh = idx[more], (pos[more] + w) & (H - 1), hh[more]
+            done += w
+        return slot
+
+    def _probe_host(self, h: np.ndarray) -> np.ndarray:
+        """`_probe`'s torch form on host arrays (a CPU table's view), window for window: the
+        same home slots, windows and stops, in numpy calls of 1-3 us instead of torch CPU ops
+        of 5-15 us. Returns int64 [n]."""
+        keys = self.hkeys.numpy()
+        H = keys.size
+        slot = np.full(h.size, -1, dtype=np.int64)
+        if h.size == 0 or self.max_probe <= 0:
+            return slot
+        pos = ((h * HASH_MIX) >> 32) & (H - 1)  # home_slot (int64 products wrap, as torch's)
+        k = keys[pos]
+        hit = k == h
+        slot[hit] = pos[hit]
+        more = np.flatnonzero(~hit & (k != EMPTY))
+        if more.size == 0:
+            return slot
+        idx, pos, hh = more, (pos[more] + 1) & (H - 1), h[more]
+        done, w = 1, PROBE_WINDOW // 2
+        while idx.size and done < self.max_probe:
+            w = min(2 * w, self.max_probe - done)
+            cols = (pos[:, None] + np.arange(w)) & (H - 1)
+            k = keys[cols]
+            hit = k == hh[:, None]
+            stop = hit | (k == EMPTY)
+            first = stop.argmax(1)  # first stop in the window (0 if none)
+            rows = np.arange(idx.size)
+            found = hit[rows, first]
             slot[idx[found]] = cols[rows[found], first[found]]
             more = ~stop.any(1)
             idx, pos, hh = idx[more], (pos[more] + w) & (H - 1), hh[more]

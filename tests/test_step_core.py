@@ -9,11 +9,13 @@ force with partial covers, the ignore-EOS grid against `ignore_eos_fits`, preemp
 """
 
 import copy
+import itertools
 import random
 
 import pytest
 import torch
 
+from gpu_sched import policy as P
 from gpu_sched.config import SchedulerConfig
 from gpu_sched.reference import ReferenceScheduler
 from gpu_sched.reference.adder import AddResult, PrefillAdder
@@ -238,8 +240,15 @@ def host_equals_tensor_form(seed, **over):
     pad = rng.choice([0, 1, 5])
     scfg, st, q, held, chunked, _ = static_inputs(cfg, ref, ratio, full0, pad)
     want = admit_step(scfg, st, q, held, chunked)
-    got = admit_step_host(scfg, st, q, held, chunked)
-    msg = f"seed {seed} ({cfg})"
+    # on the CPU its checks run as numpy calls; every third seed also through its torch form
+    for host in (True, False) if seed % 3 == 0 else (True,):
+        got = _with_host_paths(host, admit_step_host, scfg, st, q, held, chunked)
+        check_host_result(got, want, f"seed {seed} host {host} ({cfg})")
+    return int(want.chunk_index) >= 0
+
+
+def check_host_result(got, want, msg):
+    """A `HostStepResult` equals the static form's `StepResult` field by field."""
     assert got.decided == bool(want.decided), msg
     adm = want.admitted.tolist()
     na = sum(adm)
@@ -254,7 +263,6 @@ def host_equals_tensor_form(seed, **over):
     # the triton eager path's one read-back of the tensor form gives the same record
     read = read_step_result(want)
     assert read == got, f"{msg}: " + ", ".join(f"{f} {a!r} != {b!r}" for f, a, b in zip(got._fields, read, got) if a != b)
-    return int(want.chunk_index) >= 0
 
 
 def test_admit_step_host_equals_tensor_form():
@@ -301,6 +309,15 @@ def brute_drops(parent, key_len, lock_ref, last, cover, valid):
     return out
 
 
+def _with_host_paths(on: bool, fn, *args, **kwargs):
+    """fn with `policy.HOST_PATHS` set to `on` (off: CPU tensors take the torch forms)."""
+    P.HOST_PATHS = on
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        P.HOST_PATHS = True
+
+
 def random_lock_case(seed: int):
     """A random tree (deep chains for odd seeds) with locks, and requests' matched paths:
     (rng, parent, key_len, lock_ref, last, cover, valid) as lists."""
@@ -326,17 +343,22 @@ def test_lock_drops_partial_covers(seed):
     whole = [key_len[v] for v in last]  # the same paths, every match ending at its node's end
     for cov in (cover, whole):
         want = brute_drops(parent, key_len, lock_ref, last, cov, valid)
-        for bound in (None, max([depth[v] for v in last], default=0)):  # the tight depth bound too
-            for early in (False, True):  # eager callers: doubling to its fixed point, no partial part
-                got = lock_drops(t0(parent), t0(key_len), t0(lock_ref), torch.ones(N, dtype=torch.bool), t0(last),
-                                 t0(cov), t0(valid, torch.bool), max_depth=bound, early_exit=early).tolist()
-                bad = [i for i in range(Q) if got[i] != want[i]]
-                assert not bad, (f"max_depth {bound} early_exit {early}: first differing request {bad[0]}: "
-                                 f"{got[bad[0]]} != {want[bad[0]]}")
-        # dead nodes: a path's first request stops after one, in both forms
+        for bound, early, host in itertools.product((None, max([depth[v] for v in last], default=0)),
+                                                    (False, True), (True, False)):
+            # the tight depth bound too; eager callers: doubling to its fixed point, no partial
+            # part; on the CPU the numpy form (`_lock_drops_host`) and the torch form
+            got = _with_host_paths(host, lock_drops, t0(parent), t0(key_len), t0(lock_ref),
+                                   torch.ones(N, dtype=torch.bool), t0(last), t0(cov), t0(valid, torch.bool),
+                                   max_depth=bound, early_exit=early).tolist()
+            bad = [i for i in range(Q) if got[i] != want[i]]
+            assert not bad, (f"max_depth {bound} early_exit {early} host {host}: first differing request "
+                             f"{bad[0]}: {got[bad[0]]} != {want[bad[0]]}")
+        # dead nodes: a path's first request stops after one, in every form
         alive = torch.tensor([i == 0 or rng.random() < 0.8 for i in range(N)], dtype=torch.bool)
         args = (t0(parent), t0(key_len), t0(lock_ref), alive, t0(last), t0(cov), t0(valid, torch.bool))
-        assert torch.equal(lock_drops(*args, early_exit=True), lock_drops(*args)), seed
+        want = _with_host_paths(False, lock_drops, *args)
+        for early, host in itertools.product((False, True), (True, False)):
+            assert torch.equal(_with_host_paths(host, lock_drops, *args, early_exit=early), want), (seed, early, host)
 
 
 # ---- R-ADM-6 grid ----------------------------------------------------------------------------
