@@ -87,7 +87,9 @@ def _check_sign(sign) -> int:
     return int(sign)
 
 
-#: False sends CPU tensors through the torch forms too (tests compare the two forms)
+#: False sends CPU tensors through the torch forms too, here and in the modules that import
+#: `_host` (`admission`: lock drops and the eager admission's checks; `radix`: table probes);
+#: tests switch it off to compare the two forms
 HOST_PATHS = True
 
 
