@@ -662,6 +662,13 @@ class FlatRadixTree:
         """
         be = self._be(backend)
         P = self.P
+        if be == "torch" and _host(lengths):  # the same formulas on numpy views
+            g, Lq = guess.numpy(), lengths.numpy() // P * P
+            slot = self._probe_host(np.concatenate([h_guess.numpy(), h_next.numpy()]))
+            found = np.where(slot >= 0, self.hvals.numpy()[np.maximum(slot, 0)], -1)
+            pos1, pos2 = found[: g.size], found[g.size :]
+            ok = (g >= 0) & (g <= Lq) & (g % P == 0) & ((g == 0) | (pos1 >= 0)) & ((g + P > Lq) | (pos2 < 0))
+            return torch.from_numpy(ok), torch.from_numpy(np.where(ok & (g > 0), pos1, -1))
         Lq = lengths // P * P
         g = guess
         B = g.numel()

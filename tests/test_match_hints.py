@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_sched import policy as P
 from gpu_sched.radix import FlatRadixTree
 
 CONFIGS = [(1, None), (1, 3), (4, None), (4, 2), (16, None), (16, 1)]
@@ -89,9 +90,12 @@ def check_all(tree, csr, g, h1, h2, be):
         assert bool((p[~ok] == -1).all())
 
 
-@pytest.mark.parametrize("be", ["torch", "triton"])
+@pytest.mark.parametrize("be", ["torch", "torch-forms", "triton"])
 @pytest.mark.parametrize("page_size,chunk_pages", CONFIGS)
-def test_check_matches_accepts_exactly_the_match(page_size, chunk_pages, be):
+def test_check_matches_accepts_exactly_the_match(page_size, chunk_pages, be, monkeypatch):
+    if be == "torch-forms":  # on the CPU, the torch form rather than the numpy one
+        monkeypatch.setattr(P, "HOST_PATHS", False)
+        be = "torch"
     rng, tree, bases = build(page_size, chunk_pages, seed=page_size * 10 + (chunk_pages or 0))
     qs = queries(rng, bases, 200)
     csr = Csr(tree, qs)
