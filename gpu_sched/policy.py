@@ -38,6 +38,7 @@ with `TRITON_INTERPRET=1` set before the kernels are imported); sorts and scans 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import numpy as np
@@ -88,9 +89,22 @@ def _check_sign(sign) -> int:
 
 
 #: False sends CPU tensors through the torch forms too, here and in the modules that import
-#: `_host` (`admission`: lock drops and the eager admission's checks; `radix`: table probes);
-#: tests switch it off to compare the two forms
+#: `_host` (`admission`: lock drops and the eager admission's checks; `radix`: table probes
+#: and walks); `torch_forms()` switches it off for a block
 HOST_PATHS = True
+
+
+@contextlib.contextmanager
+def torch_forms():
+    """Within the block every function takes its torch form, CPU tensors included: the
+    recorded step (`gpu_sched.step.StepGraph.compute`) runs what a CUDA graph records on any
+    device, and tests compare the two forms on the CPU."""
+    global HOST_PATHS
+    old, HOST_PATHS = HOST_PATHS, False
+    try:
+        yield
+    finally:
+        HOST_PATHS = old
 
 
 def _host(t: torch.Tensor) -> bool:
@@ -107,9 +121,9 @@ def _stable_perm(key: torch.Tensor, descending: bool = False) -> torch.Tensor:
     through `_narrow_perm`, whose cost per element does not grow with n; everything else
     (other devices included) is `torch.sort(stable=True)`. Both give the one stable order."""
     if key.dtype in INT_DTYPES and _host(key):
-        off = _narrow_offsets(key, descending)
-        if off is not None:
-            return torch.from_numpy(np.argsort(off, kind="stable"))
+        perm = _narrow_perm(key, descending)
+        if perm is not None:
+            return perm
     return torch.sort(_neg(key) if descending else key, stable=True).indices
 
 

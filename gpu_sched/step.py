@@ -197,7 +197,12 @@ class StepGraph:
     # ---- the device computation -------------------------------------------------------------------
     def compute(self) -> None:
         """The step on the buffers (static shapes, no host read); writes `out`, `m_full`,
-        `pos_full`."""
+        `pos_full`. The torch forms on every device (`policy.torch_forms`): on the CPU too it
+        computes what a CUDA graph records, not the eager step's numpy forms."""
+        with dpolicy.torch_forms():
+            self._compute()
+
+    def _compute(self) -> None:
         s = self.s
         cfg = s.config
         be = s.backend

@@ -108,11 +108,8 @@ def test_probe(n, block, max_probe):
     h = torch.tensor([rng.choice(pool) for _ in range(n)], dtype=torch.int64, device=DEV)
     slot, val = K.probe(h, tree.hkeys, tree.hvals, max_probe, block=block)
     assert_equal(slot, tree._probe(h, "torch"), "slot")  # on a CPU: its numpy form, `_probe_host`
-    P.HOST_PATHS = False  # and its torch form
-    try:
+    with P.torch_forms():  # and its torch form
         assert_equal(slot, tree._probe(h, "torch"), "slot (torch form)")
-    finally:
-        P.HOST_PATHS = True
     assert_equal(val, tree.lookup(h, backend="torch"), "value")
     assert_equal(tree.lookup(h, backend="triton"), tree.lookup(h, backend="torch"), "lookup")
 

@@ -92,10 +92,14 @@ def check_all(tree, csr, g, h1, h2, be):
 
 @pytest.mark.parametrize("be", ["torch", "torch-forms", "triton"])
 @pytest.mark.parametrize("page_size,chunk_pages", CONFIGS)
-def test_check_matches_accepts_exactly_the_match(page_size, chunk_pages, be, monkeypatch):
+def test_check_matches_accepts_exactly_the_match(page_size, chunk_pages, be):
     if be == "torch-forms":  # on the CPU, the torch form rather than the numpy one
-        monkeypatch.setattr(P, "HOST_PATHS", False)
-        be = "torch"
+        with P.torch_forms():
+            return check_matches_case(page_size, chunk_pages, "torch")
+    check_matches_case(page_size, chunk_pages, be)
+
+
+def check_matches_case(page_size, chunk_pages, be):
     rng, tree, bases = build(page_size, chunk_pages, seed=page_size * 10 + (chunk_pages or 0))
     qs = queries(rng, bases, 200)
     csr = Csr(tree, qs)

@@ -173,12 +173,9 @@ def test_stable_perm_on_the_cpu_equals_torch_sort(dtype):
 
 
 def _torch_forms(fn, *args, **kwargs):
-    """fn on the CPU through its torch form (`policy.HOST_PATHS` off), not its numpy one."""
-    P.HOST_PATHS = False
-    try:
+    """fn on the CPU through its torch form (`policy.torch_forms`), not its numpy one."""
+    with P.torch_forms():
         return fn(*args, **kwargs)
-    finally:
-        P.HOST_PATHS = True
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

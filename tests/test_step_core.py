@@ -310,12 +310,11 @@ def brute_drops(parent, key_len, lock_ref, last, cover, valid):
 
 
 def _with_host_paths(on: bool, fn, *args, **kwargs):
-    """fn with `policy.HOST_PATHS` set to `on` (off: CPU tensors take the torch forms)."""
-    P.HOST_PATHS = on
-    try:
+    """fn with the host (numpy) forms on CPU tensors, or (`on` False) its torch forms."""
+    if on:
         return fn(*args, **kwargs)
-    finally:
-        P.HOST_PATHS = True
+    with P.torch_forms():
+        return fn(*args, **kwargs)
 
 
 def random_lock_case(seed: int):
