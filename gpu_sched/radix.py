@@ -344,7 +344,7 @@ class FlatRadixTree:
         slot = np.full(h.size, -1, dtype=np.int64)
         if h.size == 0 or self.max_probe <= 0:
             return slot
-        pos = ((h * HASH_MIX) >> 32) & (H - 1)  # home_slot (int64 products wrap, as torch's)
+        pos = home_slot(h, H)  # numpy's int64 products wrap as torch's do
         k = keys[pos]
         hit = k == h
         slot[hit] = pos[hit]
@@ -372,8 +372,15 @@ class FlatRadixTree:
         """Pool position stored for each prefix hash, -1 if absent."""
         if self._be(backend) == "triton":
             return self._kernels().probe(h.contiguous(), self.hkeys, self.hvals, self.max_probe)[1]
+        if _host(h):
+            return torch.from_numpy(self._lookup_host(h.numpy()))
         slot = self._probe(h)
         return torch.where(slot >= 0, gather(self.hvals, slot.clamp(min=0)), torch.full_like(h, -1))
+
+    def _lookup_host(self, h: np.ndarray) -> np.ndarray:
+        """`lookup` on host arrays (a CPU table's views). Returns int64 [n]."""
+        slot = self._probe_host(h)
+        return np.where(slot >= 0, self.hvals.numpy()[np.maximum(slot, 0)], -1)
 
     def _table_insert(self, h: torch.Tensor, v: torch.Tensor, be: str = "torch") -> None:
         """Insert absent keys. Round by round every pending key claims its slot if free; of
@@ -662,19 +669,18 @@ class FlatRadixTree:
         """
         be = self._be(backend)
         P = self.P
-        if be == "torch" and _host(lengths):  # the same formulas on numpy views
+        host = be == "torch" and _host(lengths)  # numpy views on the CPU: the same formulas
+        if host:
             g, Lq = guess.numpy(), lengths.numpy() // P * P
-            slot = self._probe_host(np.concatenate([h_guess.numpy(), h_next.numpy()]))
-            found = np.where(slot >= 0, self.hvals.numpy()[np.maximum(slot, 0)], -1)
-            pos1, pos2 = found[: g.size], found[g.size :]
-            ok = (g >= 0) & (g <= Lq) & (g % P == 0) & ((g == 0) | (pos1 >= 0)) & ((g + P > Lq) | (pos2 < 0))
-            return torch.from_numpy(ok), torch.from_numpy(np.where(ok & (g > 0), pos1, -1))
-        Lq = lengths // P * P
-        g = guess
-        B = g.numel()
-        found = self.lookup(torch.cat([h_guess, h_next]), backend=be)
+            found = self._lookup_host(np.concatenate([h_guess.numpy(), h_next.numpy()]))
+        else:
+            g, Lq = guess, lengths // P * P
+            found = self.lookup(torch.cat([h_guess, h_next]), backend=be)
+        B = g.shape[0]
         pos1, pos2 = found[:B], found[B:]
         ok = (g >= 0) & (g <= Lq) & (g % P == 0) & ((g == 0) | (pos1 >= 0)) & ((g + P > Lq) | (pos2 < 0))
+        if host:
+            return torch.from_numpy(ok), torch.from_numpy(np.where(ok & (g > 0), pos1, -1))
         return ok, torch.where(ok & (g > 0), pos1, torch.full_like(g, -1))
 
     @staticmethod
@@ -869,10 +875,10 @@ class FlatRadixTree:
                     host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """(X, idx) of a batch of matches (lengths m, last pool positions pos; int64 [B]): the node
         holding each match's last token (0 = root where m is 0) and the rows whose match ends
-        inside its node (a sequential match would split there), int64. `host` (default: the
-        tree is on the CPU): as numpy calls on views of the tree's arrays (several times
+        inside its node (a sequential match would split there), int64. `host` (default: CPU
+        tensors, `policy._host`): as numpy calls on views of the tree's arrays (several times
         cheaper per call than torch's), else as torch ops."""
-        if self.device.type == "cpu" if host is None else host:
+        if _host(m) if host is None else host:
             mn, pn = m.numpy(), pos.numpy()
             has = mn > 0
             X = np.where(has, self.owner.numpy()[np.maximum(pn, 0)], 0)
@@ -945,7 +951,7 @@ class FlatRadixTree:
         if be == "triton":
             self._kernels().stamp_paths(nodes.contiguous(), stamp.contiguous(), self.parent, self.last_access)
             return
-        if self.device.type == "cpu":
+        if _host(nodes):
             b = self.node_bound()  # every live id is below it
             _stamp_paths_host(self.parent[:b].numpy(), self.last_access[:b].numpy(), nodes.numpy(), stamp.numpy())
             return
@@ -1113,7 +1119,7 @@ class FlatRadixTree:
             cnt = self._path_counts(nodes, be)
             u = torch.nonzero(cnt).flatten()
             return u, cnt[u]
-        if self.device.type == "cpu" if host is None else host:  # numpy calls on views of the arrays
+        if _host(nodes) if host is None else host:  # numpy calls on views of the arrays
             u, c = _path_nodes_host(self.parent.numpy(), nodes.numpy(), self.node_bound())
             return torch.from_numpy(u), torch.from_numpy(c)
         cur = nodes[nodes > 0]
