@@ -768,12 +768,23 @@ class FlatRadixTree:
         return self._find_csr(tok, tok_start, lengths, lengths, ns, ch, ch_start, count, int(max_len) // self.C,
                               be, static=True)
 
-    def path_position(self, m: torch.Tensor, pos: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    def path_position(self, m: torch.Tensor, pos: torch.Tensor, d: torch.Tensor,
+                      nodes: bool = False):
         """Pool position of the last token at depth d of matched paths: row i's path is the
         match (m[i] tokens, last token at pool position pos[i]) and 0 <= d[i] <= m[i]; -1 where
         d[i] == 0. It is what a match capped at d[i] returns (the position stored for that page
         end), read off the path: within the last node by offset, else a few parent steps
-        (a host read per level climbed). int64 [B] each."""
+        (a host read per level climbed). int64 [B] each.
+
+        nodes=True also returns the node holding that token and how many of its tokens the
+        capped path covers (1..key_len; the node 0 and 0 where d[i] == 0): (pos, node, cover),
+        what locking the capped match reads (`gpu_sched.admission.lock_drops`). On CPU tensors
+        (`policy._host`) the same steps run as numpy calls, climbing only the rows that need it."""
+        if _host(m):
+            out = _path_position_host(self.owner.numpy(), self.key_off.numpy(), self.key_len.numpy(),
+                                      self.parent.numpy(), m.numpy(), pos.numpy(), d.numpy())
+            out = tuple(torch.from_numpy(x) for x in out)
+            return out if nodes else out[0]
         has = m > 0
         X = torch.where(has, gather(self.owner, pos.clamp(min=0)), 0)
         start = torch.where(has, m - (pos - self.key_off[X] + 1), 0)  # depth where node X begins
@@ -782,7 +793,11 @@ class FlatRadixTree:
             X = torch.where(need, self.parent[X], X)
             start = torch.where(need, start - self.key_len[X], start)
             need = (d > 0) & (d <= start)
-        return torch.where(d > 0, self.key_off[X] + (d - start) - 1, torch.full_like(d, -1))
+        on = d > 0
+        p = torch.where(on, self.key_off[X] + (d - start) - 1, torch.full_like(d, -1))
+        if not nodes:
+            return p
+        return p, torch.where(on, X, 0), torch.where(on, d - start, 0)
 
     def match(self, tokens: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
               chunk_hashes: Optional[torch.Tensor] = None, *,
@@ -837,8 +852,8 @@ class FlatRadixTree:
         B = m.numel()
         dev = self.device
         if stamp is None:
-            stamp = self.clock + 1 + torch.arange(B, device=dev)
-            cid = self.next_cid + torch.arange(B, device=dev)
+            stamp = torch.arange(self.clock + 1, self.clock + 1 + B, device=dev)
+            cid = torch.arange(self.next_cid, self.next_cid + B, device=dev)
             self.clock += B
             self.next_cid += B
         has = m > 0
@@ -1291,6 +1306,25 @@ def _stamp_paths_host(parent: np.ndarray, last_access: np.ndarray, nodes: np.nda
         nxt = parent[cur]
         keep = nxt >= 0
         cur, stamp = nxt[keep], stamp[keep]
+
+
+def _path_position_host(owner: np.ndarray, key_off: np.ndarray, key_len: np.ndarray, parent: np.ndarray,
+                        m: np.ndarray, pos: np.ndarray, d: np.ndarray):
+    """`FlatRadixTree.path_position(..., nodes=True)` on numpy views of the tree's arrays: the
+    same climb, on the rows that still need a parent step only. (pos, node, cover) int64 [B]."""
+    has = m > 0
+    X = np.where(has, owner.take(np.maximum(pos, 0)), 0)
+    start = np.where(has, m - (pos - key_off.take(X) + 1), 0)  # depth where node X begins
+    on = d > 0
+    live = np.flatnonzero(on & (d <= start))
+    while live.size:
+        x = parent.take(X[live])
+        X[live] = x
+        s = start[live] - key_len.take(x)
+        start[live] = s
+        live = live[d[live] <= s]
+    cover = np.where(on, d - start, 0)
+    return np.where(on, key_off.take(X) + cover - 1, -1), np.where(on, X, 0), cover
 
 
 def _path_nodes_host(parent: np.ndarray, nodes: np.ndarray, bound: int) -> Tuple[np.ndarray, np.ndarray]:

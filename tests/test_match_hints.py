@@ -5,6 +5,7 @@ one step to the next and checks it with two lookups instead of searching again; 
 pin the rule it relies on: a guess is accepted exactly when it is the match. On CUDA when it is
 there; the lookups with backend torch and triton (the probe kernel)."""
 
+import contextlib
 import random
 
 import numpy as np
@@ -137,8 +138,19 @@ def test_path_position_is_the_capped_match(page_size, chunk_pages):
     d[20:40] = 0
     want_m, want_pos = csr.find(tree, torch.minimum(csr.lens, d))  # a match capped at d
     assert torch.equal(want_m, d)
-    got = tree.path_position(m, pos, d)
-    assert torch.equal(got, torch.where(d > 0, want_pos, -1))
+    want = torch.where(d > 0, want_pos, -1)
+    on = d > 0
+    node = torch.where(on, tree.owner[want.clamp(min=0)], 0)  # the node holding that token
+    cover = torch.where(on, want - tree.key_off[node] + 1, 0)
+    assert int((on & (cover < tree.key_len[node])).sum()) > 0  # some capped matches end inside a node
+    assert int((on & (node != tree.owner[pos.clamp(min=0)])).sum()) > 5  # some climbed to an ancestor
+    for forms in (contextlib.nullcontext, P.torch_forms):  # on the CPU: the numpy form, then torch's
+        with forms():
+            assert torch.equal(tree.path_position(m, pos, d), want)
+            got = tree.path_position(m, pos, d, nodes=True)
+        assert torch.equal(got[0], want)
+        assert torch.equal(got[1], node)
+        assert torch.equal(got[2], cover)
 
 
 def test_version_moves_with_content_only():
