@@ -118,7 +118,7 @@ class GpuScheduler(ReferenceScheduler):
 
     Attributes:
         admit_window: ordered requests the admission scans first (256; with `adaptive_window`,
-            at least the power of two above the previous loop's admission count); a loop that
+            at least an eighth more than the previous loop admitted); a loop that
             admits them all goes on with the next window, twice as long. The sequential loop
             never reads past its stop point, so the decisions do not depend on it; the cost of
             a step's admission is then O(admitted), not O(queue).
@@ -135,7 +135,7 @@ class GpuScheduler(ReferenceScheduler):
     """
 
     admit_window = 256
-    #: start instead with the power of two above the previous loop's admissions when larger
+    #: start instead with an eighth more than the previous loop's admissions when larger
     #: (steps admit similar counts: one window instead of several doublings)
     adaptive_window = True
     #: rows of the row table at first (grown by doubling)
@@ -772,8 +772,13 @@ class GpuScheduler(ReferenceScheduler):
         i, n = 0, len(queue)
         start, lead = len(adder.can_run), 0  # queue[:lead] admitted, in order, after `start` entries
         W = max(1, int(self.admit_window))
-        if self.adaptive_window:
-            W = max(W, 1 << self._last_admitted.bit_length())
+        if self.adaptive_window and self._last_admitted:
+            # an eighth more than the last loop admitted, rounded up to a multiple of 1/8 of its
+            # power of two (a window past the stop point is wasted work; one too short costs a
+            # second, twice as long)
+            need = self._last_admitted + (self._last_admitted >> 3) + 1
+            q = 1 << max(need.bit_length() - 4, 0)
+            W = max(W, -(-need // q) * q)
         while i < n:
             if pending is not None:  # the recorded step decided this segment already
                 rest = queue[: pending.window]
