@@ -598,7 +598,10 @@ class GpuScheduler(ReferenceScheduler):
             else:
                 parent, rank, remap = self._child_ranks()
                 perm = dpolicy.dfs_weight_order(parent, rank, None, remap[last], backend=be)
-            vals = torch.stack([m, num, dep.to(torch.int64), perm, pos]).cpu().numpy()  # the read-back
+            if dev.type == "cpu":  # views, no copies
+                vals = [m.numpy(), num.numpy(), dep.numpy(), perm.numpy(), pos.numpy()]
+            else:
+                vals = torch.stack([m, num, dep.to(torch.int64), perm, pos]).cpu().numpy()  # the read-back
             # admission reuses these matches while the tree holds the same content (`_window_match`)
             _rt_set(self._rt, rows, RT_MVER, version)
             _rt_set(self._rt, rows, RT_MLEN, vals[0])
