@@ -565,12 +565,21 @@ class GpuScheduler(ReferenceScheduler):
         def col(c):
             return torch.from_numpy(_rt_get(self._rt, rows, c)).to(dev)
 
+        # on the CPU with the torch backend the integer-key orders are numpy calls on the table's
+        # columns (`policy.host_perm` / `host_lex_perm`, what the policy functions run there),
+        # without their tensor wrapping and checks: a fixed ~40 us less per call
+        host = be == "torch" and dev.type == "cpu" and dpolicy.HOST_PATHS
         if cfg.effective_policy == "fcfs":
             if not (cfg.enable_priority_scheduling and n):
                 return OrderResult("fcfs", q)
             t = _rt_get(self._rt, rows, RT_TIME).view(np.float64)
             # a queue appended to in arrival order needs no time key (checked on the host)
-            tk = None if bool((t[1:] >= t[:-1]).all()) else torch.from_numpy(t).to(dev)
+            in_time_order = bool((t[1:] >= t[:-1]).all())
+            if host and in_time_order:  # R-ORD-4: stable by priority * sign
+                perm = dpolicy.host_perm(_rt_get(self._rt, rows, RT_PRIO), sign < 0)
+                if perm is not None:
+                    return OrderResult("fcfs", RowQueue(self, rows.take(perm)))
+            tk = None if in_time_order else torch.from_numpy(t).to(dev)
             perm = dpolicy.fcfs_priority_order(col(RT_PRIO), tk, sign, backend=be)
             return OrderResult("fcfs", RowQueue(self, rows[perm.cpu().numpy()]))
         if policy in ("lpm", "dfs-weight"):
@@ -614,6 +623,12 @@ class GpuScheduler(ReferenceScheduler):
         if n == 0 or policy == "fcfs":  # fcfs here: the lpm fallback sorts nothing (R-ORD-2)
             return OrderResult(policy, q)
         if policy == "lof":
+            if host:  # R-ORD-5: stable by -max_new_tokens, or by (priority * sign, -max_new_tokens)
+                mx = _rt_get(self._rt, rows, RT_MAXNEW)
+                perm = (dpolicy.host_lex_perm(_rt_get(self._rt, rows, RT_PRIO), mx, sign < 0, True)
+                        if cfg.enable_priority_scheduling else dpolicy.host_perm(mx, True))
+                if perm is not None:
+                    return OrderResult(policy, RowQueue(self, rows.take(perm)))
             prio = col(RT_PRIO) if cfg.enable_priority_scheduling else None
             perm = dpolicy.lof_order(col(RT_MAXNEW), prio, sign, backend=be)
         elif policy == "random":
@@ -637,6 +652,9 @@ class GpuScheduler(ReferenceScheduler):
             names = self._rk_names
             rank = np.empty(ids.size, dtype=np.int64)
             rank[lut[sorted(ids.tolist(), key=names.__getitem__)]] = np.arange(ids.size)
+            if host:
+                return OrderResult(policy, RowQueue(self, rows.take(dpolicy._routing_perm_host(
+                    lut[qk], rank, lut[run_ids], -1))))
             perm = dpolicy.routing_key_order(torch.from_numpy(lut[qk]).to(dev), torch.from_numpy(rank).to(dev),
                                              torch.from_numpy(lut[run_ids]).to(dev), backend=be)
         return OrderResult(policy, RowQueue(self, rows[perm.cpu().numpy()]))

@@ -145,29 +145,35 @@ def test_fcfs_priority_order_of_a_queue_in_time_order(backend, low_first):
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_stable_perm_on_the_cpu_equals_torch_sort(dtype):
-    """The CPU's narrow-key path (`_narrow_perm`: numpy's radix argsort of the key less its
-    minimum as uint8 or uint16) gives torch.sort(stable=True)'s permutation, at the span
-    limits 2^8 and 2^16 and at the dtype's ends; wider keys go to torch.sort (None from
-    `_narrow_perm`)."""
+    """The CPU's packed path (`host_perm`: the key less its minimum and the index packed into one
+    uint32 / uint64 value, sorted) gives torch.sort(stable=True)'s permutation: spans at the
+    32- and 64-bit packing limits (with n's index bits), the dtype's ends, ties; a key whose
+    span and index need more than 64 bits goes to torch.sort (None from `host_perm`)."""
     info = torch.iinfo(dtype)
-    g = torch.Generator().manual_seed(info.bits)
+    rng = np.random.default_rng(info.bits)
+    full = info.max - info.min  # the widest span of the dtype
     for n in (0, 1, 2, 63, 64, 1000, 40000):
-        for span in (0, 1, 5, 2**8 - 1, 2**8, 2**15 - 1, 2**15, 2**16 - 1, 2**16, 2**30):
-            for lo, uniform in itertools.product((info.min, -7, 0, info.max - span), (False, True)):
-                if n == 0:
-                    key = torch.empty(0, dtype=dtype)
-                else:  # heavy ties or values over the whole span; both ends of the span present
-                    key = torch.randint(0, (span if uniform else min(span, 40)) + 1, (n,), generator=g,
-                                        dtype=torch.int64)
-                    key = torch.where(key == 1, span, key) if span > 40 and not uniform else key
-                    key = (key + lo).to(dtype)
-                    key[0], key[-1] = lo + span, lo
+        nb = max(n - 1, 0).bit_length()
+        edge = [2 ** (b - nb) - 1 for b in (32, 33, 64, 65) if 2 ** (b - nb) - 1 <= full]
+        for span in sorted({0, 1, 5, 2**8, 2**16 - 1, 2**16, 2**30, full, *edge}):
+            los = [lo for lo in (info.min, -7, 0, info.max - span) if info.min <= lo <= info.max - span]
+            for lo, uniform in itertools.product(los, (False, True)):
+                # values over the whole span, or heavy ties at its two ends; both ends present
+                if uniform:
+                    v = rng.integers(0, span, size=n, dtype=np.uint64, endpoint=True)
+                else:
+                    v = np.where(rng.integers(0, 3, size=n) == 0, np.uint64(span), np.uint64(0))
+                if n:
+                    v[0], v[-1] = span, 0
+                key = torch.from_numpy((v + np.uint64(lo % 2**64)).view(np.int64)).to(dtype)  # lo + v
                 want = torch.sort(key, stable=True).indices
-                narrow = P._narrow_perm(key)
                 real_span = int(key.max()) - int(key.min()) if n else 0
-                assert (narrow is None) == (n >= 2 and real_span >= 2**16), (n, span, lo)
+                got_np = P.host_perm(key.numpy())
+                assert (got_np is None) == (n >= 2 and real_span.bit_length() + nb > 64), (n, span, lo)
                 got = P._stable_perm(key)
                 assert got.dtype == torch.int64 and torch.equal(got, want), (dtype, n, span, lo)
+                desc = torch.sort(~key, stable=True).indices
+                assert torch.equal(P._stable_perm(key, descending=True), desc), (dtype, n, span, lo)
                 strided = key[::2]  # a non-contiguous view
                 assert torch.equal(P._stable_perm(strided), torch.sort(strided, stable=True).indices)
 
@@ -180,11 +186,11 @@ def _torch_forms(fn, *args, **kwargs):
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_host_forms_equal_torch_forms(dtype):
-    """On the CPU, fcfs, lof and routing-key run as numpy calls (narrow keys as uint8/uint16
-    offsets, two narrow keys packed into one when their spans multiply to at most 2^16, the
-    routing table ranked in numpy); each gives the torch form's permutation exactly: spans
-    either side of 2^8 and 2^16, packed products at 2^8 / 2^16 and one more, both signs and
-    directions, the dtype's ends, ids outside [0, K), K either side of 2^16 - 2."""
+    """On the CPU, fcfs, lof and routing-key run as numpy calls (keys as offsets from their
+    minimum or maximum, one key or two packed with the index into one uint32 / uint64 sort when
+    their bits fit, the routing table ranked in numpy); each gives the torch form's permutation
+    exactly: spans either side of 2^8, 2^16 and (int64) the 64-bit packing limit, both signs
+    and directions, the dtype's ends, ids outside [0, K), K either side of 2^16 - 2."""
     info = torch.iinfo(dtype)
     g = torch.Generator().manual_seed(7 + info.bits)
 
@@ -194,7 +200,7 @@ def test_host_forms_equal_torch_forms(dtype):
             v[0], v[-1] = span, 0  # both ends of the span present
         return (v + lo).to(dtype)
 
-    spans = (0, 1, 4, 2**8 - 1, 2**8, 2**16 - 1, 2**16, 2**20)
+    spans = (0, 1, 4, 2**8 - 1, 2**8, 2**16 - 1, 2**16, 2**20) + ((2**40, 2**62) if info.bits == 64 else ())
     checked = 0
     for n in (0, 1, 2, 3, 300, 5000):
         for sp, sm in ((4, 50), (15, 15), (16, 15), (255, 255), (256, 255), (1, 2**15 - 1), (1, 2**15),
