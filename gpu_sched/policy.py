@@ -26,8 +26,9 @@ How the orders are built (one idea per policy):
   round per tree level (a 10^5-deep chain takes 17 rounds); then one stable sort of the
   requests by position.
 
-On CPU tensors (outside `torch.compile`, `HOST_PATHS` on) the narrow-key sorts and the fcfs,
-lof and routing-key orders run as numpy calls on views of the tensors: there is no device to
+On CPU tensors (outside `torch.compile`, `HOST_PATHS` on) the integer-key sorts (one key or
+two packed with the row index into one uint32/uint64 value, `host_perm` / `host_lex_perm`)
+and the fcfs, lof and routing-key orders run as numpy calls on views of the tensors: there is no device to
 sync with, and a numpy call costs 1-3 us where a torch CPU op costs 5-15 us, which is most of
 an ordering's time below a few thousand requests. The torch forms run everywhere else (CUDA,
 `meta`, compiled graphs); `test_host_forms_equal_torch_forms` checks the two give one order.
@@ -493,7 +494,9 @@ def in_batch_deprioritize_groups(prefix_len: torch.Tensor, fill_len: torch.Tenso
     """R-ORD-9 as `in_batch_deprioritize`, bool [n] in queue order, with each request's
     (namespace, first T fill tokens) given as an interned group id instead of (namespace id,
     head hash): the first eligible request of each group is found by a scatter-min of queue
-    indices (an `atomic_min` kernel on backend "triton"), no sort.
+    indices (an `atomic_min` kernel on backend "triton"), no sort. On CPU tensors
+    (`_host`) by `np.unique(..., return_index=True)` over the eligible rows only (with a warm
+    cache few have a match within check_threshold).
 
     Args:
         prefix_len, fill_len: int [n] (match length from R-ORD-8, len(fill)).
@@ -524,6 +527,13 @@ def in_batch_deprioritize_groups(prefix_len: torch.Tensor, fill_len: torch.Tenso
     if k is not None:
         return k.deprio_by_group(_contig(prefix_len), _contig(fill_len), _contig(group), num_groups,
                                  check_threshold, threshold, block=block)
+    if _host(prefix_len):  # numpy: the first occurrences among the (few) eligible rows
+        e = np.flatnonzero(checked.numpy() & (fill_len.numpy() >= threshold))
+        out = np.zeros(n, dtype=bool)
+        if e.size:
+            out[e] = True
+            out[e[np.unique(group.numpy()[e], return_index=True)[1]]] = False  # each group's first stays
+        return torch.from_numpy(out)
     eligible = checked & (fill_len >= threshold)
     idx = torch.arange(n, device=dev)
     g = torch.where(eligible, group.to(torch.int64), 0)  # ids are read only where eligible

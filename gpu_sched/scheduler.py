@@ -611,10 +611,13 @@ class GpuScheduler(ReferenceScheduler):
                 vals = [m.numpy(), num.numpy(), dep.numpy(), perm.numpy(), pos.numpy()]
             else:
                 vals = torch.stack([m, num, dep.to(torch.int64), perm, pos]).cpu().numpy()  # the read-back
-            # admission reuses these matches while the tree holds the same content (`_window_match`)
-            _rt_set(self._rt, rows, RT_MVER, version)
-            _rt_set(self._rt, rows, RT_MLEN, vals[0])
-            _rt_set(self._rt, rows, RT_MPOS, vals[4])
+            # admission reuses these matches while the tree holds the same content (`_window_match`);
+            # rows that all hold this version's matches already were kept as they are (nothing
+            # changed since: `_full_match`), so the writes would change nothing
+            if not bool((sel[:, RT_MVER] == version).all()):
+                _rt_set(self._rt, rows, RT_MVER, version)
+                _rt_set(self._rt, rows, RT_MLEN, vals[0])
+                _rt_set(self._rt, rows, RT_MPOS, vals[4])
             perm = vals[3]
             orows = rows[perm]
             nm = vals[1][perm]

@@ -678,6 +678,9 @@ def test_in_batch_deprioritize_groups_matches_reference(backend, n, check, T):
     got = P.in_batch_deprioritize_groups(prefix, lengths, group, G, check, T, **kw(backend))
     assert got.dtype == torch.bool
     assert_perm_equal(got.to(torch.int64), want, f"deprio groups {backend} n={n} check={check} T={T}")
+    if backend == "torch":  # on the CPU that was the numpy form; the torch form too
+        got = _torch_forms(P.in_batch_deprioritize_groups, prefix, lengths, group, G, check, T)
+        assert_perm_equal(got.to(torch.int64), want, f"deprio groups torch form n={n} check={check} T={T}")
     if n > 100 and check >= 8 and T > 0:
         assert 0 < sum(want) < n  # both outcomes occur
 
