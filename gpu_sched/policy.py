@@ -108,10 +108,15 @@ def torch_forms():
         HOST_PATHS = old
 
 
+def host_device(device: torch.device) -> bool:
+    """True for the CPU outside `torch.compile` (and `HOST_PATHS` on): the host paths (numpy on
+    views of the tensors) may read values, as there is no device to sync with."""
+    return HOST_PATHS and device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _host(t: torch.Tensor) -> bool:
-    """True for a CPU tensor outside `torch.compile` (and `HOST_PATHS` on): the host paths
-    (numpy on views of the tensors) may read values, as there is no device to sync with."""
-    return HOST_PATHS and t.device.type == "cpu" and not torch.compiler.is_compiling()
+    """`host_device` of t's device."""
+    return host_device(t.device)
 
 
 def _stable_perm(key: torch.Tensor, descending: bool = False) -> torch.Tensor:
@@ -247,6 +252,12 @@ def fcfs_priority_order(priority: torch.Tensor, enqueue_time: Optional[torch.Ten
     return _lex_perm(pk, tk)
 
 
+def fcfs_perm_host(priority: np.ndarray, sign: int) -> Optional[np.ndarray]:
+    """`fcfs_priority_order(priority, None, sign)`'s host form on a numpy column (the queue in
+    enqueue-time order): int64 [n], or None when the key does not pack (`host_perm`)."""
+    return host_perm(priority, descending=sign < 0)
+
+
 # ---- R-ORD-5 lof -------------------------------------------------------------------------------
 def lof_order(max_new_tokens: torch.Tensor, priority: Optional[torch.Tensor] = None, sign: int = -1,
               *, backend: str = "torch", block: Optional[int] = None) -> torch.Tensor:
@@ -267,6 +278,15 @@ def lof_order(max_new_tokens: torch.Tensor, priority: Optional[torch.Tensor] = N
     pk, mk = k.lof_keys(_contig(max_new_tokens), None if priority is None else _contig(priority),
                         sign, block=block)
     return _stable_perm(mk) if pk is None else _lex_perm(pk, mk)
+
+
+def lof_perm_host(max_new_tokens: np.ndarray, priority: Optional[np.ndarray] = None,
+                  sign: int = -1) -> Optional[np.ndarray]:
+    """`lof_order`'s host form on numpy columns: int64 [n], or None when the keys do not pack
+    (`host_perm`, `host_lex_perm`)."""
+    if priority is None:
+        return host_perm(max_new_tokens, descending=True)
+    return host_lex_perm(priority, max_new_tokens, desc_primary=sign < 0, desc_secondary=True)
 
 
 # ---- R-ORD-7 routing-key -------------------------------------------------------------------------
@@ -298,7 +318,7 @@ def routing_key_order(key_id: torch.Tensor, key_rank: torch.Tensor, running_key_
         raise ValueError(f"{where}: at most 2^30 running requests fit the packed key, got {m}")
     k = _kernels(backend, "sort_keys")
     if k is None and _host(key_id):
-        return torch.from_numpy(_routing_perm_host(key_id.numpy(), key_rank.numpy(), running_key_ids.numpy(),
+        return torch.from_numpy(routing_perm_host(key_id.numpy(), key_rank.numpy(), running_key_ids.numpy(),
                                                    empty_rank))
     if k is None:
         # the packed key of each id is a table over slots 0 (absent), 1..K (ids 0..K-1) and
@@ -322,7 +342,7 @@ def routing_key_order(key_id: torch.Tensor, key_rank: torch.Tensor, running_key_
     return torch.where(any_counted, _stable_perm(key), torch.arange(n, device=dev))
 
 
-def _routing_perm_host(key_id: np.ndarray, key_rank: np.ndarray, running_key_ids: np.ndarray,
+def routing_perm_host(key_id: np.ndarray, key_rank: np.ndarray, running_key_ids: np.ndarray,
                        empty_rank: int) -> np.ndarray:
     """`routing_key_order`'s torch branch on host arrays (the same table of K+2 slots, ranked),
     in numpy calls of 1-3 us instead of torch CPU ops of 5-15 us; the per-request work is one

@@ -565,10 +565,10 @@ class GpuScheduler(ReferenceScheduler):
         def col(c):
             return torch.from_numpy(_rt_get(self._rt, rows, c)).to(dev)
 
-        # on the CPU with the torch backend the integer-key orders are numpy calls on the table's
-        # columns (`policy.host_perm` / `host_lex_perm`, what the policy functions run there),
-        # without their tensor wrapping and checks: a fixed ~40 us less per call
-        host = be == "torch" and dev.type == "cpu" and dpolicy.HOST_PATHS
+        # on the CPU with the torch backend the integer-key orders are the policy functions'
+        # host forms on the table's columns (`fcfs_perm_host`, `lof_perm_host`,
+        # `routing_perm_host`), without their tensor wrapping and checks: ~20 us less per call
+        host = be == "torch" and dpolicy.host_device(dev)
         if cfg.effective_policy == "fcfs":
             if not (cfg.enable_priority_scheduling and n):
                 return OrderResult("fcfs", q)
@@ -576,7 +576,7 @@ class GpuScheduler(ReferenceScheduler):
             # a queue appended to in arrival order needs no time key (checked on the host)
             in_time_order = bool((t[1:] >= t[:-1]).all())
             if host and in_time_order:  # R-ORD-4: stable by priority * sign
-                perm = dpolicy.host_perm(_rt_get(self._rt, rows, RT_PRIO), sign < 0)
+                perm = dpolicy.fcfs_perm_host(_rt_get(self._rt, rows, RT_PRIO), sign)
                 if perm is not None:
                     return OrderResult("fcfs", RowQueue(self, rows.take(perm)))
             tk = None if in_time_order else torch.from_numpy(t).to(dev)
@@ -626,10 +626,9 @@ class GpuScheduler(ReferenceScheduler):
         if n == 0 or policy == "fcfs":  # fcfs here: the lpm fallback sorts nothing (R-ORD-2)
             return OrderResult(policy, q)
         if policy == "lof":
-            if host:  # R-ORD-5: stable by -max_new_tokens, or by (priority * sign, -max_new_tokens)
-                mx = _rt_get(self._rt, rows, RT_MAXNEW)
-                perm = (dpolicy.host_lex_perm(_rt_get(self._rt, rows, RT_PRIO), mx, sign < 0, True)
-                        if cfg.enable_priority_scheduling else dpolicy.host_perm(mx, True))
+            if host:  # R-ORD-5
+                prio = _rt_get(self._rt, rows, RT_PRIO) if cfg.enable_priority_scheduling else None
+                perm = dpolicy.lof_perm_host(_rt_get(self._rt, rows, RT_MAXNEW), prio, sign)
                 if perm is not None:
                     return OrderResult(policy, RowQueue(self, rows.take(perm)))
             prio = col(RT_PRIO) if cfg.enable_priority_scheduling else None
@@ -656,7 +655,7 @@ class GpuScheduler(ReferenceScheduler):
             rank = np.empty(ids.size, dtype=np.int64)
             rank[lut[sorted(ids.tolist(), key=names.__getitem__)]] = np.arange(ids.size)
             if host:
-                return OrderResult(policy, RowQueue(self, rows.take(dpolicy._routing_perm_host(
+                return OrderResult(policy, RowQueue(self, rows.take(dpolicy.routing_perm_host(
                     lut[qk], rank, lut[run_ids], -1))))
             perm = dpolicy.routing_key_order(torch.from_numpy(lut[qk]).to(dev), torch.from_numpy(rank).to(dev),
                                              torch.from_numpy(lut[run_ids]).to(dev), backend=be)
@@ -797,9 +796,9 @@ class GpuScheduler(ReferenceScheduler):
         start, lead = len(adder.can_run), 0  # queue[:lead] admitted, in order, after `start` entries
         W = max(1, int(self.admit_window))
         if self.adaptive_window and self._last_admitted:
-            # an eighth more than the last loop admitted, rounded up to a multiple of 1/8 of its
-            # power of two (a window past the stop point is wasted work; one too short costs a
-            # second, twice as long)
+            # an eighth more than the last loop admitted, rounded up to a multiple of 1/8 of the
+            # power of two at or below that (a window past the stop point is wasted work; one
+            # too short costs a second, twice as long)
             need = self._last_admitted + (self._last_admitted >> 3) + 1
             q = 1 << max(need.bit_length() - 4, 0)
             W = max(W, -(-need // q) * q)

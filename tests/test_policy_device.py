@@ -186,7 +186,8 @@ def _torch_forms(fn, *args, **kwargs):
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_host_forms_equal_torch_forms(dtype):
-    """On the CPU, fcfs, lof and routing-key run as numpy calls (keys as offsets from their
+    """On the CPU, fcfs, lof and routing-key run as numpy calls (also called directly by the
+    scheduler: `fcfs_perm_host`, `lof_perm_host`; keys as offsets from their
     minimum or maximum, one key or two packed with the index into one uint32 / uint64 sort when
     their bits fit, the routing table ranked in numpy); each gives the torch form's permutation
     exactly: spans either side of 2^8, 2^16 and (int64) the 64-bit packing limit, both signs
@@ -210,11 +211,18 @@ def test_host_forms_equal_torch_forms(dtype):
                 pr = draw(n, sp, lo, ties)
                 mn = draw(n, sm, max(info.min, min(lo, info.max - sm)), not ties)
                 t = torch.randint(0, 4, (n,), generator=g).to(torch.float64)
-                for call in (lambda: P.fcfs_priority_order(pr, None, sign), lambda: P.fcfs_priority_order(pr, t, sign),
-                             lambda: P.lof_order(mn), lambda: P.lof_order(mn, pr, sign)):
+                # each call with the host form GpuScheduler._order calls directly (None: no form)
+                for call, host_form in (
+                        (lambda: P.fcfs_priority_order(pr, None, sign), lambda: P.fcfs_perm_host(pr.numpy(), sign)),
+                        (lambda: P.fcfs_priority_order(pr, t, sign), lambda: None),
+                        (lambda: P.lof_order(mn), lambda: P.lof_perm_host(mn.numpy())),
+                        (lambda: P.lof_order(mn, pr, sign), lambda: P.lof_perm_host(mn.numpy(), pr.numpy(), sign))):
                     want = _torch_forms(call)
                     got = call()
                     assert got.dtype == torch.int64 and torch.equal(got, want), (dtype, n, sp, sm, lo, sign)
+                    direct = host_form()
+                    if direct is not None:
+                        assert torch.equal(torch.from_numpy(direct), want), (dtype, n, sp, sm, lo, sign)
                     checked += 1
     assert checked > 1000
     for n, K, m in ((0, 3, 2), (1, 3, 2), (400, 3, 0), (400, 5, 6), (3000, 250, 40), (3000, 255, 40),
