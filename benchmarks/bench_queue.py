@@ -23,8 +23,8 @@ Setup (not timed)
   requests are entered the way `submit` does, without re-validating every prompt (they are
   validated once, when built): submit's copy of each prompt would not fit at 2^20.
 
-What is timed (a warm-up call first, untimed; then at least `--reps` timed calls, more while
-the row is under `--budget-s`)
+What is timed (a warm-up call first, untimed; then `--budget-s` over the warm-up's time in timed
+calls, at least `--reps` and at most `--max-reps`, interleaved with the other backends' calls)
   order  `sched._order()`: the policy's ordering of the whole queue, including the prefix
          match of every request for lpm/dfs-weight (as SGLang's calc_priority). It does not
          change the queue list; lpm/dfs-weight matching splits and stamps tree nodes, and the
@@ -60,8 +60,10 @@ Timing: `time.perf_counter` on CPU; on CUDA, CUDA events around the call after a
 stops for a policy once one call exceeds `--max-seconds`, or when GpuScheduler's per-request
 device copies of the queue's fills would not fit in memory (`mem_ok`); the reference runs only
 up to 2^ref_max_exp.
-Loop order: n outermost, then backend, then policy, so `--deadline-s` cuts the largest sizes of
-every policy, never whole policies; rows are saved after every n.
+Loop order: n outermost, then policy, then stage; the backends time each (policy, stage, n) side by
+side, their calls interleaved (`measure_group`), so a ratio compares samples taken over the same
+seconds. `--deadline-s` cuts the largest sizes of every policy, never whole policies; rows are
+saved after every n.
 
 Sanity check: for n <= 2^check_max_exp the warm-up step's plan of every device backend is
 compared field by field with the reference's (rows get plan_equal_ref; a mismatch is printed
@@ -79,6 +81,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import shlex
@@ -341,27 +344,51 @@ class Clock:
         return a.elapsed_time(b) / 1e3, out
 
 
-def measure(clock: Clock, fn, restore, reps: int, max_reps: int, budget_s: float, max_s: float,
-            slow_s: float, slow_reps: int):
-    """(times, warm-up result, warm-up seconds). The warm-up alone when it exceeds max_s;
-    slow_reps timed calls when it exceeds slow_s."""
-    t, first = clock(fn)
-    if restore:
-        restore()
-    if t > max_s:
-        return [t], first, t
-    if t > slow_s:
-        reps, budget_s = slow_reps, 0.0
-    times = []
-    start = time.perf_counter()
-    while len(times) < reps or (time.perf_counter() - start < budget_s and len(times) < max_reps):
-        dt, _ = clock(fn)
+def measure_group(entries, reps: int, max_reps: int, budget_s: float, max_s: float, slow_s: float,
+                  slow_reps: int):
+    """Time one row's call on several backends side by side. entries: (clock, fn, restore) per
+    backend. Returns (times, warm-up result, warm-up seconds) per entry.
+
+    Warm-up calls first, in order. An entry whose warm-up took over max_s keeps the warm-up as
+    its one time; over slow_s it gets slow_reps timed calls; else one timed call t sizes it:
+    budget_s / t calls in all, clamped to reps..max_reps. The calls are interleaved evenly (an
+    entry's k-th of R runs at fraction (k + 0.5) / R of the sequence), so every backend's
+    samples span the same stretch of time and a slow phase of a shared machine touches each
+    side alike. An entry stops after a call over max_s."""
+    out, plan = [], []
+
+    def call(i):
+        clock, fn, restore = entries[i]
+        dt, res = clock(fn)
         if restore:
             restore()
-        times.append(dt)
+        return dt, res
+
+    for i in range(len(entries)):
+        t, first = call(i)
+        out.append(([], first, t))
+    for i, (times, first, t) in enumerate(out):
+        if t > max_s:
+            times.append(t)
+            continue
+        if t > slow_s:
+            R = slow_reps
+        else:  # the first timed call sizes the row (a warm-up may include one-time work)
+            dt, _ = call(i)
+            times.append(dt)
+            if dt > max_s:
+                continue
+            R = min(max_reps, max(reps, math.ceil(budget_s / max(dt, 1e-9))))
+        plan += [((k + 0.5) / R, i) for k in range(len(times), R)]
+    stopped = set()
+    for _, i in sorted(plan):
+        if i in stopped:
+            continue
+        dt, _ = call(i)
+        out[i][0].append(dt)
         if dt > max_s:
-            break
-    return times, first, t
+            stopped.add(i)
+    return out
 
 
 def p90(xs: List[float]) -> float:
@@ -443,7 +470,7 @@ def main(argv=None):
     ap.add_argument("--backends", default=default_backends())
     ap.add_argument("--reps", type=int, default=3, help="timed calls per row at least")
     ap.add_argument("--max-reps", type=int, default=15)
-    ap.add_argument("--budget-s", type=float, default=1.0, help="keep timing a row while under this")
+    ap.add_argument("--budget-s", type=float, default=1.0, help="a row's timed calls: this over its warm-up time, within --reps..--max-reps")
     ap.add_argument("--slow-s", type=float, default=2.0, help="a warm-up call over this gets --slow-reps calls")
     ap.add_argument("--slow-reps", type=int, default=2)
     ap.add_argument("--running", type=int, default=64, help="running-batch size")
@@ -521,35 +548,43 @@ def main(argv=None):
     out_of_time = False
     for e in exps:
         n = 2 ** e
-        for backend, device, s, cached, clock in scheds:
-            if backend == "reference" and e > args.ref_max_exp:
-                continue
-            if all((backend, device, p) in stopped for p in policies):
-                continue
+        live = [x for x in scheds if not (x[0] == "reference" and e > args.ref_max_exp)
+                and not all((x[0], x[1], p) in stopped for p in policies)]
+        for backend, device, s, cached, clock in live:
             set_queue(s, wl.queue[:n])
-            for pol in policies:
+        for pol in policies:
+            if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
+                out_of_time = True
+                break
+            here = []  # the backends timing this policy at this n
+            for x in live:
+                backend, device, s = x[:3]
                 if (backend, device, pol) in stopped:
                     continue
-                if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
-                    out_of_time = True
-                    break
                 why = mem_ok(s, n, device) if pol in ("lpm", "dfs-weight") else None
                 if why:
                     print(f"# {backend}/{device} {pol} stops at n={n}: {why}", flush=True)
                     stopped.add((backend, device, pol))
                     continue
                 s.config = SchedulerConfig(**POLICIES[pol])
-                for st in stages:
+                here.append(x)
+            for st in stages:
+                group = []  # (backend, device, scheduler, cached, (clock, fn, restore))
+                for backend, device, s, cached, clock in here:
+                    if (backend, device, pol) in stopped:
+                        continue
                     if isinstance(s, GpuScheduler) and st not in RECORDED_STAGES:
                         if args.eager_max_exp is not None and e > args.eager_max_exp:
                             continue
                         s._graph = None  # these stages time the eager path
                     fns = stage_fns(s, st, wl.max_len)
-                    if fns is None:
-                        continue
-                    fn, restore = fns
-                    times, first, warm_t = measure(clock, fn, restore, args.reps, args.max_reps, args.budget_s,
-                                                   args.max_seconds, args.slow_s, args.slow_reps)
+                    if fns is not None:
+                        group.append((backend, device, s, cached, (clock, *fns)))
+                results = measure_group([g[4] for g in group], args.reps, args.max_reps, args.budget_s,
+                                        args.max_seconds, args.slow_s, args.slow_reps)
+                # the reference's row first: the others' ratios read its median
+                for (backend, device, s, cached, _), (times, first, warm_t) in sorted(
+                        zip(group, results), key=lambda gr: gr[0][0] != "reference"):
                     med = statistics.median(times)
                     key = (pol, st, n)
                     row = dict(policy=pol, stage=st, n=n, backend=backend, device=device, median_s=med,
@@ -579,14 +614,13 @@ def main(argv=None):
                     print_row(row)
                     if max(times) > args.max_seconds or warm_t > args.max_seconds:
                         stopped.add((backend, device, pol))
+                        print(f"# {backend}/{device} {pol}: a call took over {args.max_seconds} s at n={n}; "
+                              f"larger n skipped", flush=True)
+            for backend, device, s, cached, clock in here:
                 if isinstance(s, GpuScheduler):
                     s._graph = None  # its buffers hold this n's queue
-                if (backend, device, pol) in stopped:
-                    print(f"# {backend}/{device} {pol}: a call took over {args.max_seconds} s at n={n}; "
-                          f"larger n skipped", flush=True)
+        for backend, device, s, cached, clock in live:
             set_queue(s, [])
-            if out_of_time:
-                break
         save()
         if out_of_time:
             print(f"# --deadline-s {args.deadline_s} reached after n={n}; stopping", flush=True)
