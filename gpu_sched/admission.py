@@ -890,8 +890,8 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
     iep = ie & cfg.ignore_eos_path
     exH = _excl_cumsum(_where(iep | ~valid, 0, pre))  # hit tokens of a prefix (ignore-EOS ones count none)
     # every column the round update reads at the event, read back as one row
-    cols = [e, wI, wC, pre, exI, exC, exE, ev, drop, iep, exH]
-    cols = np.stack(cols) if host else torch.stack(cols[:9] + [iep.to(i64), exH])
+    cols = [e, wI, wC, pre, exI, exC, exE, ev, drop, iep, exH]  # numpy: read one by one at k
+    cols = cols if host else torch.stack(cols[:9] + [iep.to(i64), exH])
     false = np.zeros(Q + 1, dtype=bool) if host else torch.zeros(Q + 1, dtype=torch.bool, device=dev)
     rn_t = rn if host else torch.tensor(rn, dtype=torch.float64, device=dev)
     if cfg.ignore_eos_path:
@@ -921,7 +921,8 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
             stop_r, kind_r, tc_k, mark_k = int(stop_j[k]), int(kind_j[k]), int(tc[k]), int(mark_j[k])
         else:
             stop_r, kind_r, tc_k, mark_k = torch.stack([stop_j, kind_j, tc, mark_j.to(i64)])[:, k].tolist()
-        e_k, wI_k, wC_k, pre_k, exI_k, exC_k, exE_k, ev_k, drop_k, iep_k, exH_k = cols[:, k].tolist()
+        e_k, wI_k, wC_k, pre_k, exI_k, exC_k, exE_k, ev_k, drop_k, iep_k, exH_k = (
+            [int(c[k]) for c in cols] if host else cols[:, k].tolist())
         atend = k >= n
         stop_k = STOP_QUEUE_END if atend else stop_r
         kind_k = KIND_NONE if atend else kind_r
