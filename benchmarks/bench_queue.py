@@ -350,11 +350,12 @@ def measure_group(entries, reps: int, max_reps: int, budget_s: float, max_s: flo
     backend. Returns (times, warm-up result, warm-up seconds) per entry.
 
     Warm-up calls first, in order. An entry whose warm-up took over max_s keeps the warm-up as
-    its one time; over slow_s it gets slow_reps timed calls; else one timed call t sizes it:
-    budget_s / t calls in all, clamped to reps..max_reps. The calls are interleaved evenly (an
-    entry's k-th of R runs at fraction (k + 0.5) / R of the sequence), so every backend's
-    samples span the same stretch of time and a slow phase of a shared machine touches each
-    side alike. An entry stops after a call over max_s."""
+    its one time; over slow_s it gets slow_reps timed calls; else one timed call and the
+    warm-up size it (the faster of the two, t): budget_s / t calls in all, clamped to
+    reps..max_reps. The calls are interleaved evenly (an entry's k-th of R runs at fraction
+    (k + 0.5) / R of the sequence), so every backend's samples span the same stretch of time
+    and a slow phase of a shared machine touches each side alike. An entry stops after a call
+    over max_s."""
     out, plan = [], []
 
     def call(i):
@@ -373,12 +374,12 @@ def measure_group(entries, reps: int, max_reps: int, budget_s: float, max_s: flo
             continue
         if t > slow_s:
             R = slow_reps
-        else:  # the first timed call sizes the row (a warm-up may include one-time work)
+        else:  # a first timed call: a warm-up may include one-time work, either may be slowed
             dt, _ = call(i)
             times.append(dt)
             if dt > max_s:
                 continue
-            R = min(max_reps, max(reps, math.ceil(budget_s / max(dt, 1e-9))))
+            R = min(max_reps, max(reps, math.ceil(budget_s / max(min(t, dt), 1e-9))))
         plan += [((k + 0.5) / R, i) for k in range(len(times), R)]
     stopped = set()
     for _, i in sorted(plan):

@@ -1,0 +1,66 @@
+"""benchmarks/bench_queue.py's timing of one row on several backends side by side
+(`measure_group`): how many calls each backend gets and how they interleave."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import bench_queue  # noqa: E402
+
+
+class _Clock:
+    """A clock whose every call 'takes' the next of `dts` seconds (the last one repeats) and
+    logs the backend's name."""
+
+    def __init__(self, name, dts, log):
+        self.name, self.dts, self.log, self.k = name, list(dts), log, 0
+
+    def __call__(self, fn):
+        dt = self.dts[min(self.k, len(self.dts) - 1)]
+        self.k += 1
+        self.log.append(self.name)
+        return dt, fn()
+
+
+def _entry(name, dts, log, restores=None):
+    restore = None if restores is None else (lambda: restores.append(name))
+    return _Clock(name, dts, log), (lambda: name), restore
+
+
+def test_calls_are_planned_from_the_faster_of_warm_up_and_first_call_and_interleaved():
+    log, restores = [], []
+    # slow: 0.1 s a call -> 0.5 / 0.1 = 5 calls; fast: a slow warm-up (0.2 s) then 0.01 s -> 15 (max)
+    out = bench_queue.measure_group([_entry("slow", [0.1], log, restores), _entry("fast", [0.2, 0.01], log)],
+                                    reps=3, max_reps=15, budget_s=0.5, max_s=10.0, slow_s=2.0, slow_reps=2)
+    (t_slow, first_slow, w_slow), (t_fast, first_fast, w_fast) = out
+    assert (first_slow, w_slow, first_fast, w_fast) == ("slow", 0.1, "fast", 0.2)
+    assert len(t_slow) == 5 and len(t_fast) == 15
+    assert t_fast == [0.01] * 15  # the warm-up is not a sample
+    assert restores == ["slow"] * 6  # after each of its calls, warm-up included (the other has none)
+    # warm-ups, then one sizing call each, then the rest interleaved: the slow side's 4 calls
+    # are spread through the fast side's 14, never two in a row and never all at one end
+    assert log[:4] == ["slow", "fast", "slow", "fast"]
+    rest = log[4:]
+    assert rest.count("slow") == 4 and rest.count("fast") == 14
+    at = [i for i, b in enumerate(rest) if b == "slow"]
+    assert all(b - a > 1 for a, b in zip(at, at[1:])), rest
+    assert at[0] < 4 and at[-1] > len(rest) - 5, rest
+
+
+def test_slow_and_over_limit_entries():
+    log = []
+    out = bench_queue.measure_group([_entry("over", [11.0], log), _entry("slow", [3.0, 2.5], log),
+                                     _entry("fast", [0.05], log), _entry("hiccup", [0.05, 0.25, 0.05], log)],
+                                    reps=3, max_reps=15, budget_s=0.5, max_s=10.0, slow_s=2.0, slow_reps=2)
+    assert out[0][0] == [11.0] and log.count("over") == 1  # the warm-up alone, kept as its time
+    assert out[1][0] == [2.5, 2.5]  # slow_reps timed calls, no sizing call
+    assert len(out[2][0]) == 10  # 0.5 / 0.05
+    assert len(out[3][0]) == 10  # a slowed first call: sized by its faster warm-up
+
+
+def test_an_entry_stops_after_a_call_over_max_s():
+    log = []
+    out = bench_queue.measure_group([_entry("a", [1.0, 1.0, 12.0], log), _entry("b", [0.1], log)],
+                                    reps=5, max_reps=15, budget_s=0.5, max_s=10.0, slow_s=2.0, slow_reps=2)
+    assert out[0][0] == [1.0, 12.0] and log.count("a") == 3
+    assert len(out[1][0]) == 5
