@@ -402,6 +402,10 @@ class FlatRadixTree:
                 raise RuntimeError("prefix hash table: probe limit reached (table too full)")
             self._h_used += n
             return
+        if _host(h):
+            self._table_insert_host(h.numpy(), v.numpy())
+            self._h_used += n
+            return
         # the pending keys: their indices and current slots (compacted each round)
         idx = torch.arange(n, device=h.device)
         pos = home_slot(h, H)
@@ -423,6 +427,30 @@ class FlatRadixTree:
         if idx.numel():
             raise RuntimeError("prefix hash table: probe limit reached (table too full)")
         self._h_used += n
+
+    def _table_insert_host(self, h: np.ndarray, v: np.ndarray) -> None:
+        """`_table_insert`'s torch rounds on host arrays (a CPU table's views), round for round:
+        the same claims and winners (so the same table), in numpy calls of 1-3 us instead of
+        torch CPU ops of 5-15 us. Raises RuntimeError at the probe limit."""
+        keys, vals = self.hkeys.numpy(), self.hvals.numpy()
+        H, n = keys.size, h.size
+        idx = np.arange(n, dtype=np.int64)
+        pos = home_slot(h, H)
+        for _ in range(self.max_probe):
+            cand = np.flatnonzero(keys[pos] < 0)  # pending keys at a free slot
+            cand = cand[np.argsort(pos[cand] * n + idx[cand])]  # by slot, then index (distinct)
+            cp = pos[cand]
+            last = np.ones(cp.size, dtype=bool)
+            last[:-1] = cp[1:] != cp[:-1]  # the last (largest index) of each slot wins
+            win = cand[last]
+            keys[pos[win]] = h[idx[win]]
+            vals[pos[win]] = v[idx[win]]
+            lose = np.ones(idx.size, dtype=bool)
+            lose[win] = False
+            idx, pos = idx[lose], (pos[lose] + 1) & (H - 1)
+            if idx.size == 0:
+                return
+        raise RuntimeError("prefix hash table: probe limit reached (table too full)")
 
     def _table_delete(self, h: torch.Tensor, be: str = "torch") -> None:
         slot = self._probe(h, be)

@@ -16,6 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import random  # noqa: E402
 
@@ -123,11 +124,15 @@ def test_table_insert(n, block):
     live = [rng.randrange(1 << 40) for _ in range(200)]
     a._table_insert(torch.tensor(live, device=DEV), torch.arange(200, device=DEV), "torch")
     a._table_delete(torch.tensor(live[:50], device=DEV), "torch")
-    b = copy.deepcopy(a)
+    b, c = copy.deepcopy(a), copy.deepcopy(a)
     keys = keys_with_homes(rng, n, H, [rng.randrange(H) for _ in range(max(1, n // 3))])
     h = torch.tensor(keys, dtype=torch.int64, device=DEV)
     v = torch.arange(len(keys), dtype=torch.int64, device=DEV) + 1000
-    a._table_insert(h, v, "torch")
+    a._table_insert(h, v, "torch")  # on a CPU: its numpy form, `_table_insert_host`
+    with P.torch_forms():  # and its torch form: the same table
+        c._table_insert(h, v, "torch")
+    assert_equal(c.hkeys, a.hkeys, "hkeys (torch form)")
+    assert_equal(c.hvals, a.hvals, "hvals (torch form)")
     claim = torch.full((H,), -1, dtype=torch.int64, device=DEV)
     ok, tag = K.table_insert(h, v, b.hkeys, b.hvals, claim, 5, b.max_probe, block=block)
     assert ok and tag >= 5 + len(keys)
@@ -142,19 +147,20 @@ def test_table_insert_contested_slot_goes_to_largest_index():
     rng = random.Random(0)
     k5, k6 = keys_with_homes(rng, 3, H, [5]), keys_with_homes(rng, 1, H, [6])
     h = torch.tensor(k5 + k6, dtype=torch.int64, device=DEV)
-    for be in ("torch", "triton"):
+    for be, host in (("torch", True), ("torch", False), ("triton", True)):
         t = copy.deepcopy(tree)
-        t._table_insert(h, torch.arange(4, device=DEV), be)
+        with contextlib.nullcontext() if host else P.torch_forms():
+            t._table_insert(h, torch.arange(4, device=DEV), be)
         # round 1: slot 5 <- key 2 (largest of 0, 1, 2), slot 6 <- key 3;
         # round 2: slot 7 <- key 1 (largest of 0, 1); round 3: slot 8 <- key 0
-        assert t.hkeys[5:9].tolist() == [k5[2], k6[0], k5[1], k5[0]], be
+        assert t.hkeys[5:9].tolist() == [k5[2], k6[0], k5[1], k5[0]], (be, host)
 
 
 def test_table_insert_probe_limit():
     tree = FlatRadixTree(1, max_nodes=4, token_capacity=64, device=DEV, max_probe=2)
     h = torch.tensor(keys_with_homes(random.Random(1), 3, tree.hkeys.numel(), [3]), dtype=torch.int64, device=DEV)
-    for be in ("torch", "triton"):
-        with pytest.raises(RuntimeError, match="probe limit"):
+    for be, host in (("torch", True), ("torch", False), ("triton", True)):
+        with pytest.raises(RuntimeError, match="probe limit"), (contextlib.nullcontext() if host else P.torch_forms()):
             copy.deepcopy(tree)._table_insert(h, torch.arange(3, device=DEV), be)
 
 
