@@ -23,8 +23,9 @@ Setup (not timed)
   requests are entered the way `submit` does, without re-validating every prompt (they are
   validated once, when built): submit's copy of each prompt would not fit at 2^20.
 
-What is timed (a warm-up call first, untimed; then `--budget-s` over the warm-up's time in timed
-calls, at least `--reps` and at most `--max-reps`, interleaved with the other backends' calls)
+What is timed (a warm-up call first, untimed; then `--budget-s` over the faster of the warm-up
+and a first timed call, in timed calls, at least `--reps` and at most `--max-reps`, interleaved
+with the other backends' calls: `measure_group`)
   order  `sched._order()`: the policy's ordering of the whole queue, including the prefix
          match of every request for lpm/dfs-weight (as SGLang's calc_priority). It does not
          change the queue list; lpm/dfs-weight matching splits and stamps tree nodes, and the
@@ -471,7 +472,9 @@ def main(argv=None):
     ap.add_argument("--backends", default=default_backends())
     ap.add_argument("--reps", type=int, default=3, help="timed calls per row at least")
     ap.add_argument("--max-reps", type=int, default=15)
-    ap.add_argument("--budget-s", type=float, default=1.0, help="a row's timed calls: this over its warm-up time, within --reps..--max-reps")
+    ap.add_argument("--budget-s", type=float, default=1.0,
+                    help="a row's timed calls: this over the faster of its warm-up and first call, "
+                         "within --reps..--max-reps")
     ap.add_argument("--slow-s", type=float, default=2.0, help="a warm-up call over this gets --slow-reps calls")
     ap.add_argument("--slow-reps", type=int, default=2)
     ap.add_argument("--running", type=int, default=64, help="running-batch size")
