@@ -243,7 +243,8 @@ class FlatRadixTree:
             w = t * ipw[1 : K * every + 1] % p  # (t+1) * B^-(j+1)
             cs = torch.cumsum(w, dim=1)[:, every - 1 :: every] % p  # sum up to depth d = k*every
             d = torch.arange(1, K + 1, device=tokens.device) * every
-            s = (self._seed(ns, p)[:, None] + cs) % p * pw[d] % p
+            # seed and cs are below p < 2^31: their sum times pw < 2^63 needs no reduction between
+            s = (self._seed(ns, p)[:, None] + cs) * pw[d] % p
             out.append(s)
         return (out[0] << 31) | out[1]
 
@@ -292,7 +293,7 @@ class FlatRadixTree:
             cs0 = torch.zeros(T + 1, dtype=torch.int64, device=dev)  # cs0[i]: the first i terms
             torch.cumsum(t * ipw.index_select(0, widx) % p, 0, out=cs0[1:])
             run = (cs0.index_select(0, end + 1) - cs0.index_select(0, before)) % p
-            out.append((self._seed(nsq, p) + run) % p * pw.index_select(0, d) % p)
+            out.append((self._seed(nsq, p) + run) * pw.index_select(0, d) % p)  # < 2^63, as above
         return (out[0] << 31) | out[1]
 
     # ---- hash table ------------------------------------------------------------------------
