@@ -889,8 +889,9 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
     ev = ev0 - exD
     iep = ie & cfg.ignore_eos_path
     exH = _excl_cumsum(_where(iep | ~valid, 0, pre))  # hit tokens of a prefix (ignore-EOS ones count none)
-    # every column the round update reads at the event, read back as one row
-    cols = [e, wI, wC, pre, exI, exC, exE, ev, drop, iep, exH]  # numpy: read one by one at k
+    # every column the round update reads at the event: one stacked read-back for tensors, read
+    # one by one at the event for numpy arrays (no copy of the columns)
+    cols = [e, wI, wC, pre, exI, exC, exE, ev, drop, iep, exH]
     cols = cols if host else torch.stack(cols[:9] + [iep.to(i64), exH])
     false = np.zeros(Q + 1, dtype=bool) if host else torch.zeros(Q + 1, dtype=torch.bool, device=dev)
     rn_t = rn if host else torch.tensor(rn, dtype=torch.float64, device=dev)

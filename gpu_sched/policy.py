@@ -28,9 +28,9 @@ How the orders are built (one idea per policy):
 
 On CPU tensors (outside `torch.compile`, `HOST_PATHS` on) the integer-key sorts (one key or
 two packed with the row index into one uint32/uint64 value, `host_perm` / `host_lex_perm`)
-and the fcfs, lof and routing-key orders run as numpy calls on views of the tensors: there is no device to
-sync with, and a numpy call costs 1-3 us where a torch CPU op costs 5-15 us, which is most of
-an ordering's time below a few thousand requests. The torch forms run everywhere else (CUDA,
+and the fcfs, lof and routing-key orders run as numpy calls on views of the tensors: there is
+no device to sync with, and a numpy call costs 1-3 us where a torch CPU op costs 5-15 us,
+which is most of an ordering's time below a few thousand requests. The torch forms run everywhere else (CUDA,
 `meta`, compiled graphs); `test_host_forms_equal_torch_forms` checks the two give one order.
 
 `backend="triton"` runs the key and tree passes as Triton kernels (CUDA tensors, or any tensors
@@ -319,7 +319,7 @@ def routing_key_order(key_id: torch.Tensor, key_rank: torch.Tensor, running_key_
     k = _kernels(backend, "sort_keys")
     if k is None and _host(key_id):
         return torch.from_numpy(routing_perm_host(key_id.numpy(), key_rank.numpy(), running_key_ids.numpy(),
-                                                   empty_rank))
+                                                  empty_rank))
     if k is None:
         # the packed key of each id is a table over slots 0 (absent), 1..K (ids 0..K-1) and
         # K+1 (ids >= K, absent too): per request one gather and one sort
@@ -343,7 +343,7 @@ def routing_key_order(key_id: torch.Tensor, key_rank: torch.Tensor, running_key_
 
 
 def routing_perm_host(key_id: np.ndarray, key_rank: np.ndarray, running_key_ids: np.ndarray,
-                       empty_rank: int) -> np.ndarray:
+                      empty_rank: int) -> np.ndarray:
     """`routing_key_order`'s torch branch on host arrays (the same table of K+2 slots, ranked),
     in numpy calls of 1-3 us instead of torch CPU ops of 5-15 us; the per-request work is one
     add, one clipped gather of the table and one packed sort (`_packed_argsort`). Returns
