@@ -247,6 +247,10 @@ def fcfs_priority_order(priority: torch.Tensor, enqueue_time: Optional[torch.Ten
                  numel=priority.numel(), device=priority.device, contiguous=False)
     k = _kernels(backend, "sort_keys")
     if k is None:
+        if _host(priority):
+            perm = fcfs_time_perm_host(priority.numpy(), enqueue_time.numpy(), sign)
+            if perm is not None:
+                return torch.from_numpy(perm)
         return _lex_perm(priority, _time_bits(enqueue_time), desc_primary=sign < 0)
     pk, tk = k.fcfs_keys(_contig(priority), _contig(enqueue_time), sign, block=block)
     return _lex_perm(pk, tk)
@@ -256,6 +260,59 @@ def fcfs_perm_host(priority: np.ndarray, sign: int) -> Optional[np.ndarray]:
     """`fcfs_priority_order(priority, None, sign)`'s host form on a numpy column (the queue in
     enqueue-time order): int64 [n], or None when the key does not pack (`host_perm`)."""
     return host_perm(priority, descending=sign < 0)
+
+
+def _monotone_bits(t):
+    """`_time_bits` on numpy: an int64 array (or a Python int for a numpy scalar) with the
+    order of float64 t, -0.0 folded into +0.0; integer t as it is."""
+    if t.dtype != np.float64:
+        return t if isinstance(t, np.ndarray) else int(t)
+    b = (t + 0.0).view(np.int64) if isinstance(t, np.ndarray) else np.float64(t + 0.0).view(np.int64)
+    b = b ^ ((b >> 63) & INT64_MAX)
+    return b if isinstance(t, np.ndarray) else int(b)
+
+
+def fcfs_time_perm_host(priority: np.ndarray, enqueue_time: np.ndarray, sign: int) -> Optional[np.ndarray]:
+    """`fcfs_priority_order(priority, enqueue_time, sign)`'s host form on numpy columns [n]
+    (int priorities, float64 or int times, no NaN) of a queue in any order, as a serving loop's
+    queue is after its first step: the previous order's remainder (by priority, then time)
+    with new arrivals behind it.
+
+    Both keys (the time as its float bits made monotone, `_time_bits`) are packed into one
+    sort when their spans and n - 1 fit 64 bits (the times of an epoch-based clock over hours
+    do). Else the stable packed sort by priority, then each priority's run sorted stably by
+    time (numpy's timsort: about linear on such a queue, whose runs are a few sorted pieces
+    each), or, over 64 distinct priorities, one stable sort by time before the one by priority.
+    int64 [n], or None when the priority's span and n - 1 do not fit 64 bits."""
+    n = priority.size
+    if n < 2:
+        return np.zeros(n, dtype=np.int64)
+    desc = sign < 0
+    t_span = _monotone_bits(enqueue_time.max()) - _monotone_bits(enqueue_time.min())
+    p_lo, p_hi = int(priority.min()), int(priority.max())
+    if (n - 1).bit_length() + t_span.bit_length() + (p_hi - p_lo).bit_length() <= 64:
+        return host_lex_perm(priority, _monotone_bits(enqueue_time), desc_primary=desc)
+    perm = host_perm(priority, descending=desc)
+    if perm is None:
+        return None
+    if p_hi - p_lo < 64:  # each priority's run from the counts, no gather
+        cnt = np.bincount(priority - p_lo, minlength=p_hi - p_lo + 1)
+        bounds = np.cumsum(cnt[::-1] if desc else cnt)
+        bounds = bounds[cnt[::-1 if desc else 1] > 0].tolist()
+    else:
+        ps = priority[perm]
+        cuts = np.flatnonzero(ps[1:] != ps[:-1]) + 1
+        if cuts.size > 64:  # many priorities: one sort by time, then the stable one by priority
+            by_time = np.argsort(enqueue_time, kind="stable")
+            return by_time[host_perm(priority[by_time], descending=desc)]
+        bounds = cuts.tolist() + [n]
+    tp = enqueue_time[perm]
+    a = 0
+    for b in bounds:
+        if b - a > 1:
+            perm[a:b] = perm[a:b][np.argsort(tp[a:b], kind="stable")]
+        a = b
+    return perm
 
 
 # ---- R-ORD-5 lof -------------------------------------------------------------------------------

@@ -566,7 +566,7 @@ class GpuScheduler(ReferenceScheduler):
             return torch.from_numpy(_rt_get(self._rt, rows, c)).to(dev)
 
         # on the CPU with the torch backend the integer-key orders are the policy functions'
-        # host forms on the table's columns (`fcfs_perm_host`, `lof_perm_host`,
+        # host forms on the table's columns (`fcfs_perm_host`, `fcfs_time_perm_host`, `lof_perm_host`,
         # `routing_perm_host`), without their tensor wrapping and checks: ~20 us less per call
         host = be == "torch" and dpolicy.host_device(dev)
         if cfg.effective_policy == "fcfs":
@@ -575,8 +575,10 @@ class GpuScheduler(ReferenceScheduler):
             t = _rt_get(self._rt, rows, RT_TIME).view(np.float64)
             # a queue appended to in arrival order needs no time key (checked on the host)
             in_time_order = bool((t[1:] >= t[:-1]).all())
-            if host and in_time_order:  # R-ORD-4: stable by priority * sign
-                perm = dpolicy.fcfs_perm_host(_rt_get(self._rt, rows, RT_PRIO), sign)
+            if host:  # R-ORD-4: stable by (priority * sign, time), by priority alone in time order
+                pr = _rt_get(self._rt, rows, RT_PRIO)
+                perm = (dpolicy.fcfs_perm_host(pr, sign) if in_time_order
+                        else dpolicy.fcfs_time_perm_host(pr, t, sign))
                 if perm is not None:
                     return OrderResult("fcfs", RowQueue(self, rows.take(perm)))
             tk = None if in_time_order else torch.from_numpy(t).to(dev)

@@ -184,6 +184,62 @@ def _torch_forms(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+def _time_draws(rng, n):
+    """Enqueue-time columns [n] of the kinds fcfs_time_perm_host packs or not: few values with
+    ties (-0.0 and +0.0 among them), an epoch clock over an hour (packs), seconds from 0 and
+    negatives (their float bits span too much), integer nanoseconds."""
+    yield "ties", np.array([rng.choice([0.0, -0.0, 1.0, 2.5, 2.5]) for _ in range(n)])
+    yield "epoch", 1.7e9 + np.array([rng.uniform(0, 3600) for _ in range(n)])
+    yield "from0", np.array([float(rng.randrange(n + 1)) for _ in range(n)])
+    yield "signed", np.array([rng.choice([-1e-300, -3.5, 0.0, 7e300, rng.uniform(-1e6, 1e6)]) for _ in range(n)])
+    yield "int_ns", np.array([rng.randrange(-2**62, 2**62) for _ in range(n)], dtype=np.int64)
+
+
+def _serving_queue(rng, prio, times, sign):
+    """(priority, time) columns as a serving loop holds them after a step: the previous
+    order's remainder (sorted by priority * sign, then time) and arrivals behind it."""
+    n = len(prio)
+    old = sorted(range(n // 2), key=lambda i: (int(prio[i]) * sign, times[i]))[rng.randrange(n // 2 + 1):]
+    idx = old + list(range(n // 2, n))
+    return prio[idx], times[idx]
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_fcfs_time_perm_host_any_queue_order(sign):
+    """R-ORD-4 on a queue in any order (the host form GpuScheduler._order calls when the queue
+    is not in time order): the stable order by (priority * sign, time), as Python's sort gives
+    it, on each of its paths: both keys packed, priorities under 64 apart (runs from counts),
+    few distinct priorities far apart (runs from the sorted column), over 64 distinct ones
+    (one sort by time first); priorities spanning the int64 range return None and
+    fcfs_priority_order still orders them; on shuffled queues and serving-loop ones."""
+    rng = random.Random(3 + sign)
+    prio_kinds = {
+        "small": lambda n: np.array([rng.choice([0, 1, 1, 4]) for _ in range(n)], dtype=np.int64),
+        "apart": lambda n: np.array([rng.choice([-10**9, 5, 10**12]) for _ in range(n)], dtype=np.int64),
+        "many": lambda n: np.array([rng.randrange(1000) for _ in range(n)], dtype=np.int64),
+        "extreme": lambda n: np.array([rng.choice([INT64_MIN, 0, INT64_MAX]) for _ in range(n)], dtype=np.int64),
+    }
+    checked = nones = 0
+    for n in (0, 1, 2, 3, 17, 400, 3000):
+        for pk, draw in prio_kinds.items():
+            for tk, times in _time_draws(rng, n):
+                prio = draw(n)
+                for layout in ("shuffled", "serving"):
+                    pr, tm = (prio, times) if layout == "shuffled" else _serving_queue(rng, prio, times, sign)
+                    want = sorted(range(len(pr)), key=lambda i: (int(pr[i]) * sign, tm[i]))
+                    got = P.fcfs_time_perm_host(pr, tm, sign)
+                    where = (n, pk, tk, layout, sign)
+                    if got is None:
+                        assert pk == "extreme", where
+                        nones += 1
+                    else:
+                        assert got.dtype == np.int64 and got.tolist() == want, where
+                    full = P.fcfs_priority_order(torch.from_numpy(pr), torch.from_numpy(tm), sign)
+                    assert full.tolist() == want, where
+                    checked += 1
+    assert checked == 7 * 4 * 5 * 2 and nones > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_host_forms_equal_torch_forms(dtype):
     """On the CPU, fcfs, lof and routing-key run as numpy calls (also called directly by the
@@ -214,7 +270,8 @@ def test_host_forms_equal_torch_forms(dtype):
                 # each call with the host form GpuScheduler._order calls directly (None: no form)
                 for call, host_form in (
                         (lambda: P.fcfs_priority_order(pr, None, sign), lambda: P.fcfs_perm_host(pr.numpy(), sign)),
-                        (lambda: P.fcfs_priority_order(pr, t, sign), lambda: None),
+                        (lambda: P.fcfs_priority_order(pr, t, sign),
+                         lambda: P.fcfs_time_perm_host(pr.numpy(), t.numpy(), sign)),
                         (lambda: P.lof_order(mn), lambda: P.lof_perm_host(mn.numpy())),
                         (lambda: P.lof_order(mn, pr, sign), lambda: P.lof_perm_host(mn.numpy(), pr.numpy(), sign))):
                     want = _torch_forms(call)
