@@ -140,10 +140,27 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 def _offsets(k: np.ndarray, descending: bool = False):
     """(offsets, span) of an integer key [n >= 1]: `k - min` (descending: `max - k`) as the
     unsigned type of k's width, and span = max - min (a Python int). Exact for every span:
-    it is below 2^width, and the subtraction wraps modulo 2^width where it overflows."""
+    it is below 2^width, and the subtraction wraps modulo 2^width where it overflows. An int64
+    key holding its type's ends and spanning 2^32 or more has those ends moved next to its
+    other values first (`_squeeze_ends`: the same order, a span that may pack)."""
     lo, hi = k.min(), k.max()
+    if k.dtype == np.int64 and (lo == INT64_MIN or hi == INT64_MAX) and int(hi) - int(lo) >= 2**32:
+        k, lo, hi = _squeeze_ends(k)
     off = (hi - k) if descending else (k - lo)
     return off.view(_UNSIGNED[k.itemsize]), int(hi) - int(lo)
+
+
+def _squeeze_ends(k: np.ndarray):
+    """(k', min, max) of an int64 key holding -2^63 or 2^63 - 1 (absent priorities resolve to
+    them, SPEC section 1): those ends moved next to the other values (-2^63 to one below
+    their minimum, 2^63 - 1 to one above their maximum), which keeps every comparison, so a
+    queue mixing absent and small priorities still packs into one sort."""
+    ends = (k == INT64_MIN) | (k == INT64_MAX)
+    inner = k[~ends]
+    lo = int(inner.min()) - 1 if inner.size else 0
+    hi = int(inner.max()) + 1 if inner.size else 1
+    out = np.where(k == INT64_MIN, lo, np.where(k == INT64_MAX, hi, k))
+    return out, out.min(), out.max()
 
 
 def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:

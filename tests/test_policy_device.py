@@ -167,15 +167,30 @@ def test_stable_perm_on_the_cpu_equals_torch_sort(dtype):
                     v[0], v[-1] = span, 0
                 key = torch.from_numpy((v + np.uint64(lo % 2**64)).view(np.int64)).to(dtype)  # lo + v
                 want = torch.sort(key, stable=True).indices
-                real_span = int(key.max()) - int(key.min()) if n else 0
                 got_np = P.host_perm(key.numpy())
-                assert (got_np is None) == (n >= 2 and real_span.bit_length() + nb > 64), (n, span, lo)
+                wide = _packed_span(key.numpy()).bit_length() + nb > 64
+                assert (got_np is None) == (n >= 2 and wide), (n, span, lo)
                 got = P._stable_perm(key)
                 assert got.dtype == torch.int64 and torch.equal(got, want), (dtype, n, span, lo)
                 desc = torch.sort(~key, stable=True).indices
                 assert torch.equal(P._stable_perm(key, descending=True), desc), (dtype, n, span, lo)
                 strided = key[::2]  # a non-contiguous view
                 assert torch.equal(P._stable_perm(strided), torch.sort(strided, stable=True).indices)
+
+
+def _packed_span(key: np.ndarray) -> int:
+    """The span host_perm packs: max - min, after an int64 key's ends (-2^63, 2^63 - 1) move
+    next to its other values when it spans 2^32 or more."""
+    if not key.size:
+        return 0
+    lo, hi = int(key.min()), int(key.max())
+    if key.dtype == np.int64 and (lo == INT64_MIN or hi == INT64_MAX) and hi - lo >= 2**32:
+        inner = key[(key != INT64_MIN) & (key != INT64_MAX)]
+        if not inner.size:
+            return 1 if lo != hi else 0
+        lo = int(inner.min()) - 1 if lo == INT64_MIN else int(inner.min())
+        hi = int(inner.max()) + 1 if hi == INT64_MAX else int(inner.max())
+    return hi - lo
 
 
 def _torch_forms(fn, *args, **kwargs):
@@ -210,14 +225,16 @@ def test_fcfs_time_perm_host_any_queue_order(sign):
     is not in time order): the stable order by (priority * sign, time), as Python's sort gives
     it, on each of its paths: both keys packed, priorities under 64 apart (runs from counts),
     few distinct priorities far apart (runs from the sorted column), over 64 distinct ones
-    (one sort by time first); priorities spanning the int64 range return None and
-    fcfs_priority_order still orders them; on shuffled queues and serving-loop ones."""
+    (one sort by time first), absent ones (the int64 ends) among small ones; priorities
+    spanning the int64 range return None and fcfs_priority_order still orders them; on
+    shuffled queues and serving-loop ones."""
     rng = random.Random(3 + sign)
     prio_kinds = {
         "small": lambda n: np.array([rng.choice([0, 1, 1, 4]) for _ in range(n)], dtype=np.int64),
         "apart": lambda n: np.array([rng.choice([-10**9, 5, 10**12]) for _ in range(n)], dtype=np.int64),
         "many": lambda n: np.array([rng.randrange(1000) for _ in range(n)], dtype=np.int64),
         "extreme": lambda n: np.array([rng.choice([INT64_MIN, 0, INT64_MAX]) for _ in range(n)], dtype=np.int64),
+        "wide": lambda n: np.array([rng.choice([INT64_MIN + 1, 0, INT64_MAX - 1]) for _ in range(n)], dtype=np.int64),
     }
     checked = nones = 0
     for n in (0, 1, 2, 3, 17, 400, 3000):
@@ -230,14 +247,43 @@ def test_fcfs_time_perm_host_any_queue_order(sign):
                     got = P.fcfs_time_perm_host(pr, tm, sign)
                     where = (n, pk, tk, layout, sign)
                     if got is None:
-                        assert pk == "extreme", where
+                        assert pk == "wide", where
                         nones += 1
                     else:
                         assert got.dtype == np.int64 and got.tolist() == want, where
                     full = P.fcfs_priority_order(torch.from_numpy(pr), torch.from_numpy(tm), sign)
                     assert full.tolist() == want, where
                     checked += 1
-    assert checked == 7 * 4 * 5 * 2 and nones > 0
+    assert checked == 7 * 5 * 5 * 2 and nones > 0
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_absent_priorities_pack(sign):
+    """Absent priorities resolve to an int64 end (SPEC section 1): mixed with small ones, the
+    host forms still pack them into one sort (the ends moved next to the other values) and
+    give Python's stable order; a key of ends only, or ends plus values spanning the type,
+    too. Each checked against its torch form."""
+    rng = random.Random(13 + sign)
+    absent = INT64_MAX if sign > 0 else INT64_MIN
+    for n in (2, 5, 300, 4000):
+        for mix in ([0, 1, 2, 7], [absent], [INT64_MIN, INT64_MAX], [INT64_MIN + 1, 0, INT64_MAX - 1]):
+            pr = np.array([rng.choice(mix + [absent]) for _ in range(n)], dtype=np.int64)
+            mn = np.array([rng.randrange(1, 50) for _ in range(n)], dtype=np.int64)
+            tm = np.array([rng.choice([0.0, 1.0, 5.0]) for _ in range(n)])
+            where = (n, mix, sign)
+            want = sorted(range(n), key=lambda i: int(pr[i]) * sign)
+            got = P.fcfs_perm_host(pr, sign)
+            if len(mix) < 3:  # spans that fit once the ends moved
+                assert got is not None, where
+            assert got is None or got.tolist() == want, where
+            want = sorted(range(n), key=lambda i: (int(pr[i]) * sign, -int(mn[i])))
+            got = P.lof_perm_host(mn, pr, sign)
+            assert got is None or got.tolist() == want, where
+            assert P.lof_order(torch.from_numpy(mn), torch.from_numpy(pr), sign).tolist() == want, where
+            assert _torch_forms(P.lof_order, torch.from_numpy(mn), torch.from_numpy(pr), sign).tolist() == want
+            want = sorted(range(n), key=lambda i: (int(pr[i]) * sign, tm[i]))
+            got = P.fcfs_time_perm_host(pr, tm, sign)
+            assert got is None or got.tolist() == want, where
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
