@@ -40,6 +40,10 @@ with the other backends' calls: `measure_group`)
          moves and GpuScheduler's kept matches are checked against what changed (its change
          log) rather than trusted. Runs on a deep copy of the scheduler (untimed), so the
          other stages and the plan checks see the unchurned tree.
+  order-served  fcfs with priority: the same ordering of the queue as a serving loop keeps it
+         after a step, in the previous step's order (by priority, then time: no longer in
+         time order, so the time is a sort key too). On a deep copy of the scheduler whose
+         queue is set to its own ordering (untimed).
   admit  `sched._admission_loop(ordered, adder)` with a fresh `PrefillAdder` over the queue
          ordered once beforehand (untimed): R-STEP-3 alone.
   step   `sched.step(ratio)`: budgets, ordering, admission and the plan.
@@ -112,7 +116,7 @@ POLICIES = {  # name -> SchedulerConfig overrides (the plain constructor: no lpm
     "lpm": dict(schedule_policy="lpm"),
     "dfs-weight": dict(schedule_policy="dfs-weight"),
 }
-STAGES = ("order", "order-churn", "admit", "step", "graph", "gstep")
+STAGES = ("order", "order-churn", "order-served", "admit", "step", "graph", "gstep")
 #: stages timed only on GpuScheduler, for the policies the recorded step covers
 RECORDED_STAGES = ("graph", "gstep")
 RATIO = 0.7  # new-token ratio passed to step (SGLang's initial value)
@@ -288,6 +292,14 @@ def churned_order(s, fresh: int = 32):
     return c._order, churn
 
 
+def served_order(s):
+    """(order call, None) on a deep copy of s whose queue is in the order s's ordering gives
+    it, as a serving loop's queue is after a step (`order-served`)."""
+    c = copy.deepcopy(s)
+    c.queue = c._order().queue
+    return c._order, None
+
+
 def stage_fns(s, stage: str, max_len: int):
     """(call, restore) for one stage on scheduler s in its current state; None where the stage
     does not apply (the recorded step on the reference, or for a policy it does not record)."""
@@ -312,6 +324,9 @@ def stage_fns(s, stage: str, max_len: int):
         return s._order, None
     if stage == "order-churn":  # only the policies whose ordering matches the queue on the tree
         return churned_order(s) if s.config.effective_policy in ("lpm", "dfs-weight") else None
+    if stage == "order-served":  # only fcfs with priority orders by a key the order changes
+        cfg = s.config
+        return served_order(s) if cfg.effective_policy == "fcfs" and cfg.enable_priority_scheduling else None
     if stage == "step":
         return (lambda: s.step(RATIO)), Restorer(s, queue_snapshot(s))
     ordered = s._order().queue
@@ -442,11 +457,11 @@ def print_row(r: dict) -> None:
     p = "-" if r["p90_s"] is None else f"{r['p90_s']:.4g}"
     us = "-" if r["us_per_req"] is None else f"{r['us_per_req']:.3g}"
     chk = {True: "ok", False: "DIFF", None: ""}[r.get("plan_equal_ref")]
-    print(f"{r['policy']:11} {r['stage']:11} {r['n']:>8} {r['backend']:9} {r['device']:5} {med:>10} {p:>10} "
+    print(f"{r['policy']:11} {r['stage']:12} {r['n']:>8} {r['backend']:9} {r['device']:5} {med:>10} {p:>10} "
           f"{us:>9} {ratio:>9} {r['reps']:>4} {chk:>4} {r.get('note') or ''}", flush=True)
 
 
-HEADER = (f"{'policy':11} {'stage':11} {'n':>8} {'backend':9} {'dev':5} {'median s':>10} {'p90 s':>10} "
+HEADER = (f"{'policy':11} {'stage':12} {'n':>8} {'backend':9} {'dev':5} {'median s':>10} {'p90 s':>10} "
           f"{'us/req':>9} {'speedup':>9} {'reps':>4} {'plan':>4}")
 
 

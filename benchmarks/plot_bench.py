@@ -22,7 +22,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-STAGE_ORDER = ("order", "order-churn", "admit", "step")
+STAGE_ORDER = ("order", "order-churn", "order-served", "admit", "step")
 POLICY_ORDER = ("fcfs", "lof", "routing-key", "lpm", "dfs-weight")
 STYLE = {  # (backend, device) -> matplotlib style
     ("reference", "cpu"): dict(color="black", marker="o"),
