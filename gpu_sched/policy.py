@@ -30,8 +30,13 @@ On CPU tensors (outside `torch.compile`, `HOST_PATHS` on) the integer-key sorts 
 two packed with the row index into one uint32/uint64 value, `host_perm` / `host_lex_perm`)
 and the fcfs, lof and routing-key orders run as numpy calls on views of the tensors: there is
 no device to sync with, and a numpy call costs 1-3 us where a torch CPU op costs 5-15 us,
-which is most of an ordering's time below a few thousand requests. The torch forms run everywhere else (CUDA,
-`meta`, compiled graphs); `test_host_forms_equal_torch_forms` checks the two give one order.
+which is most of an ordering's time below a few thousand requests. An int64 key holding the
+absent priorities' ends among small values has the ends moved next to the others first, so it
+still packs (`_squeeze_ends`). fcfs with priority on a queue out of time order (a serving
+loop's queue after a step) packs (priority, time bits) when they fit, else sorts by priority
+and then each priority's run by time (`fcfs_time_perm_host`). The torch forms run everywhere
+else (CUDA, `meta`, compiled graphs); `test_host_forms_equal_torch_forms` checks the two give
+one order.
 
 `backend="triton"` runs the key and tree passes as Triton kernels (CUDA tensors, or any tensors
 with `TRITON_INTERPRET=1` set before the kernels are imported); sorts and scans are torch's.
