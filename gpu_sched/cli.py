@@ -33,6 +33,10 @@ def make_scheduler_factory(backend: str, device: Optional[str] = None, capture: 
     if backend == "reference":
         if capture:
             raise CliError("--capture needs a device backend (torch or triton), not the reference")
+        # the reference runs on the host: any other device would be silently ignored
+        if device not in (None, "cpu"):
+            raise CliError(f"--device {device} needs a device backend (torch or triton); "
+                           "the reference runs on the host")
         from .reference import ReferenceScheduler
 
         return lambda cfg, kv, shuffle=None: ReferenceScheduler(cfg, kv, shuffle=shuffle)
@@ -40,6 +44,7 @@ def make_scheduler_factory(backend: str, device: Optional[str] = None, capture: 
         from .scheduler import GpuScheduler
 
         dev = device or "cpu"
+        check_device(dev)
 
         def factory(cfg, kv, shuffle=None):
             s = GpuScheduler(cfg, kv, shuffle=shuffle, backend=backend, device=dev)
@@ -49,6 +54,32 @@ def make_scheduler_factory(backend: str, device: Optional[str] = None, capture: 
 
         return factory
     raise CliError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+def check_device(device: str) -> None:
+    """CliError unless torch can run on `device`: checked up front, because an unusable device
+    otherwise fails inside the first scheduler (a traceback, or every conformance scenario)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise CliError(f"--device {device!r} is not a torch device ({e})") from None
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+                raise CliError(f"--device {device}: torch {torch.__version__} has no CUDA")
+            raise CliError(f"--device {device}: torch {torch.__version__} sees no CUDA device")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise CliError(f"--device {device}: torch sees {n} CUDA device{'s' if n != 1 else ''} "
+                           f"(cuda:0 to cuda:{n - 1})")
+        return
+    mod = getattr(torch, dev.type, None)  # mps, xpu, ...: torch.<type>.is_available() where it exists
+    if mod is None or not callable(getattr(mod, "is_available", None)) or not mod.is_available():
+        raise CliError(f"--device {device}: torch {torch.__version__} has no available {dev.type} device")
 
 
 # ---- SchedulerConfig knobs under SGLang's server-argument names ----------------------------
@@ -78,7 +109,7 @@ CONFIG_FLAGS = (
     ("--prefill-max-requests", "prefill_max_requests", int, "cap on requests admitted per step"),
     ("--truncation-align-size", "truncation_align_size", int, "chunk length alignment [tokens]"),
     ("--lpm-fallback-queue-len", "lpm_fallback_queue_len", _none_if_neg,
-     "lpm falls back to fcfs above this queue length; negative = never (the sglang preset uses 128)"),
+     "lpm falls back to fcfs above this queue length; negative = never"),
     ("--in-batch-prefix-caching-check-threshold", "in_batch_prefix_caching_check_threshold", int,
      "in-batch deprioritization check threshold; -1 disables"),
     ("--in-batch-prefix-caching-deprioritize-threshold", "in_batch_prefix_caching_deprioritize_threshold", int,
@@ -88,19 +119,40 @@ CONFIG_FLAGS = (
 )
 
 
+# what an unset (None) SchedulerConfig field means, for the defaults shown in --help
+_NONE_MEANS = {"chunked_prefill_size": "off", "max_running_requests": "no cap", "prefill_max_requests": "no cap",
+               "truncation_align_size": "off", "lpm_fallback_queue_len": "never"}
+
+
+def _preset_default(field: str) -> str:
+    """' (default V)' from the presets themselves, so --help cannot drift from config.py."""
+    from .config import PRESETS
+
+    def show(v):
+        if v is None:
+            return _NONE_MEANS.get(field, "none")
+        return ("on" if v else "off") if isinstance(v, bool) else v
+
+    shown = {name: show(getattr(make(), field)) for name, make in PRESETS.items()}
+    others = "".join(f"; {name} preset {v}" for name, v in shown.items() if v != shown["default"])
+    return f" (default {shown['default']}{others})"
+
+
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scheduler (SGLang server-argument names; unset = the preset's value)")
     g.add_argument("--preset", choices=("default", "sglang"), default="default",
-                   help="default: SchedulerConfig defaults; sglang: SGLang's exactly (lpm fallback at 128)")
+                   help="'default' (the default): SchedulerConfig defaults; "
+                        "'sglang': SGLang's exactly (lpm fallback at 128)")
     g.add_argument("--policy", "--schedule-policy", dest="schedule_policy", default=None,
-                   help="lpm, dfs-weight, fcfs, lof, random or routing-key (default: the preset's, fcfs)")
+                   help="lpm, dfs-weight, fcfs, lof, random or routing-key"
+                        + _preset_default("schedule_policy"))
     for flag, field, kind, help_ in CONFIG_FLAGS:
         if kind == "flag":
-            g.add_argument(flag, dest=field, action="store_true", default=None, help=help_)
+            g.add_argument(flag, dest=field, action="store_true", default=None, help=help_ + _preset_default(field))
         else:
             g.add_argument(flag, dest=field, type=float if kind is float else int, default=None,
                            metavar="X" if kind is float else "N",
-                           help=help_)
+                           help=help_ + _preset_default(field))
 
 
 def config_from_args(args):
@@ -197,6 +249,11 @@ def cmd_replay(args) -> int:
         (name, s), = summaries.items()
         print(format_summary(s, title=f"Replay: {trace.name}, {name}, {args.backend}"))
         print(f"decision digest: {s['digest']}")
+    if args.check:
+        # a violation stops the replay (exit 1), so reaching here means every check held
+        runs_checked = f" [{', '.join(summaries)}]" if policies else ""
+        print(f"integrity check passed{runs_checked}: tree, lock and KV-pool invariants held "
+              "after every scheduler step")
     if args.out:
         print(f"results written to {args.out}")
     return 0
@@ -235,9 +292,20 @@ def cmd_conformance(args) -> int:
 
 
 def _add_trace_reading(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="keep the first N requests")
-    p.add_argument("--rate-scale", type=float, default=1.0, metavar="X", help="multiply the request rate by X")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="keep the first N requests (default: all)")
+    p.add_argument("--rate-scale", type=float, default=1.0, metavar="X",
+                   help="multiply the request rate by X (default %(default)s)")
     p.add_argument("--skip-bad-rows", action="store_true", help="skip malformed trace rows instead of failing")
+
+
+def _add_backend_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="reference",
+                   help=f"scheduler backend: {', '.join(BACKENDS)} (default %(default)s)")
+    p.add_argument("--device", default=None,
+                   help="torch device of the torch and triton backends, e.g. cpu, cuda, cuda:1 (default cpu)")
+    p.add_argument("--capture", type=int, default=0, metavar="N",
+                   help="device backends: the recorded step (CUDA graph on CUDA) for queues up to N "
+                        "(default 0: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -252,19 +320,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Mooncake .jsonl or Azure .csv trace (default: the built-in synthetic workload)")
     _add_trace_reading(r)
     r.add_argument("--synthetic-requests", type=int, default=400, metavar="N",
-                   help="requests of the synthetic workload (default 400; without --trace)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
-    r.add_argument("--kv-tokens", type=int, default=1_000_000, metavar="N", help="KV pool size [tokens]")
-    r.add_argument("--backend", default="reference", help=f"scheduler backend: {', '.join(BACKENDS)}")
-    r.add_argument("--device", default=None, help="torch device for device backends")
-    r.add_argument("--capture", type=int, default=0, metavar="N",
-                   help="device backends: the recorded step (CUDA graph on CUDA) for queues up to N")
+                   help="requests of the synthetic workload (default %(default)s; without --trace)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default %(default)s)")
+    r.add_argument("--kv-tokens", type=int, default=1_000_000, metavar="N",
+                   help="KV pool size [tokens] (default %(default)s)")
+    _add_backend_flags(r)
     r.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
                    help=f"step-cost preset: {', '.join(COST_MODELS)} (default {DEFAULT_COST_MODEL})")
     r.add_argument("--check", action="store_true", help="check scheduler integrity after every step")
-    r.add_argument("--out", default=None, metavar="DIR", help="write results.json and PNG plots here")
+    r.add_argument("--out", default=None, metavar="DIR",
+                   help="write results.json and PNG plots here (default: print the summary only)")
     r.add_argument("--compare-policies", default=None, metavar="P1,P2,...",
-                   help="run each policy and print one comparison table")
+                   help="run each policy and print one comparison table (default: one run, of --policy)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is not a TTY)")
     _add_config_flags(r)
     r.set_defaults(func=cmd_replay)
@@ -276,10 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("conformance", help="run conformance scenarios (FORMAT.md) and print 'N passed, M failed'")
     c.add_argument("file", help="scenario file (.jsonl or .jsonl.gz)")
-    c.add_argument("--backend", default="reference", help=f"scheduler backend: {', '.join(BACKENDS)}")
-    c.add_argument("--device", default=None, help="torch device for device backends")
-    c.add_argument("--capture", type=int, default=0, metavar="N",
-                   help="device backends: the recorded step (CUDA graph on CUDA) for queues up to N")
+    _add_backend_flags(c)
     c.set_defaults(func=cmd_conformance)
     return p
 

@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpu_sched.cli import BACKENDS, build_parser, config_from_args, main
 
@@ -117,6 +118,10 @@ def _bad_rows(tmp_path):
     (["replay", "--backend", "cuda-magic"], "backend"),
     (["replay", "--capture", "64"], "--capture needs a device backend"),
     (["replay", "--backend", "torch", "--capture", "-1"], "--capture must be >= 0"),
+    (["replay", "--device", "cuda"], "--device cuda needs a device backend"),
+    (["conformance", "BAD", "--device", "cuda:0"], "--device cuda:0 needs a device backend"),
+    (["replay", "--backend", "torch", "--device", "gpu"], "--device 'gpu' is not a torch device"),
+    (["conformance", "BAD", "--backend", "torch", "--device", "cuda:x"], "--device 'cuda:x' is not a torch device"),
     (["replay", "--rate-scale", "0"], "rate-scale"),
     (["replay", "--trace", "BAD", "--no-progress"], "line 2"),
     (["trace-stats", "BAD"], "line 2"),
@@ -130,6 +135,41 @@ def test_bad_input_is_one_line_without_traceback(argv, message, tmp_path, capsys
     assert "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu-sched: error: ") and message in lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")
+@pytest.mark.parametrize("command", [["replay"], ["conformance", "scenarios.jsonl"]])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_device_without_cuda_is_one_error(command, backend, capsys):
+    # before any work: no traceback from the first scheduler, no "0 passed, N failed"
+    rc = main(command + ["--backend", backend, "--device", "cuda"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    # a CPU-only torch has no CUDA; a CUDA build without a visible GPU sees no device
+    assert re.fullmatch(r"gpu-sched: error: --device cuda: torch \S+ (has no CUDA|sees no CUDA device)\n", captured.err)
+
+
+def test_cuda_index_beyond_device_count_is_one_error(monkeypatch, capsys):
+    # one visible GPU, faked, so the check holds with or without CUDA here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    rc = main(["replay", "--backend", "torch", "--device", "cuda:1"])
+    assert rc == 2
+    assert capsys.readouterr().err == "gpu-sched: error: --device cuda:1: torch sees 1 CUDA device (cuda:0 to cuda:0)\n"
+
+
+def test_check_prints_that_it_passed(capsys):
+    # a small pool keeps the per-step integrity check cheap
+    argv = ["replay", "--synthetic-requests", "5", "--kv-tokens", "20000", "--no-progress"]
+    assert main(argv + ["--check"]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"^integrity check passed.*$", out, re.M) == [
+        "integrity check passed: tree, lock and KV-pool invariants held after every scheduler step"]
+    assert len(DIGEST.findall(out)) == 1
+    assert main(argv + ["--check", "--compare-policies", "fcfs,lpm"]) == 0
+    assert re.findall(r"^integrity check passed \[fcfs, lpm\]: ", capsys.readouterr().out, re.M)
+    assert main(argv) == 0
+    assert "integrity check" not in capsys.readouterr().out
 
 
 def test_skip_bad_rows(tmp_path, capsys):
