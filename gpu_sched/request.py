@@ -48,6 +48,27 @@ def as_token_array(tokens, what: str) -> np.ndarray:
     return out
 
 
+def check_token_id(what: str, v) -> int:
+    """v as an int token id; TypeError unless an int (bools and floats too), ValueError
+    outside [0, 2^31-1]. `what` names the field in the message."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{what} must be an int token id, got {type(v).__name__} {v!r}")
+    if not 0 <= v <= INT32_MAX:
+        raise ValueError(f"{what} = {v} is outside the token id range [0, {INT32_MAX}]")
+    return int(v)
+
+
+def check_time(what: str, v) -> float:
+    """v as a finite float time [seconds]; TypeError unless a real number, ValueError for NaN
+    or an infinity."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{what} must be a number, got {type(v).__name__} {v!r}")
+    f = float(v)
+    if not np.isfinite(f):
+        raise ValueError(f"{what} must be finite, got {v!r}")
+    return f
+
+
 @dataclass
 class Request:
     """One generation request.

@@ -288,3 +288,103 @@ def test_step_rejects_bad_ratio(loaded):
         with pytest.raises(ValueError, match="new_token_ratio"):
             loaded.step(bad)
     assert _snapshot(loaded) == before
+
+
+# ---- the engine-side calls: checked before anything changes ----------------------------------
+def _engine_state(s):
+    """What the engine-side calls change: queue, running and prefilling rids, each request's
+    outputs and KV length, pool and cache counters."""
+    return ([r.rid for r in s.queue], [r.rid for r in s.running], [r.rid for r in s.prefilling],
+            {rid: (list(r.req.output_ids), r.kv_len) for rid, r in s.reqs.items()},
+            s.available, s.evictable, s.protected)
+
+
+@pytest.fixture(params=["reference", "torch"])
+def serving(request):
+    """A scheduler of each kind with requests a, b, ab admitted in one plan (not yet prefilled)."""
+    from gpu_sched.scheduler import GpuScheduler
+
+    cls = ReferenceScheduler if request.param == "reference" else GpuScheduler
+    s = cls(SchedulerConfig(schedule_policy="lpm"), 1000)
+    s.submit([Request(x, list(range(1, 9)), 4) for x in ("a", "b", "ab")], now=0.0)
+    assert [rid for rid, _, _ in s.step(0.7).admitted] == ["a", "b", "ab"]
+    return s
+
+
+@pytest.mark.parametrize("tokens, exc, words", [
+    ({"a": 1, "b": 2}, ValueError, "no token for request 'ab'"),
+    ({"a": 1, "b": 2, "ab": 3, "zz": 4}, ValueError, "['zz'] are not in the prefill"),
+    ({"a": 1, "b": 2, "ab": -1}, ValueError, "first_tokens['ab'] = -1 is outside"),
+    ({"a": 1, "b": 2, "ab": 3.5}, TypeError, "first_tokens['ab'] must be an int"),
+    ({"a": 1, "b": True, "ab": 3}, TypeError, "first_tokens['b'] must be an int"),
+    ([("a", 1)], TypeError, "mapping"),
+])
+def test_complete_prefill_bad_tokens_change_nothing(serving, tokens, exc, words):
+    before = _engine_state(serving)
+    with pytest.raises(exc) as e:
+        serving.complete_prefill(tokens)
+    assert words in str(e.value)
+    assert _engine_state(serving) == before
+    serving.complete_prefill({"a": 1, "b": 2, "ab": 3})  # the right call still works
+    serving.check_integrity()
+    assert [r.rid for r in serving.running] == ["a", "b", "ab"]
+
+
+@pytest.mark.parametrize("tokens, exc, words", [
+    ({"a": 5, "b": "x", "ab": 1}, TypeError, "tokens['b'] must be an int token id, got str 'x'"),
+    ({"a": 5, "b": 1, "ab": 1, "nope": 1}, ValueError, "['nope'] are not running"),
+    ({"a": 5, "b": -7, "ab": 1}, ValueError, "tokens['b'] = -7 is outside"),
+    ({"a": 2**40, "b": 1, "ab": 1}, ValueError, "tokens['a'] = 1099511627776 is outside"),
+    ({"a": 5, "b": 1}, ValueError, "missing for running requests ['ab']"),
+])
+def test_decode_bad_tokens_change_nothing(serving, tokens, exc, words):
+    """A decode with one bad token used to append the others' tokens and take KV slots for
+    all before failing; now nothing changes."""
+    serving.complete_prefill({"a": 1, "b": 2, "ab": 3})
+    before = _engine_state(serving)
+    with pytest.raises(exc) as e:
+        serving.decode(tokens)
+    assert words in str(e.value)
+    assert _engine_state(serving) == before
+    serving.check_integrity()
+    serving.decode({"a": 5, "b": 6, "ab": 7})
+    assert [serving.reqs[x].req.output_ids for x in ("a", "b", "ab")] == [[1, 5], [2, 6], [3, 7]]
+    serving.check_integrity()
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda s: s.finish("ab"), TypeError, "got the string 'ab': pass ['ab']"),
+    (lambda s: s.abort("ab"), TypeError, "got the string 'ab': pass ['ab']"),
+    (lambda s: s.finish(["a", "b", "a"]), ValueError, "finish: request 'a' is given twice"),
+    (lambda s: s.abort(["b", "b"]), ValueError, "abort: request 'b' is given twice"),
+    (lambda s: s.finish(["a", "zz"]), ValueError, "'zz' is not running"),
+])
+def test_finish_and_abort_bad_rids_change_nothing(serving, call, exc, words):
+    """A string is not read as its characters (finish("ab") used to finish a and b), and a rid
+    given twice fails before the first is dropped."""
+    serving.complete_prefill({"a": 1, "b": 2, "ab": 3})
+    before = _engine_state(serving)
+    with pytest.raises(exc) as e:
+        call(serving)
+    assert words in str(e.value)
+    assert _engine_state(serving) == before
+    serving.finish(["ab"])
+    assert [r.rid for r in serving.running] == ["a", "b"]
+    serving.check_integrity()
+
+
+def test_submit_and_step_reject_bad_arguments(serving):
+    serving.complete_prefill({"a": 1, "b": 2, "ab": 3})
+    before = _engine_state(serving)
+    with pytest.raises(TypeError, match=r"got one Request \(rid 'z'\): pass \[request\]"):
+        serving.submit(Request("z", [1], 1))
+    with pytest.raises(ValueError, match="submit: now must be finite, got nan"):
+        serving.submit([Request("z", [1], 1)], now=math.nan)
+    with pytest.raises(TypeError, match="new_token_ratio must be a number in \\(0, 1\\], got str '0.5'"):
+        serving.step("0.5")
+    with pytest.raises(ValueError, match="step: now must be finite, got inf"):
+        serving.step(0.5, now=math.inf)
+    with pytest.raises(TypeError, match="step: now must be a number"):
+        serving.step(0.5, now="1")
+    assert _engine_state(serving) == before
+    serving.check_integrity()

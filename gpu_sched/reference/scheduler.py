@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import SchedulerConfig
 from ..plan import PrefillPlan
-from ..request import Request
+from ..request import Request, check_time, check_token_id
 from .adder import AddResult, PrefillAdder
 from .policy import order_queue
 from .radix_cache import KVPool, RadixCache, TreeNode
@@ -32,6 +32,16 @@ from .state import ReqState
 _RID = operator.attrgetter("rid")
 
 RETRACT_DECODE_STEPS = 20  # reserve per remaining request when releasing (R-ADM-7, R-DEC-2)
+
+
+def _distinct(what: str, rids: Iterable[str]) -> List[str]:
+    """rids as a list; ValueError naming the first rid given twice."""
+    rids = list(rids)
+    if len(set(rids)) != len(rids):
+        seen = set()
+        dup = next(r for r in rids if r in seen or seen.add(r))
+        raise ValueError(f"{what}: request {dup!r} is given twice")
+    return rids
 
 
 class ReferenceScheduler:
@@ -89,6 +99,9 @@ class ReferenceScheduler:
         return ReqState(req, prio, t)
 
     def _check_new(self, requests: Iterable[Request]) -> List[Request]:
+        if isinstance(requests, Request):
+            raise TypeError(f"submit takes an iterable of Request objects, got one Request "
+                            f"(rid {requests.rid!r}): pass [request]")
         requests = list(requests)
         seen = set()
         for r in requests:
@@ -107,7 +120,7 @@ class ReferenceScheduler:
         Raises TypeError/ValueError naming the field (bad record, duplicate rid)."""
         requests = self._check_new(requests)
         if now is not None:
-            self.now = max(self.now, float(now))
+            self.now = max(self.now, check_time("submit: now", now))
         for r in requests:
             st = self._state(r, now)
             self.reqs[r.rid] = st
@@ -117,11 +130,14 @@ class ReferenceScheduler:
         """One scheduling step (R-STEP-1..4). `new_token_ratio` in (0, 1]."""
         if self.prefilling:
             raise RuntimeError("step() called before complete_prefill() of the previous plan")
+        if isinstance(new_token_ratio, bool) or not isinstance(new_token_ratio, (int, float, np.integer, np.floating)):
+            raise TypeError(f"new_token_ratio must be a number in (0, 1], got "
+                            f"{type(new_token_ratio).__name__} {new_token_ratio!r}")
         ratio = float(new_token_ratio)
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"new_token_ratio must be in (0, 1], got {new_token_ratio}")
         if now is not None:
-            self.now = max(self.now, float(now))
+            self.now = max(self.now, check_time("step: now", now))
         cfg = self.config
         plan = PrefillPlan()  # queue_order: the queue as it is, or as ordered (R-STEP-2)
         # R-STEP-1
@@ -274,10 +290,23 @@ class ReferenceScheduler:
     def complete_prefill(self, first_tokens: Mapping[str, int]) -> None:
         """The engine ran the last plan's prefill: allocate KV for the extend ranges, cache the
         chunked request's prefilled part (R-DEC-3) and move finished prefills into the running
-        batch with their first output token from `first_tokens[rid]`."""
+        batch with their first output token from `first_tokens[rid]` (a token given for the
+        chunked request, whose prefill is not done, is ignored).
+
+        Raises (before changing anything) ValueError for a request that finished its prefill
+        without a token, for rids that are not in the plan being run, or for a token id outside
+        [0, 2^31-1]; TypeError for a token that is not an int."""
+        if not isinstance(first_tokens, Mapping):
+            raise TypeError(f"complete_prefill takes a mapping rid -> first token, got {type(first_tokens).__name__}")
+        running = {r.rid for r in self.prefilling}
+        extra = [rid for rid in first_tokens if rid not in running]
+        if extra:
+            raise ValueError(f"complete_prefill: requests {extra[:5]} are not in the prefill being run")
         for r in self.prefilling:
-            if r.extend_end == r.fill_len and r.rid not in first_tokens:
-                raise ValueError(f"first_tokens has no token for request {r.rid!r}")
+            if r.extend_end == r.fill_len:
+                if r.rid not in first_tokens:
+                    raise ValueError(f"first_tokens has no token for request {r.rid!r}")
+                check_token_id(f"first_tokens[{r.rid!r}]", first_tokens[r.rid])
         for r in self.prefilling:
             if r.kv_len == 0 and r.extend_start > 0 or r.lock_node is not None and r.cached_len == 0 and r.kv_len == 0:
                 # fresh admission: its cached prefix is the locked path
@@ -349,10 +378,20 @@ class ReferenceScheduler:
 
     def decode(self, tokens: Mapping[str, int]) -> None:
         """One decode step: each running request gets a KV slot for its last token and appends
-        `tokens[rid]`. Raises MemoryError if the pool cannot hold the step (retract first)."""
+        `tokens[rid]`. Raises MemoryError if the pool cannot hold the step (retract first);
+        ValueError for a running request without a token, a rid that is not running or a token
+        id outside [0, 2^31-1], TypeError for a token that is not an int: all before changing
+        anything."""
+        if not isinstance(tokens, Mapping):
+            raise TypeError(f"decode takes a mapping rid -> token, got {type(tokens).__name__}")
         missing = [r.rid for r in self.running if r.rid not in tokens]
         if missing:
             raise ValueError(f"decode tokens missing for running requests {missing[:5]}")
+        if len(tokens) != len(self.running):  # every running rid is there: the rest are not running
+            running = {r.rid for r in self.running}
+            extra = [rid for rid in tokens if rid not in running]
+            raise ValueError(f"decode: requests {extra[:5]} are not running")
+        tokens = {rid: check_token_id(f"decode tokens[{rid!r}]", t) for rid, t in tokens.items()}
         n = len(self.running)
         if n > self.pool.available:
             self.cache.evict(n - self.pool.available)
@@ -365,8 +404,11 @@ class ReferenceScheduler:
 
     def finish(self, rids: Iterable[str]) -> None:
         """R-DEC-3: cache each finished request's computed sequence (page-aligned), free the
-        duplicate and unaligned slots, release its lock and drop it."""
-        rids = list(rids)
+        duplicate and unaligned slots, release its lock and drop it. Raises (before changing
+        anything) ValueError for a rid that is not running, TypeError for a single string."""
+        if isinstance(rids, (str, bytes)):
+            raise TypeError(f"finish takes an iterable of rids, got the string {rids!r}: pass [{rids!r}]")
+        rids = _distinct("finish", rids)
         index = {r.rid: r for r in self.running}
         for rid in rids:
             if rid not in index:
@@ -393,8 +435,12 @@ class ReferenceScheduler:
             self.batch_is_full = False  # the batch shrank (as SGLang's update_running_batch)
 
     def abort(self, rids: Iterable[str]) -> None:
-        """Drop requests wherever they are (queue, running, chunked); nothing is cached."""
-        rids = list(rids)
+        """Drop requests wherever they are (queue, running, chunked); nothing is cached.
+        Raises (before changing anything) ValueError for an unknown rid or one in the prefill
+        being run, TypeError for a single string."""
+        if isinstance(rids, (str, bytes)):
+            raise TypeError(f"abort takes an iterable of rids, got the string {rids!r}: pass [{rids!r}]")
+        rids = _distinct("abort", rids)
         for rid in rids:
             if rid not in self.reqs:
                 raise ValueError(f"abort: unknown request {rid!r}")
