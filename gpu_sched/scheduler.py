@@ -296,6 +296,8 @@ class GpuScheduler(ReferenceScheduler):
         return self._graph
 
     def step(self, new_token_ratio: float, now: Optional[float] = None):
+        """`ReferenceScheduler.step` (the same plan, bit for bit), with ordering and admission
+        on this scheduler's device, or the recorded step after `capture()`."""
         self._step_ratio = new_token_ratio
         try:
             return super().step(new_token_ratio, now)

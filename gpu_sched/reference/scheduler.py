@@ -127,7 +127,20 @@ class ReferenceScheduler:
             self.queue.append(st)
 
     def step(self, new_token_ratio: float, now: Optional[float] = None) -> PrefillPlan:
-        """One scheduling step (R-STEP-1..4). `new_token_ratio` in (0, 1]."""
+        """One scheduling step (R-STEP-1..4): order the waiting queue (R-ORD), admit requests
+        under the KV-cache and prefill budgets (R-ADM), lock their cached prefixes and return
+        the plan; the admitted requests then wait for `complete_prefill`.
+
+        Args:
+            new_token_ratio: the engine's current new-token ratio (R-DEC-1), in (0, 1]: the
+                share of each running request's remaining `max_new_tokens` reserved in the
+                KV budget.
+            now: the engine clock [seconds], optional; stamps later submissions.
+        Returns: a `PrefillPlan` (admitted rids with extend ranges [token positions], the new
+            chunked request, preempted rids, stop reason, budgets, hit/input counters).
+        Raises: RuntimeError when the previous plan was not completed; TypeError/ValueError
+            for a ratio that is not a number in (0, 1] or a time that is not finite (nothing
+            changes)."""
         if self.prefilling:
             raise RuntimeError("step() called before complete_prefill() of the previous plan")
         if isinstance(new_token_ratio, bool) or not isinstance(new_token_ratio, (int, float, np.integer, np.floating)):
@@ -353,6 +366,9 @@ class ReferenceScheduler:
         return max(len(reqs), pages * P)
 
     def decode_fits(self, reqs: Optional[Sequence[ReqState]] = None) -> bool:
+        """Whether the next decode step of `reqs` (default: the running batch) gets its KV
+        slots (`decode_tokens_needed` tokens), evicting unlocked cache first if the free pool
+        is short (R-DEC-2). When False, call `retract_decode()` before `decode()`."""
         need = self.decode_tokens_needed(reqs)
         if need > self.pool.available:
             self.cache.evict(need - self.pool.available)
