@@ -277,6 +277,11 @@ def cmd_trace_stats(args) -> int:
         else:
             s = f"{v:.4f}" if k == "repeat_block_frac" else f"{v:.2f}"
         print(f"  {k:<{width}}{s:>16}")
+    if stats["repeat_block_frac"] is not None:
+        print("  repeat_block_frac: the share of prompt blocks equal to an earlier one (an upper bound "
+              "on the block hit rate of an infinite cache)")
+    else:
+        print("  repeat_block_frac n/a: the trace has no prompt block hashes (Mooncake's hash_ids)")
     return 0
 
 

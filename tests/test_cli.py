@@ -98,6 +98,7 @@ def test_trace_stats_azure(capsys):
     out = capsys.readouterr().out
     assert re.search(r"num_requests\s+8819\n", out)
     assert re.search(r"repeat_block_frac\s+n/a\n", out)
+    assert "repeat_block_frac n/a: the trace has no prompt block hashes" in out  # says why
     assert "total_output_tokens" in out
 
 
