@@ -394,3 +394,31 @@ def test_fcfs_priority_with_enqueue_times_out_of_queue_order(low_first):
         ref.complete_prefill(first)
         dev.complete_prefill(first)
     assert len(ref.queue) > 12  # the budget left requests waiting across steps
+
+
+def test_routing_key_order_on_many_keys_equals_reference():
+    """R-ORD-7 through GpuScheduler's host form (`_routing_perm_host`: running keys counted by
+    string, the queue's distinct keys ranked once) against the reference, on key sets where
+    string order matters ("B" < "a" < "ab" < "b" < "é"), ties in the running counts, running
+    keys no queued request has, absent and "" keys on both sides, and no counted key at all."""
+    rng = random.Random(21)
+    alphabet = ["B", "a", "ab", "b", "é", "k1", "k10", "k2", None, ""]
+    checked = 0
+    for trial in range(60):
+        cfg = SchedulerConfig(schedule_policy="routing-key")
+        ref, dev = ReferenceScheduler(cfg, 100_000), GpuScheduler(cfg, 100_000)
+        m = rng.choice([0, 1, 3, 12])
+        run_keys = [rng.choice(alphabet if trial % 5 else [None, ""]) for _ in range(m)]
+        for i, k in enumerate(run_keys):
+            for s in (ref, dev):
+                s.seed_running(Request(f"r{i}", [1 + i, 2], 4, output_ids=[3], routing_key=k, enqueue_time=0))
+        n = rng.choice([1, 2, 40, 300])
+        reqs = [Request(f"q{j}", [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6))], 4,
+                        routing_key=rng.choice(alphabet)) for j in range(n)]
+        for s in (ref, dev):
+            s.submit([Request(**{k: getattr(r, k) for k in r.__dataclass_fields__}) for r in reqs], now=0.0)
+        want = [r.rid for r in ref._order().queue]
+        got = [r.rid for r in dev._order().queue]
+        assert got == want, (trial, run_keys)
+        checked += 1
+    assert checked == 60
