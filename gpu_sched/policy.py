@@ -284,14 +284,13 @@ def fcfs_perm_host(priority: np.ndarray, sign: int) -> Optional[np.ndarray]:
     return host_perm(priority, descending=sign < 0)
 
 
-def _monotone_bits(t):
-    """`_time_bits` on numpy: an int64 array (or a Python int for a numpy scalar) with the
-    order of float64 t, -0.0 folded into +0.0; integer t as it is."""
+def _monotone_bits(t: np.ndarray) -> np.ndarray:
+    """`_time_bits` on numpy: int64 with the order of float64 t, -0.0 folded into +0.0;
+    integer t as it is."""
     if t.dtype != np.float64:
-        return t if isinstance(t, np.ndarray) else int(t)
-    b = (t + 0.0).view(np.int64) if isinstance(t, np.ndarray) else np.float64(t + 0.0).view(np.int64)
-    b = b ^ ((b >> 63) & INT64_MAX)
-    return b if isinstance(t, np.ndarray) else int(b)
+        return t
+    b = (t + 0.0).view(np.int64)
+    return b ^ ((b >> 63) & INT64_MAX)
 
 
 def fcfs_time_perm_host(priority: np.ndarray, enqueue_time: np.ndarray, sign: int) -> Optional[np.ndarray]:
@@ -310,7 +309,8 @@ def fcfs_time_perm_host(priority: np.ndarray, enqueue_time: np.ndarray, sign: in
     if n < 2:
         return np.zeros(n, dtype=np.int64)
     desc = sign < 0
-    t_span = _monotone_bits(enqueue_time.max()) - _monotone_bits(enqueue_time.min())
+    t_lo, t_hi = _monotone_bits(np.array([enqueue_time.min(), enqueue_time.max()])).tolist()
+    t_span = t_hi - t_lo
     p_lo, p_hi = int(priority.min()), int(priority.max())
     if (n - 1).bit_length() + t_span.bit_length() + (p_hi - p_lo).bit_length() <= 64:
         return host_lex_perm(priority, _monotone_bits(enqueue_time), desc_primary=desc)
@@ -319,8 +319,8 @@ def fcfs_time_perm_host(priority: np.ndarray, enqueue_time: np.ndarray, sign: in
         return None
     if p_hi - p_lo < 64:  # each priority's run from the counts, no gather
         cnt = np.bincount(priority - p_lo, minlength=p_hi - p_lo + 1)
-        bounds = np.cumsum(cnt[::-1] if desc else cnt)
-        bounds = bounds[cnt[::-1 if desc else 1] > 0].tolist()
+        cnt = cnt[::-1] if desc else cnt  # in the sorted order's direction
+        bounds = np.cumsum(cnt)[cnt > 0].tolist()
     else:
         ps = priority[perm]
         cuts = np.flatnonzero(ps[1:] != ps[:-1]) + 1

@@ -58,12 +58,18 @@ def check_token_id(what: str, v) -> int:
     return int(v)
 
 
+def check_real(what: str, v, expected: str = "a number") -> float:
+    """v as a float; TypeError (saying `what` must be `expected`) unless an int or float
+    (bools and strings refused)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{what} must be {expected}, got {type(v).__name__} {v!r}")
+    return float(v)
+
+
 def check_time(what: str, v) -> float:
     """v as a finite float time [seconds]; TypeError unless a real number, ValueError for NaN
     or an infinity."""
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{what} must be a number, got {type(v).__name__} {v!r}")
-    f = float(v)
+    f = check_real(what, v)
     if not np.isfinite(f):
         raise ValueError(f"{what} must be finite, got {v!r}")
     return f

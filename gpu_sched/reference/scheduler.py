@@ -16,6 +16,7 @@ The same calls (`submit`, `step`, `complete_prefill`, `decode`, `retract_decode`
 
 from __future__ import annotations
 
+import collections
 import operator
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from ..config import SchedulerConfig
 from ..plan import PrefillPlan
-from ..request import Request, check_time, check_token_id
+from ..request import Request, check_real, check_time, check_token_id
 from .adder import AddResult, PrefillAdder
 from .policy import order_queue
 from .radix_cache import KVPool, RadixCache, TreeNode
@@ -38,8 +39,7 @@ def _distinct(what: str, rids: Iterable[str]) -> List[str]:
     """rids as a list; ValueError naming the first rid given twice."""
     rids = list(rids)
     if len(set(rids)) != len(rids):
-        seen = set()
-        dup = next(r for r in rids if r in seen or seen.add(r))
+        dup = next(r for r, c in collections.Counter(rids).items() if c > 1)
         raise ValueError(f"{what}: request {dup!r} is given twice")
     return rids
 
@@ -143,10 +143,7 @@ class ReferenceScheduler:
             changes)."""
         if self.prefilling:
             raise RuntimeError("step() called before complete_prefill() of the previous plan")
-        if isinstance(new_token_ratio, bool) or not isinstance(new_token_ratio, (int, float, np.integer, np.floating)):
-            raise TypeError(f"new_token_ratio must be a number in (0, 1], got "
-                            f"{type(new_token_ratio).__name__} {new_token_ratio!r}")
-        ratio = float(new_token_ratio)
+        ratio = check_real("new_token_ratio", new_token_ratio, "a number in (0, 1]")
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"new_token_ratio must be in (0, 1], got {new_token_ratio}")
         if now is not None:
@@ -311,8 +308,8 @@ class ReferenceScheduler:
         [0, 2^31-1]; TypeError for a token that is not an int."""
         if not isinstance(first_tokens, Mapping):
             raise TypeError(f"complete_prefill takes a mapping rid -> first token, got {type(first_tokens).__name__}")
-        running = {r.rid for r in self.prefilling}
-        extra = [rid for rid in first_tokens if rid not in running]
+        in_prefill = {r.rid for r in self.prefilling}
+        extra = [rid for rid in first_tokens if rid not in in_prefill]
         if extra:
             raise ValueError(f"complete_prefill: requests {extra[:5]} are not in the prefill being run")
         for r in self.prefilling:
