@@ -194,6 +194,14 @@ def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:
     return (packed & ut((1 << nb) - 1)).astype(np.int64)
 
 
+def rank_perm_host(key: np.ndarray, span: int) -> np.ndarray:
+    """Stable ascending permutation (int64 [n]) of a key of ranks in [0, span] (no min/max
+    pass): one packed sort (`_packed_argsort`), or numpy's stable argsort when the ranks and
+    the row index do not fit 64 bits together."""
+    perm = _packed_argsort([(key, span)], key.size)
+    return perm if perm is not None else np.argsort(key, kind="stable")
+
+
 def host_perm(key: np.ndarray, descending: bool = False) -> Optional[np.ndarray]:
     """`_stable_perm` of an integer numpy key [n] (int64 [n]), or None when its span and n - 1
     need more than 64 bits together (`_packed_argsort`)."""
@@ -440,8 +448,7 @@ def routing_perm_host(key_id: np.ndarray, key_rank: np.ndarray, running_key_ids:
     table = np.searchsorted(np.sort(table), table)  # same order and ties, values < K + 2
     # mode="clip" sends ids below -1 to slot 0 and ids >= K to slot K+1: absent, as the torch clamp
     key = np.take(table, key_id + 1, mode="clip")
-    perm = _packed_argsort([(key, K + 1)], n)  # values in [0, K + 1]: no min/max pass
-    return perm if perm is not None else torch.sort(torch.from_numpy(key), stable=True).indices.numpy()
+    return rank_perm_host(key, K + 1)  # values in [0, K + 1]: no min/max pass
 
 
 # ---- R-ORD-6 random ----------------------------------------------------------------------------

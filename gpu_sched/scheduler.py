@@ -671,7 +671,7 @@ class GpuScheduler(ReferenceScheduler):
         absent or ""): the running batch's keys counted by string, then each key present in
         the queue ranked once by its sort key in Python (`(0, -count, key)` when counted, else
         `(1, 0, key)`; absent keys as `(1, 0, "")`), and the requests sorted stably by their
-        key's rank (one packed sort, `policy._packed_argsort`): per call a fixed few numpy
+        key's rank (one packed sort, `policy.rank_perm_host`): per call a fixed few numpy
         calls over the queue, and Python over the distinct keys only. Returns the permutation
         (int64 [n]), or None when no running key counts (no reordering)."""
         counts = collections.Counter([r.req.routing_key for r in self.running])
@@ -689,9 +689,7 @@ class GpuScheduler(ReferenceScheduler):
         ranked = counted + [K] + [i for i in by_name if names[i] not in counts]  # K: absent, as ""
         table = np.zeros(K + 1, dtype=np.int64)
         table[ranked] = np.arange(len(ranked))
-        key = table.take(qk)
-        perm = dpolicy._packed_argsort([(key, len(ranked) - 1)], qk.size)
-        return perm if perm is not None else np.argsort(key, kind="stable")  # over 2^32 rows
+        return dpolicy.rank_perm_host(table.take(qk), len(ranked) - 1)
 
     def _head_groups(self, rows: np.ndarray, sel: "_RowCols", T: int):
         """R-ORD-9 groups of table rows `rows`: (group ids int64 [B], size of the id space).
