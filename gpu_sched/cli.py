@@ -201,7 +201,6 @@ def cmd_replay(args) -> int:
     from .sim.engine import SimulationError, get_cost_model, replay
     from .sim.metrics import format_comparison, format_summary, write_results
 
-    factory = make_scheduler_factory(args.backend, args.device, args.capture)
     try:
         if args.kv_tokens < 1:
             raise ValueError(f"--kv-tokens must be >= 1, got {args.kv_tokens}")
@@ -214,6 +213,8 @@ def cmd_replay(args) -> int:
         trace = load_trace(args)
     except (FileNotFoundError, ValueError, TypeError) as e:  # TraceFormatError is a ValueError
         raise CliError(str(e)) from None
+    # after the trace: a device backend imports torch (seconds), a wrong path should not wait
+    factory = make_scheduler_factory(args.backend, args.device, args.capture)
     progress = not args.no_progress and sys.stderr.isatty()
     summaries, runs = {}, {}
     for name, cfg in configs.items():

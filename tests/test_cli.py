@@ -127,9 +127,15 @@ def _bad_rows(tmp_path):
     (["replay", "--trace", "BAD", "--no-progress"], "line 2"),
     (["trace-stats", "BAD"], "line 2"),
     (["trace-stats", "/no/such/file.csv"], "not found"),
+    # a trace folder (as ../shared/traces/mooncake) names the trace files in it
+    (["replay", "--trace", "DIR"], "is a directory, not a trace file; it holds bad.jsonl"),
+    (["trace-stats", "DIR"], "is a directory, not a trace file; it holds bad.jsonl"),
+    # the trace is read before the device is checked (a device backend imports torch first)
+    (["replay", "--trace", "/no/such/trace.jsonl", "--backend", "torch", "--device", "gpu"], "not found"),
 ])
 def test_bad_input_is_one_line_without_traceback(argv, message, tmp_path, capsys):
-    argv = [str(_bad_rows(tmp_path)) if a == "BAD" else a for a in argv]
+    bad = _bad_rows(tmp_path)
+    argv = [str(bad) if a == "BAD" else str(tmp_path) if a == "DIR" else a for a in argv]
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc != 0

@@ -209,6 +209,9 @@ def test_missing_file_and_bad_args(tmp_path):
     for reader in (read_mooncake, read_azure, read_trace):
         with pytest.raises(FileNotFoundError, match="nope.jsonl"):
             reader(missing)
+    for reader in (read_mooncake, read_azure, read_trace):
+        with pytest.raises(FileNotFoundError, match="is a directory, not a trace file; it holds no .jsonl or .csv"):
+            reader(tmp_path)  # empty so far
     p = tmp_path / "ok.jsonl"
     p.write_text(json.dumps(GOOD_M) + "\n")
     for bad in (0, -1.0, float("inf"), float("nan")):

@@ -176,6 +176,10 @@ def _check_args(path: PathLike, limit, rate_scale) -> Path:
             or not math.isfinite(rate_scale) or rate_scale <= 0):
         raise ValueError(f"rate_scale must be a finite number > 0, got {rate_scale!r}")
     p = Path(path)
+    if p.is_dir():  # e.g. ../shared/traces/mooncake: name the trace files it holds
+        inside = sorted(f.name for f in p.iterdir() if f.suffix in (".jsonl", ".csv"))
+        hint = f"; it holds {', '.join(inside)}" if inside else "; it holds no .jsonl or .csv file"
+        raise FileNotFoundError(f"trace path {p} is a directory, not a trace file{hint}")
     if not p.is_file():
         raise FileNotFoundError(f"trace file not found: {p}")
     return p
