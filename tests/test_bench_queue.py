@@ -64,3 +64,40 @@ def test_an_entry_stops_after_a_call_over_max_s():
                                     reps=5, max_reps=15, budget_s=0.5, max_s=10.0, slow_s=2.0, slow_reps=2)
     assert out[0][0] == [1.0, 12.0] and log.count("a") == 3
     assert len(out[1][0]) == 5
+
+
+def _small_workload(n):
+    import argparse
+
+    args = argparse.Namespace(queue="synthetic", trace=None, warm=32, max_prompt_len=256, distinct=64,
+                              synthetic_groups=4, seed=3, routing_keys=8, running=8)
+    return bench_queue.build_workload(args, n)
+
+
+def test_order_served_times_the_ordering_of_a_queue_kept_in_its_previous_order():
+    from gpu_sched.config import SchedulerConfig
+
+    wl = _small_workload(200)
+    pool = bench_queue.kv_pool_size(wl, 8, 10_000)
+    orders = {}
+    for backend in ("reference", "torch"):
+        s, _ = bench_queue.make_scheduler(backend, "cpu", wl, pool)
+        bench_queue.set_queue(s, wl.queue)
+        for pol in ("lof", "lpm", "routing-key"):  # the stage is fcfs-with-priority only
+            s.config = SchedulerConfig(**bench_queue.POLICIES[pol])
+            assert bench_queue.stage_fns(s, "order-served", wl.max_len) is None
+        s.config = SchedulerConfig(**bench_queue.POLICIES["fcfs"])
+        before = [r.rid for r in s.queue]
+        fn, restore = bench_queue.stage_fns(s, "order-served", wl.max_len)
+        assert restore is None
+        assert [r.rid for r in s.queue] == before  # the copy is served, not s
+        served = fn.__self__.queue
+        # what the stage is for: the served queue is not in enqueue-time order, so time is a key
+        times = [r.enqueue_time for r in served]
+        assert times != sorted(times)
+        out = [r.rid for r in fn().queue]
+        # by priority (larger first, SGLang's default), then enqueue time: the same as the first ordering
+        want = [r.rid for r in sorted(wl.queue, key=lambda r: (-r.priority, r.enqueue_time))]
+        assert out == want == [r.rid for r in served]
+        orders[backend] = out
+    assert orders["reference"] == orders["torch"]
