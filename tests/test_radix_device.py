@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_sched import policy as PM
 from gpu_sched.radix import FlatRadixTree
 from gpu_sched.reference.radix_cache import KVPool, RadixCache
 
@@ -394,6 +395,37 @@ def test_match_ends_host_equals_torch():
     want_i = [i for i, (k, p, x) in enumerate(zip(m.tolist(), pos.tolist(), want_x)) if k > 0 and p - off[x] + 1 < kl[x]]
     assert X.tolist() == want_x and idx.tolist() == want_i
     assert 0 < len(want_i) < len(qs) and 0 in m.tolist()  # both kinds of ends, and empty matches
+
+
+@pytest.mark.parametrize("arity", [1, 2, 15, 255])
+def test_search_host_equals_torch(arity):
+    """`_search` (per row the deepest present page end, by `arity`-point rounds) by the CPU's
+    numpy rounds (`_search_host`) equals its torch rounds and the definition: rows with nothing
+    present, rows present to their end, an empty bound, and bounds past the shared part."""
+    rng = random.Random(arity)
+    tree = FlatRadixTree(1, max_nodes=1024, token_capacity=1 << 14)
+    seqs = []
+    for i in range(40):
+        seq = [rng.randrange(3) for _ in range(rng.randrange(1, 60))]
+        seqs.append(seq)
+        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(i * 64, i * 64 + len(seq)), 0)
+    qs = [s[: rng.randrange(0, len(s) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(4))] for s in seqs * 3]
+    qs += [[7, 7], []]  # an absent first token, an empty query
+    L = max(len(q) for q in qs)
+    tok = torch.tensor([q + [0] * (L - len(q)) for q in qs], dtype=torch.int32)
+    lens = torch.tensor([len(q) for q in qs], dtype=torch.int64)
+    h = tree.prefix_hashes(tok, lens, torch.zeros(len(qs), dtype=torch.int64), 1).reshape(-1)
+    key = lambda rows, q: h[rows * L + q - 1]  # noqa: E731
+    got = tree._search(lens, key, arity)
+    with PM.torch_forms():
+        want = tree._search(lens, key, arity)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    present = [next((d for d in range(len(q), 0, -1) if int(tree.lookup(h[i * L + d - 1 : i * L + d])) >= 0), 0)
+               for i, q in enumerate(qs)]
+    assert got[0].tolist() == present
+    assert got[1].tolist() == [int(tree.lookup(h[i * L + d - 1 : i * L + d])) if d else -1 for i, d in enumerate(present)]
+    kinds = {(d == 0, d == len(q)) for d, q in zip(present, qs)}
+    assert {(True, False), (False, True), (False, False)} <= kinds
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 40, 3000])

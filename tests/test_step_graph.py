@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpu_sched import policy as PM
 from gpu_sched.config import SchedulerConfig
 from gpu_sched.radix import FlatRadixTree
 from gpu_sched.request import Request
@@ -59,7 +60,10 @@ def test_find_static_equals_search(P):
     ch = torch.cat(chs)
     coff = torch.tensor(coff)
     cnt = L // tree.C
-    want = tree._find_csr(tok, toff, L, L, nsv, ch, coff, cnt, int(cnt.max()))
+    want = tree._find_csr(tok, toff, L, L, nsv, ch, coff, cnt, int(cnt.max()))  # on a CPU: `_search_host`
+    with PM.torch_forms():  # the torch rounds of `_search`: the same answer
+        torch_form = tree._find_csr(tok, toff, L, L, nsv, ch, coff, cnt, int(cnt.max()))
+    assert torch.equal(torch_form[0], want[0]) and torch.equal(torch_form[1], want[1])
     got = tree.find_static(tok, toff, L, nsv, ch, coff, max_len)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert int(want[0].max()) > 0  # the trees share prefixes: matches happen
