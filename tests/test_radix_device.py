@@ -371,21 +371,31 @@ def test_stamp_paths_equals_a_walk_per_request(n):
     assert torch.equal(tree.last_access, want)
 
 
+def random_tree_of_sequences(rng: random.Random, n: int, max_len: int):
+    """A page-size-1 tree of n random sequences (1..max_len - 1 tokens over 3 ids, so they share
+    prefixes) and the sequences."""
+    tree = FlatRadixTree(1, max_nodes=1024, token_capacity=1 << 14)
+    seqs = [[rng.randrange(3) for _ in range(rng.randrange(1, max_len))] for _ in range(n)]
+    for i, seq in enumerate(seqs):
+        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(i * max_len, i * max_len + len(seq)), 0)
+    return tree, seqs
+
+
+def pad_queries(qs):
+    """(int32 tokens [B, L] zero-padded, int64 lengths [B], L) of token lists."""
+    L = max(len(q) for q in qs)
+    return (torch.tensor([q + [0] * (L - len(q)) for q in qs], dtype=torch.int32),
+            torch.tensor([len(q) for q in qs], dtype=torch.int64), L)
+
+
 def test_match_ends_host_equals_torch():
     """`_match_ends` (each match's last node and the matches ending inside a node) on numpy
     views (the CPU's path) equals its torch ops, for matches ending at node ends, inside
     nodes and empty ones; and against the definition."""
     rng = random.Random(11)
-    tree = FlatRadixTree(1, max_nodes=512, token_capacity=1 << 14)
-    seqs = []
-    for i in range(50):
-        seq = [rng.randrange(3) for _ in range(rng.randrange(1, 40))]
-        seqs.append(seq)
-        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(i * 40, i * 40 + len(seq)), 0)
+    tree, seqs = random_tree_of_sequences(rng, 50, 40)
     qs = [s[: rng.randrange(0, len(s) + 1)] + [rng.randrange(3)] * rng.randrange(3) for s in seqs * 4]
-    L = max(len(q) for q in qs)
-    tok = torch.tensor([q + [0] * (L - len(q)) for q in qs], dtype=torch.int32)
-    lens = torch.tensor([len(q) for q in qs], dtype=torch.int64)
+    tok, lens, L = pad_queries(qs)
     m, pos = tree._find(tok, lens, torch.zeros(len(qs), dtype=torch.int64))
     X, idx = tree._match_ends(m, pos)
     Xt, idxt = tree._match_ends(m, pos, host=False)
@@ -403,17 +413,10 @@ def test_search_host_equals_torch(arity):
     numpy rounds (`_search_host`) equals its torch rounds and the definition: rows with nothing
     present, rows present to their end, an empty bound, and bounds past the shared part."""
     rng = random.Random(arity)
-    tree = FlatRadixTree(1, max_nodes=1024, token_capacity=1 << 14)
-    seqs = []
-    for i in range(40):
-        seq = [rng.randrange(3) for _ in range(rng.randrange(1, 60))]
-        seqs.append(seq)
-        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(i * 64, i * 64 + len(seq)), 0)
+    tree, seqs = random_tree_of_sequences(rng, 40, 60)
     qs = [s[: rng.randrange(0, len(s) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(4))] for s in seqs * 3]
     qs += [[7, 7], []]  # an absent first token, an empty query
-    L = max(len(q) for q in qs)
-    tok = torch.tensor([q + [0] * (L - len(q)) for q in qs], dtype=torch.int32)
-    lens = torch.tensor([len(q) for q in qs], dtype=torch.int64)
+    tok, lens, L = pad_queries(qs)
     h = tree.prefix_hashes(tok, lens, torch.zeros(len(qs), dtype=torch.int64), 1).reshape(-1)
     key = lambda rows, q: h[rows * L + q - 1]  # noqa: E731
     got = tree._search(lens, key, arity)
