@@ -92,6 +92,19 @@ def home_slot(h: torch.Tensor, H: int) -> torch.Tensor:
     return ((h * HASH_MIX) >> 32) & (H - 1)
 
 
+def _mod_host(x: np.ndarray, p: int) -> np.ndarray:
+    """x mod p, exactly, for int64 x in [0, 2^63) and 2^30 < p < 2^31, without integer division
+    (numpy's and torch's int64 `%` divide element by element: ~20 ns each on a CPU). The
+    float64 quotient x * (1/p) is off from x / p by under 2^-18 (three roundings of relative
+    size 2^-53 on a quotient below 2^33), so its truncation is floor(x / p) or one off; r =
+    x - q * p (wrapping int64 arithmetic, exact since the true value lies in [-p, 2p)) is then
+    brought into [0, p) by one correction either way."""
+    r = x - (x.astype(np.float64) * (1.0 / p)).astype(np.int64) * p
+    r += (r < 0) * p
+    r -= (r >= p) * p
+    return r
+
+
 def _pow_table(base: int, p: int, n: int) -> torch.Tensor:
     """base^i mod p for i = 0..n (int64; p < 2^31 so products fit), by doubling on the host."""
     out = np.empty(n + 1, dtype=np.int64)
@@ -231,12 +244,15 @@ class FlatRadixTree:
                       every: int) -> torch.Tensor:
         """Prefix hashes of padded queries at depths every, 2*every, ... [B, L // every] int64.
 
-        Entries at depths beyond a query's length are garbage (callers mask by length)."""
+        Entries at depths beyond a query's length are garbage (callers mask by length). On CPU
+        tensors the same sums run in numpy with `_mod_host` for every reduction."""
         B, L = tokens.shape
         K = L // every
         if K == 0:
             return torch.zeros((B, 0), dtype=torch.int64, device=tokens.device)
         self._ensure_pow(L + 1)
+        if _host(tokens):
+            return torch.from_numpy(self._prefix_hashes_host(tokens.numpy(), ns.numpy(), K, every))
         t = tokens[:, : K * every].to(torch.int64) + 1
         out = []
         for p, pw, ipw in ((P1, self.pw1, self.ipw1), (P2, self.pw2, self.ipw2)):
@@ -246,6 +262,20 @@ class FlatRadixTree:
             # seed and cs are below p < 2^31: their sum times pw < 2^63 needs no reduction between
             s = (self._seed(ns, p)[:, None] + cs) * pw[d] % p
             out.append(s)
+        return (out[0] << 31) | out[1]
+
+    def _prefix_hashes_host(self, tokens: np.ndarray, ns: np.ndarray, K: int, every: int) -> np.ndarray:
+        """`prefix_hashes`' formulas on host arrays (K = L // every >= 1): each term, running
+        sum and hash reduced by `_mod_host` (its bounds hold: terms (t+1) B^-(j+1) < 2^62, sums
+        of under 2^32 terms below p, seed + sum < 2^32 times a power below 2^31). int64 [B, K]."""
+        t = tokens[:, : K * every].astype(np.int64) + 1
+        d = np.arange(1, K + 1, dtype=np.int64) * every
+        ns = ns.astype(np.int64)
+        out = []
+        for p, pw, ipw in ((P1, self.pw1, self.ipw1), (P2, self.pw2, self.ipw2)):
+            cs = np.cumsum(_mod_host(t * ipw.numpy()[1 : K * every + 1], p), axis=1)[:, every - 1 :: every]
+            seed = (ns * 1000003 + 12345) % p  # as `_seed`
+            out.append(_mod_host((seed[:, None] + _mod_host(cs, p)) * pw.numpy()[d], p))
         return (out[0] << 31) | out[1]
 
     def chunk_hashes_flat(self, tokens: torch.Tensor, lengths: np.ndarray, ns: np.ndarray,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gpu_sched import policy as PM
-from gpu_sched.radix import FlatRadixTree
+from gpu_sched.radix import P1, P2, FlatRadixTree, _mod_host
 from gpu_sched.reference.radix_cache import KVPool, RadixCache
 
 NS_NAMES = [None, "ns1", "ns2"]
@@ -448,6 +448,34 @@ def test_path_nodes_host_equals_torch(n):
             v = int(tree.parent[v])
     assert dict(zip(u.tolist(), c.tolist())) == want
     assert (0 < u.numel() * 16 < tree.node_bound()) == (n in (1, 2))  # the np.unique branch at n 2
+
+
+@pytest.mark.parametrize("p", [P1, P2, 2**30 + 3])
+def test_mod_host_is_exact(p):
+    """`_mod_host` (float reciprocal, one correction each way) equals `%` over its whole range:
+    random values below 2^63, the ends, and values next to multiples of p (where the float
+    quotient may round across)."""
+    rng = np.random.default_rng(p)
+    top = (2**63 - 1) // p * p
+    x = np.concatenate([rng.integers(0, 2**63 - 1, 200_000, dtype=np.int64),
+                        np.array([0, 1, p - 1, p, p + 1, top - 1, top, 2**63 - 2, 2**63 - 1], dtype=np.int64),
+                        (rng.integers(1, (2**63 - 1) // p, 50_000, dtype=np.int64) * p + rng.integers(-2, 3, 50_000))])
+    assert np.array_equal(_mod_host(x, p), x % p)
+
+
+@pytest.mark.parametrize("every", [1, 3, 64])
+def test_prefix_hashes_host_equals_torch(every):
+    """`prefix_hashes` on the CPU (numpy with `_mod_host`) equals its torch form, token ids up
+    to 2^31 - 1 and large namespace ids included."""
+    rng = np.random.default_rng(every)
+    tree = FlatRadixTree(1, max_nodes=64, token_capacity=1 << 12)
+    tok = torch.from_numpy(rng.integers(0, 2**31, (6, 2000)).astype(np.int32))
+    tok[0] = 2**31 - 1
+    ns = torch.tensor([0, 1, 5, 2**20, 2**40, 7])
+    got = tree.prefix_hashes(tok, None, ns, every)
+    with PM.torch_forms():
+        want = tree.prefix_hashes(tok, None, ns, every)
+    assert got.shape == (6, 2000 // every) and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("every", [1, 3, 8])
