@@ -108,7 +108,8 @@ from gpu_sched.scheduler import GpuScheduler
 from gpu_sched.step import GRAPH_POLICIES
 from gpu_sched.sim.traces import TraceRequest, read_mooncake, synthetic_workload
 
-DEFAULT_TRACE = "/work/shared/traces/mooncake/conversation_trace.jsonl"
+#: the Mooncake trace in the shared folder beside the repository (../shared from its root)
+DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl")
 POLICIES = {  # name -> SchedulerConfig overrides (the plain constructor: no lpm fallback, D3)
     "fcfs": dict(schedule_policy="fcfs", enable_priority_scheduling=True),
     "lof": dict(schedule_policy="lof"),

@@ -113,6 +113,10 @@ class Request:
         if not isinstance(self.rid, str) or not self.rid:
             raise TypeError(f"rid must be a non-empty str, got {self.rid!r}")
         who = f"request {self.rid!r}"
+        for name in ("prompt_ids", "output_ids"):  # sized sequences (a generator is read once)
+            v = getattr(self, name)
+            if not hasattr(v, "__len__") or not hasattr(v, "__getitem__"):
+                raise TypeError(f"{who}: {name} must be a sequence of ints, got {type(v).__name__} {v!r}")
         self.prompt_ids = as_token_array(self.prompt_ids, f"{who}: prompt_ids")
         if len(self.prompt_ids) == 0:
             raise ValueError(f"{who}: prompt_ids must hold at least one token, got 0")
@@ -143,8 +147,8 @@ class Request:
             if isinstance(self.enqueue_time, bool) or not isinstance(self.enqueue_time, (int, float, np.number)):
                 raise TypeError(f"{who}: enqueue_time must be a number or None, got {self.enqueue_time!r}")
             t = float(self.enqueue_time)
-            if t != t:
-                raise ValueError(f"{who}: enqueue_time must not be NaN")
+            if not np.isfinite(t):  # as submit's and step's `now`
+                raise ValueError(f"{who}: enqueue_time must be finite, got {t}")
             self.enqueue_time = t
 
     @property

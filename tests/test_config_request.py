@@ -137,6 +137,9 @@ def test_scheduler_rejects_non_config():
         ReferenceScheduler({"page_size": 1}, 10)
     with pytest.raises(ValueError, match="kv_pool_size"):
         ReferenceScheduler(SchedulerConfig(), -1)
+    for bad in ("10", 1.5, None, True):  # a wrong type is a TypeError, as for the config's fields
+        with pytest.raises(TypeError, match="kv_pool_size must be an int >= 0, got"):
+            ReferenceScheduler(SchedulerConfig(), bad)
 
 
 # ---- Request ----------------------------------------------------------------------------------
@@ -184,11 +187,17 @@ BAD_REQUESTS = [
     (dict(extra_key=b"ns"), TypeError, ["extra_key", "b'ns'"]),
     (dict(logprob_start_len=1.0), TypeError, ["logprob_start_len", "1.0"]),
     (dict(enqueue_time="now"), TypeError, ["enqueue_time", "'now'"]),
-    (dict(enqueue_time=float("nan")), ValueError, ["enqueue_time", "NaN"]),
+    (dict(enqueue_time=float("nan")), ValueError, ["enqueue_time", "finite", "nan"]),
+    (dict(enqueue_time=float("inf")), ValueError, ["enqueue_time", "finite", "inf"]),
+    (dict(prompt_ids=None), TypeError, ["prompt_ids", "sequence", "NoneType"]),
+    (dict(prompt_ids=5), TypeError, ["prompt_ids", "sequence", "int 5"]),
+    (dict(prompt_ids=(t for t in range(3))), TypeError, ["prompt_ids", "sequence", "generator"]),
+    (dict(output_ids=None), TypeError, ["output_ids", "sequence", "NoneType"]),
 ]
 
 
-@pytest.mark.parametrize("kwargs,exc,words", BAD_REQUESTS, ids=[repr(k)[:60] for k, _, _ in BAD_REQUESTS])
+# ids without reprs: a generator's repr holds its address, which differs between xdist workers
+@pytest.mark.parametrize("kwargs,exc,words", BAD_REQUESTS, ids=[f"{i}-{next(iter(k))}" for i, (k, _, _) in enumerate(BAD_REQUESTS)])
 def test_request_bad_field_names_field_and_value(kwargs, exc, words):
     base = dict(rid="r1", prompt_ids=[1, 2, 3], max_new_tokens=4)
     base.update(kwargs)
@@ -358,6 +367,8 @@ def test_decode_bad_tokens_change_nothing(serving, tokens, exc, words):
     (lambda s: s.finish(["a", "b", "a"]), ValueError, "finish: request 'a' is given twice"),
     (lambda s: s.abort(["b", "b"]), ValueError, "abort: request 'b' is given twice"),
     (lambda s: s.finish(["a", "zz"]), ValueError, "'zz' is not running"),
+    (lambda s: s.finish(None), TypeError, "finish takes an iterable of rids, got NoneType None"),
+    (lambda s: s.abort(7), TypeError, "abort takes an iterable of rids, got int 7"),
 ])
 def test_finish_and_abort_bad_rids_change_nothing(serving, call, exc, words):
     """A string is not read as its characters (finish("ab") used to finish a and b), and a rid
@@ -371,6 +382,32 @@ def test_finish_and_abort_bad_rids_change_nothing(serving, call, exc, words):
     serving.finish(["ab"])
     assert [r.rid for r in serving.running] == ["a", "b"]
     serving.check_integrity()
+
+
+@pytest.mark.parametrize("kind", ["reference", "torch"])
+def test_decode_that_cannot_fit_evicts_nothing(kind):
+    """A decode step the free and evictable pool cannot hold fails before evicting: the cached
+    pages stay (the engine retracts, then decodes). Three requests admitted at a low ratio
+    overcommit the pool; two 1-token cache entries are all that is evictable at the end."""
+    from gpu_sched.scheduler import GpuScheduler
+
+    cls = ReferenceScheduler if kind == "reference" else GpuScheduler
+    s = cls(SchedulerConfig(), 152)
+    for t in (100, 101):
+        s.seed_cache(np.array([t], np.int32))
+    for i, x in enumerate("abc"):
+        s.submit([Request(x, list(range(10 * i + 1, 10 * i + 9)), 100)], now=float(i))
+        assert [rid for rid, _, _ in s.step(0.05).admitted] == [x]
+        s.complete_prefill({x: 1})
+    while s.available + s.evictable >= 3:
+        s.decode({x: 5 for x in "abc"})
+    assert (s.available, s.evictable) == (0, 2)  # 3 slots needed, 2 could be evicted
+    before = _engine_state(s)
+    with pytest.raises(MemoryError, match=r"decode: the step needs 3 KV slots, 0 free and 2 evictable; "
+                                          r"call retract_decode\(\) first"):
+        s.decode({x: 5 for x in "abc"})
+    assert _engine_state(s) == before
+    s.check_integrity()
 
 
 def test_submit_and_step_reject_bad_arguments(serving):

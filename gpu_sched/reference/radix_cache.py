@@ -21,7 +21,9 @@ class KVPool:
     """
 
     def __init__(self, size: int):
-        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+            raise TypeError(f"kv_pool_size must be an int >= 0, got {type(size).__name__} {size!r}")
+        if size < 0:
             raise ValueError(f"kv_pool_size must be an int >= 0, got {size!r}")
         self.size = int(size)
         # free slots form a stack; the top is at the end

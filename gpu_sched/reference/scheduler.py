@@ -17,6 +17,7 @@ The same calls (`submit`, `step`, `complete_prefill`, `decode`, `retract_decode`
 from __future__ import annotations
 
 import collections
+import collections.abc
 import operator
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
@@ -35,6 +36,15 @@ _RID = operator.attrgetter("rid")
 RETRACT_DECODE_STEPS = 20  # reserve per remaining request when releasing (R-ADM-7, R-DEC-2)
 
 
+def _check_rid_list(what: str, rids) -> None:
+    """TypeError unless rids is an iterable other than a single string (a string would be
+    taken for its characters)."""
+    if isinstance(rids, (str, bytes)):
+        raise TypeError(f"{what} takes an iterable of rids, got the string {rids!r}: pass [{rids!r}]")
+    if not isinstance(rids, collections.abc.Iterable):
+        raise TypeError(f"{what} takes an iterable of rids, got {type(rids).__name__} {rids!r}")
+
+
 def _distinct(what: str, rids: Iterable[str]) -> List[str]:
     """rids as a list; ValueError naming the first rid given twice."""
     rids = list(rids)
@@ -51,7 +61,20 @@ class ReferenceScheduler:
         config: a `SchedulerConfig`.
         kv_pool_size: KV pool size [tokens].
         shuffle: `shuffle(n) -> permutation of range(n)` for the `random` policy (R-ORD-6);
-            default a `numpy` generator seeded with `config.random_seed`.
+            default a `numpy` generator seeded with `config.random_seed`. The device
+            scheduler's default is a torch generator, so with `random` the two agree only when
+            given the same `shuffle` (SPEC R-ORD-6 lets backends differ there).
+
+    Attributes (read them; change them through submit/step/complete_prefill/decode/finish/
+    abort/retract_decode):
+        queue: the waiting requests (`ReqState`s) in queue order; after a step, the ordered
+            queue without the admitted ones (R-STEP-4).
+        running: the decoding batch, in batch order.
+        prefilling: the last plan's admitted requests, until `complete_prefill`.
+        chunked: the request whose prefill is split across steps (R-ADM-5), or None.
+        reqs: every held request by rid (queued, prefilling or running).
+        A `ReqState` holds the `Request` (`.req`, whose `output_ids` are the tokens decoded so
+        far) and the scheduler's view of it (prefix_len, extend range, KV slots).
     """
 
     def __init__(self, config: SchedulerConfig, kv_pool_size: int,
@@ -391,10 +414,12 @@ class ReferenceScheduler:
 
     def decode(self, tokens: Mapping[str, int]) -> None:
         """One decode step: each running request gets a KV slot for its last token and appends
-        `tokens[rid]`. Raises MemoryError if the pool cannot hold the step (retract first);
-        ValueError for a running request without a token, a rid that is not running or a token
-        id outside [0, 2^31-1], TypeError for a token that is not an int: all before changing
-        anything."""
+        `tokens[rid]`. max_new_tokens is not enforced here: the engine finishes a request
+        (SGLang's check_finished); past it the budgets read max_new - len(output) as SPEC
+        section 4 writes them (negative in N_run). Raises, all before changing anything (no eviction
+        either): MemoryError if the free and evictable pool cannot hold the step (retract
+        first); ValueError for a running request without a token, a rid that is not running or
+        a token id outside [0, 2^31-1]; TypeError for a token that is not an int."""
         if not isinstance(tokens, Mapping):
             raise TypeError(f"decode takes a mapping rid -> token, got {type(tokens).__name__}")
         missing = [r.rid for r in self.running if r.rid not in tokens]
@@ -406,6 +431,9 @@ class ReferenceScheduler:
             raise ValueError(f"decode: requests {extra[:5]} are not running")
         tokens = {rid: check_token_id(f"decode tokens[{rid!r}]", t) for rid, t in tokens.items()}
         n = len(self.running)
+        if n > self.pool.available + self.cache.evictable_size:  # evicting would not be enough: say so first
+            raise MemoryError(f"decode: the step needs {n} KV slots, {self.pool.available} free and "
+                              f"{self.cache.evictable_size} evictable; call retract_decode() first (decode_fits)")
         if n > self.pool.available:
             self.cache.evict(n - self.pool.available)
         slots = self.pool.alloc(n)
@@ -419,8 +447,7 @@ class ReferenceScheduler:
         """R-DEC-3: cache each finished request's computed sequence (page-aligned), free the
         duplicate and unaligned slots, release its lock and drop it. Raises (before changing
         anything) ValueError for a rid that is not running, TypeError for a single string."""
-        if isinstance(rids, (str, bytes)):
-            raise TypeError(f"finish takes an iterable of rids, got the string {rids!r}: pass [{rids!r}]")
+        _check_rid_list("finish", rids)
         rids = _distinct("finish", rids)
         index = {r.rid: r for r in self.running}
         for rid in rids:
@@ -451,8 +478,7 @@ class ReferenceScheduler:
         """Drop requests wherever they are (queue, running, chunked); nothing is cached.
         Raises (before changing anything) ValueError for an unknown rid or one in the prefill
         being run, TypeError for a single string."""
-        if isinstance(rids, (str, bytes)):
-            raise TypeError(f"abort takes an iterable of rids, got the string {rids!r}: pass [{rids!r}]")
+        _check_rid_list("abort", rids)
         rids = _distinct("abort", rids)
         for rid in rids:
             if rid not in self.reqs:
