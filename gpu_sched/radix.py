@@ -237,8 +237,10 @@ class FlatRadixTree:
         self._pow_len = n
 
     @staticmethod
-    def _seed(ns: torch.Tensor, p: int) -> torch.Tensor:
-        return (ns.to(torch.int64) * 1000003 + 12345) % p
+    def _seed(ns, p: int):
+        """A namespace's hash seed mod p, for int tensors or numpy arrays (int64 results)."""
+        ns = ns.astype(np.int64) if isinstance(ns, np.ndarray) else ns.to(torch.int64)
+        return (ns * 1000003 + 12345) % p
 
     def prefix_hashes(self, tokens: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
                       every: int) -> torch.Tensor:
@@ -270,12 +272,10 @@ class FlatRadixTree:
         of under 2^32 terms below p, seed + sum < 2^32 times a power below 2^31). int64 [B, K]."""
         t = tokens[:, : K * every].astype(np.int64) + 1
         d = np.arange(1, K + 1, dtype=np.int64) * every
-        ns = ns.astype(np.int64)
         out = []
         for p, pw, ipw in ((P1, self.pw1, self.ipw1), (P2, self.pw2, self.ipw2)):
             cs = np.cumsum(_mod_host(t * ipw.numpy()[1 : K * every + 1], p), axis=1)[:, every - 1 :: every]
-            seed = (ns * 1000003 + 12345) % p  # as `_seed`
-            out.append(_mod_host((seed[:, None] + _mod_host(cs, p)) * pw.numpy()[d], p))
+            out.append(_mod_host((self._seed(ns, p)[:, None] + _mod_host(cs, p)) * pw.numpy()[d], p))
         return (out[0] << 31) | out[1]
 
     def chunk_hashes_flat(self, tokens: torch.Tensor, lengths: np.ndarray, ns: np.ndarray,
