@@ -140,6 +140,11 @@ class ReferenceScheduler:
     def submit(self, requests: Iterable[Request], now: Optional[float] = None) -> None:
         """Append requests to the waiting queue tail (validated first: all or nothing).
 
+        Sizes are not checked against the KV pool: as in SGLang, a request whose prompt plus
+        reservation never fits is never admitted (steps stop at it with `add_no_token`), and
+        under fcfs it holds back the requests behind it; the engine rejects such prompts up
+        front (SGLang's max_req_input_len).
+
         Raises TypeError/ValueError naming the field (bad record, duplicate rid)."""
         requests = self._check_new(requests)
         if now is not None:
