@@ -98,7 +98,10 @@ def _mod_host(x: np.ndarray, p: int) -> np.ndarray:
     float64 quotient x * (1/p) is off from x / p by under 2^-18 (three roundings of relative
     size 2^-53 on a quotient below 2^33), so its truncation is floor(x / p) or one off; r =
     x - q * p (wrapping int64 arithmetic, exact since the true value lies in [-p, 2p)) is then
-    brought into [0, p) by one correction either way."""
+    brought into [0, p) by one correction either way. Below 4096 elements numpy's `%` is
+    cheaper (the float form's seven calls cost ~20 us at any size) and is used instead."""
+    if x.size < 4096:
+        return x % p
     r = x - (x.astype(np.float64) * (1.0 / p)).astype(np.int64) * p
     r += (r < 0) * p
     r -= (r >= p) * p
@@ -669,9 +672,12 @@ class FlatRadixTree:
         W = n_in * self.P
         if n_in == 0:
             return torch.zeros((B, 0), dtype=torch.int64, device=dev)
+        self._ensure_pow(W + 1)
+        if _host(lo):
+            return torch.from_numpy(self._chunk_page_hashes_host(tok.numpy(), tok_start.numpy(), ns.numpy(), ch.numpy(),
+                                                                 ch_start.numpy(), lo.numpy()))
         zero = torch.zeros(B, dtype=torch.int64, device=dev)
         seed_h = gather(ch, (ch_start + lo - 1).clamp(0, max(ch.numel() - 1, 0))) if ch.numel() else zero
-        self._ensure_pow(W + 1)
         d0 = lo * self.C
         if tok.numel():
             cols = (tok_start + d0)[:, None] + torch.arange(W, device=dev)
@@ -684,6 +690,28 @@ class FlatRadixTree:
             base = torch.where(lo > 0, (seed_h >> 31) if sh else (seed_h & (2**31 - 1)), self._seed(ns, p))
             cs = torch.cumsum(x * ipw[1 : W + 1] % p, dim=1)[:, ends - 1] % p
             hs.append((base[:, None] + cs) % p * pw[ends] % p)
+        return (hs[0] << 31) | hs[1]
+
+    def _chunk_page_hashes_host(self, tok: np.ndarray, tok_start: np.ndarray, ns: np.ndarray, ch: np.ndarray,
+                                ch_start: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        """`_chunk_page_hashes` on host arrays (chunk_pages > 1, power tables long enough):
+        the same window, sums and hashes, reduced by `_mod_host` (terms below 2^62, sums of at
+        most C - P terms below 2^63). int64 [B, chunk_pages - 1]."""
+        B = lo.size
+        n_in = self.chunk_pages - 1
+        W = n_in * self.P
+        seed_h = ch[np.clip(ch_start + lo - 1, 0, ch.size - 1)] if ch.size else np.zeros(B, dtype=np.int64)
+        if tok.size:
+            cols = (tok_start + lo * self.C)[:, None] + np.arange(W)
+            x = tok[np.clip(cols, 0, tok.size - 1)].astype(np.int64) + 1  # [B, W]
+        else:
+            x = np.ones((B, W), dtype=np.int64)
+        ends = np.arange(1, n_in + 1) * self.P  # depths inside the chunk
+        hs = []
+        for p, pw, ipw, sh in ((P1, self.pw1, self.ipw1, 31), (P2, self.pw2, self.ipw2, 0)):
+            base = np.where(lo > 0, (seed_h >> 31) if sh else (seed_h & (2**31 - 1)), self._seed(ns, p))
+            cs = _mod_host(np.cumsum(_mod_host(x * ipw.numpy()[1 : W + 1], p), axis=1)[:, ends - 1], p)
+            hs.append(_mod_host(_mod_host(base[:, None] + cs, p) * pw.numpy()[ends], p))
         return (hs[0] << 31) | hs[1]
 
     def depth_hashes(self, tok, tok_start, ns, ch, ch_start, d) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -478,6 +478,37 @@ def test_prefix_hashes_host_equals_torch(every):
     assert got.shape == (6, 2000 // every) and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("B", [1, 64, 700])  # 700 rows: over 4096 terms, the float mod's size
+def test_chunk_page_hashes_host_equals_torch(B):
+    """`_chunk_page_hashes` (the page-end hashes inside chunk lo of each CSR row) on the CPU
+    (numpy, `_chunk_page_hashes_host`) equals its torch form, for chunks at the start (the
+    namespace seed), inside and at the end of rows, and equals `prefix_hashes` there."""
+    rng = np.random.default_rng(B)
+    tree = FlatRadixTree(1, max_nodes=64, token_capacity=1 << 12, chunk_pages=8)
+    lens = rng.integers(1, 300, B)
+    tok = torch.from_numpy(rng.integers(0, 2**31, int(lens.sum())).astype(np.int32))
+    toff = torch.from_numpy(np.cumsum(lens) - lens)
+    ns = torch.from_numpy(rng.integers(0, 3, B))
+    cnt = lens // tree.C
+    L = int(lens.max())
+    pad = torch.zeros((B, L), dtype=torch.int32)
+    for i in range(B):
+        pad[i, : lens[i]] = tok[int(toff[i]) : int(toff[i]) + int(lens[i])]
+    full = tree.prefix_hashes(pad, torch.from_numpy(lens), ns, 1)  # every depth
+    ch = torch.cat([full[i, tree.C - 1 :: tree.C][: cnt[i]] for i in range(B)])
+    coff = torch.from_numpy(np.cumsum(cnt) - cnt)
+    lo = torch.from_numpy(rng.integers(0, cnt + 1))
+    got = tree._chunk_page_hashes(tok, toff, ns, ch, coff, lo)
+    with PM.torch_forms():
+        want = tree._chunk_page_hashes(tok, toff, ns, ch, coff, lo)
+    assert torch.equal(got, want)
+    for i in range(B):  # inside the row: the prefix hashes at those depths
+        d = int(lo[i]) * tree.C + np.arange(1, tree.chunk_pages)
+        ok = d <= lens[i]
+        assert torch.equal(got[i][torch.from_numpy(ok)], full[i, d[ok] - 1])
+    assert B == 1 or (bool((lo == 0).any()) and bool((lo > 0).any()))
+
+
 @pytest.mark.parametrize("every", [1, 3, 8])
 def test_chunk_hashes_flat_equal_padded_prefix_hashes(every):
     """`chunk_hashes_flat` (sequences end to end) gives `prefix_hashes`' values (padded batch,
