@@ -163,3 +163,14 @@ def test_random_records_match_numpy(rows):
         assert s["mean_e2el_ms"] == approx(np.mean([(r.finish_s - r.arrival_s) * 1e3 for r in fin]))
         itl = np.concatenate([np.diff(r.token_times) for r in fin]) * 1e3
         assert s["mean_itl_ms"] == (approx(itl.mean()) if itl.size else None)
+
+
+def test_tiny_duration_gives_no_throughput_and_no_warning():
+    """A duration so small that a rate overflows (a subnormal float) reads as no throughput,
+    quietly (numpy's scalar divide used to warn of the overflow)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = summarize(_requests(), _steps(), duration_s=np.float64(5e-324))
+    assert s["request_throughput"] is None and s["output_throughput"] is None

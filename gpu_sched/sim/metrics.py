@@ -126,7 +126,8 @@ def summarize(requests, steps, *, duration_s: Optional[float] = None) -> dict:
         duration_s = (max(r.finish_s for r in done) - min(r.arrival_s for r in requests)) if done else 0.0
     n_in = sum(int(r.input_len) for r in done)
     n_out = sum(int(r.output_len) for r in done)
-    rate = (lambda x: x / duration_s) if duration_s and duration_s > 0 else (lambda x: None)
+    duration_s = float(duration_s)  # Python floats: a subnormal duration gives inf (None), not a numpy warning
+    rate = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: None)
     s = {"completed": len(done), "unfinished": len(requests) - len(done),
          "total_input_tokens": n_in, "total_output_tokens": n_out, "duration": _num(duration_s),
          "request_throughput": _num(rate(len(done))), "output_throughput": _num(rate(n_out)),
