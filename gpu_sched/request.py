@@ -25,6 +25,8 @@ def as_token_array(tokens, what: str) -> np.ndarray:
     else:
         if isinstance(tokens, (str, bytes)):
             raise TypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__}")
+        if not hasattr(tokens, "__len__") or not hasattr(tokens, "__getitem__"):  # None, an int, a generator
+            raise TypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__} {tokens!r}")
         arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype=np.int64)
         # numpy silently turns True into 1 inside an int list: look for bools explicitly
         has_bool = arr.dtype.kind == "b" or (arr.dtype.kind in "iu" and any(type(t) is bool for t in tokens))
@@ -113,10 +115,6 @@ class Request:
         if not isinstance(self.rid, str) or not self.rid:
             raise TypeError(f"rid must be a non-empty str, got {self.rid!r}")
         who = f"request {self.rid!r}"
-        for name in ("prompt_ids", "output_ids"):  # sized sequences (a generator is read once)
-            v = getattr(self, name)
-            if not hasattr(v, "__len__") or not hasattr(v, "__getitem__"):
-                raise TypeError(f"{who}: {name} must be a sequence of ints, got {type(v).__name__} {v!r}")
         self.prompt_ids = as_token_array(self.prompt_ids, f"{who}: prompt_ids")
         if len(self.prompt_ids) == 0:
             raise ValueError(f"{who}: prompt_ids must hold at least one token, got 0")
@@ -143,13 +141,8 @@ class Request:
         if isinstance(self.logprob_start_len, bool) or not isinstance(self.logprob_start_len, (int, np.integer)):
             raise TypeError(f"{who}: logprob_start_len must be an int, got {self.logprob_start_len!r}")
         self.logprob_start_len = int(self.logprob_start_len)
-        if self.enqueue_time is not None:
-            if isinstance(self.enqueue_time, bool) or not isinstance(self.enqueue_time, (int, float, np.number)):
-                raise TypeError(f"{who}: enqueue_time must be a number or None, got {self.enqueue_time!r}")
-            t = float(self.enqueue_time)
-            if not np.isfinite(t):  # as submit's and step's `now`
-                raise ValueError(f"{who}: enqueue_time must be finite, got {t}")
-            self.enqueue_time = t
+        if self.enqueue_time is not None:  # a finite number, as submit's and step's `now`
+            self.enqueue_time = check_time(f"{who}: enqueue_time", self.enqueue_time)
 
     @property
     def fill_len(self) -> int:

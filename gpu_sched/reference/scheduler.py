@@ -36,17 +36,13 @@ _RID = operator.attrgetter("rid")
 RETRACT_DECODE_STEPS = 20  # reserve per remaining request when releasing (R-ADM-7, R-DEC-2)
 
 
-def _check_rid_list(what: str, rids) -> None:
-    """TypeError unless rids is an iterable other than a single string (a string would be
-    taken for its characters)."""
+def _distinct(what: str, rids: Iterable[str]) -> List[str]:
+    """rids as a list; TypeError unless an iterable other than a single string (a string would
+    be taken for its characters), ValueError naming the first rid given twice."""
     if isinstance(rids, (str, bytes)):
         raise TypeError(f"{what} takes an iterable of rids, got the string {rids!r}: pass [{rids!r}]")
     if not isinstance(rids, collections.abc.Iterable):
         raise TypeError(f"{what} takes an iterable of rids, got {type(rids).__name__} {rids!r}")
-
-
-def _distinct(what: str, rids: Iterable[str]) -> List[str]:
-    """rids as a list; ValueError naming the first rid given twice."""
     rids = list(rids)
     if len(set(rids)) != len(rids):
         dup = next(r for r, c in collections.Counter(rids).items() if c > 1)
@@ -421,10 +417,10 @@ class ReferenceScheduler:
         """One decode step: each running request gets a KV slot for its last token and appends
         `tokens[rid]`. max_new_tokens is not enforced here: the engine finishes a request
         (SGLang's check_finished); past it the budgets read max_new - len(output) as SPEC
-        section 4 writes them (negative in N_run). Raises, all before changing anything (no eviction
-        either): MemoryError if the free and evictable pool cannot hold the step (retract
-        first); ValueError for a running request without a token, a rid that is not running or
-        a token id outside [0, 2^31-1]; TypeError for a token that is not an int."""
+        section 4 writes them (negative in N_run). Raises, all before changing anything (no
+        eviction either): MemoryError if the free and evictable pool cannot hold the step
+        (retract first); ValueError for a running request without a token, a rid that is not
+        running or a token id outside [0, 2^31-1]; TypeError for a token that is not an int."""
         if not isinstance(tokens, Mapping):
             raise TypeError(f"decode takes a mapping rid -> token, got {type(tokens).__name__}")
         missing = [r.rid for r in self.running if r.rid not in tokens]
@@ -436,9 +432,10 @@ class ReferenceScheduler:
             raise ValueError(f"decode: requests {extra[:5]} are not running")
         tokens = {rid: check_token_id(f"decode tokens[{rid!r}]", t) for rid, t in tokens.items()}
         n = len(self.running)
-        if n > self.pool.available + self.cache.evictable_size:  # evicting would not be enough: say so first
+        evictable = self.cache.evictable_size  # a device read on a device cache: once
+        if n > self.pool.available + evictable:  # evicting would not be enough: say so first
             raise MemoryError(f"decode: the step needs {n} KV slots, {self.pool.available} free and "
-                              f"{self.cache.evictable_size} evictable; call retract_decode() first (decode_fits)")
+                              f"{evictable} evictable; call retract_decode() first (decode_fits)")
         if n > self.pool.available:
             self.cache.evict(n - self.pool.available)
         slots = self.pool.alloc(n)
@@ -452,7 +449,6 @@ class ReferenceScheduler:
         """R-DEC-3: cache each finished request's computed sequence (page-aligned), free the
         duplicate and unaligned slots, release its lock and drop it. Raises (before changing
         anything) ValueError for a rid that is not running, TypeError for a single string."""
-        _check_rid_list("finish", rids)
         rids = _distinct("finish", rids)
         index = {r.rid: r for r in self.running}
         for rid in rids:
@@ -483,7 +479,6 @@ class ReferenceScheduler:
         """Drop requests wherever they are (queue, running, chunked); nothing is cached.
         Raises (before changing anything) ValueError for an unknown rid or one in the prefill
         being run, TypeError for a single string."""
-        _check_rid_list("abort", rids)
         rids = _distinct("abort", rids)
         for rid in rids:
             if rid not in self.reqs:
