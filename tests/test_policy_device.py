@@ -178,6 +178,26 @@ def test_stable_perm_on_the_cpu_equals_torch_sort(dtype):
                 assert torch.equal(P._stable_perm(strided), torch.sort(strided, stable=True).indices)
 
 
+@pytest.mark.parametrize("n", [2, 255, 256, 1000, 70000])
+def test_packed_argsort_parts_at_the_type_limits(n):
+    """`_packed_argsort` of one to three parts is the stable lexicographic order (np.lexsort)
+    at every width sum around the radix-sorted uint8 / uint16 forms' limits (8, 9, 16, 17 bits,
+    ties throughout) and past them (the packed uint32 / uint64 sort), with constant parts that
+    take no bits."""
+    rng = np.random.default_rng(n)
+    for spans in ([1], [255], [256], [3, 31], [3, 63], [255, 255], [255, 256], [0, 7, 0], [7, 2**10, 1],
+                  [2**16 - 1], [2**16], [15, 2**12], [2**20, 3], [2**31, 2**10]):
+        parts = []
+        for span in spans:
+            off = rng.integers(0, span, size=n, dtype=np.uint64, endpoint=True)
+            off[rng.integers(0, n)] = span  # the span is reached
+            parts.append((off, span))
+        want = np.lexsort([off for off, _ in reversed(parts)])  # last key of lexsort is primary
+        got = P._packed_argsort(parts, n)
+        assert got is not None and got.dtype == np.int64, spans
+        assert np.array_equal(got, want), (n, spans)
+
+
 def _packed_span(key: np.ndarray) -> int:
     """The span host_perm packs: max - min, after an int64 key's ends (-2^63, 2^63 - 1) move
     next to its other values when it spans 2^32 or more."""
