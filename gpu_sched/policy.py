@@ -170,11 +170,12 @@ def _squeeze_ends(k: np.ndarray):
 
 def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:
     """Stable ascending argsort (int64 [n]) of the key made of `parts`, most significant first:
-    each (offsets, span) non-negative with offsets <= span. Parts of 16 bits or fewer in all
-    are packed into one uint8 / uint16 value per row and sorted by numpy's stable argsort,
-    which is a radix sort for those types: linear, about 8-15 ns per row from 1k to 1M here,
-    where the packed sort below costs 25-45 ns per row at 1k (its extra passes over the rows;
-    min of alternating calls on the 2-core CI-class CPU). Wider parts and each row's index are
+    each (offsets, span) non-negative with offsets <= span. Parts of 8 bits or fewer in all
+    (16 or fewer up to 4096 rows) are packed into one uint8 / uint16 value per row and sorted
+    by numpy's stable argsort, which is a radix sort for those types: about 8-20 ns per row
+    from 1k to 256k for uint8 here, where the packed sort below costs 31 ns per row at 1k
+    (its extra passes) and 10-16 ns from 16k; uint16's two passes lose to it from about 16k
+    rows (min of repeated calls on the 2-core CI-class CPU). Wider parts and each row's index are
     packed into one uint32 / uint64 value per row, most significant first; the values are
     distinct, so numpy's default (unstable, vectorized on x86) sort gives the stable order, then
     the index is read back from the low bits. None when the bits of the parts and of n - 1
@@ -184,7 +185,7 @@ def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:
     kb = sum(widths)
     if kb == 0:  # every part constant: queue order
         return np.arange(n, dtype=np.int64)
-    if kb <= 16:  # numpy's stable sort of 8/16-bit values is a radix sort: linear, no index bits
+    if kb <= 8 or (kb <= 16 and n <= 4096):  # numpy's stable sort of these is a radix sort
         return np.argsort(_pack_parts(parts, widths, np.uint8 if kb <= 8 else np.uint16), kind="stable")
     total = nb + kb
     if total > 64:
