@@ -8,10 +8,10 @@ come from tensor shapes, and "no reordering" cases pick the identity with `torch
 device (CPU tensors may take host forms, below).
 
 How the orders are built (one idea per policy):
-- Every key is made an int64 whose ascending order is the policy's order: a priority times
-  `sign = -1` is `~priority` (bitwise-not reverses every int64 order without overflowing on the
-  absent priorities -2^63 / 2^63-1); `-x` is `~x`; a float64 time becomes order-preserving int64
-  bits. Keys are computed by `gpu_sched.kernels.sort_keys` (backend "triton") or by the same
+- Every key is made an integer (int64; lpm's lengths keep their int32) whose ascending order
+  is the policy's order: a priority times `sign = -1` is `~priority` (bitwise-not reverses
+  every int64 order without overflowing on the absent priorities -2^63 / 2^63-1); `-x` is
+  `~x`; a float64 time becomes order-preserving int64 bits. Keys are computed by `gpu_sched.kernels.sort_keys` (backend "triton") or by the same
   formulas in torch (backend "torch"); the two agree bit for bit.
 - A key that fits one int64 is sorted once with `torch.sort(stable=True)`: ties keep queue
   order (R-ORD-11). Two full 64-bit parts (priority and time, priority and max-new) do not fit
@@ -179,8 +179,8 @@ def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:
     rows (min of repeated calls on the 2-core CI-class CPU). Wider parts and each row's index are
     packed into one uint32 / uint64 value per row, most significant first; the values are
     distinct, so numpy's default (unstable, vectorized on x86) sort gives the stable order, then
-    the index is read back from the low bits. None when the bits of the parts and of n - 1
-    exceed 64."""
+    the index is read back from the low bits. Parts that are all constant: queue order. None
+    when a packed sort would need more than 64 bits (the parts' and those of n - 1)."""
     nb = max(n - 1, 0).bit_length()
     widths = [span.bit_length() for _, span in parts]
     kb = sum(widths)

@@ -282,7 +282,8 @@ class GpuScheduler(ReferenceScheduler):
             max_len: bound on any fill length [tokens] (fewer search rounds); default: the
                 tree's token capacity.
             admit_window: ordered requests the recorded admission decides [requests];
-                default `min(queue_capacity, max(admit_window, config.max_prefill_tokens))`
+                default `min(queue_capacity, max(GpuScheduler.admit_window,
+                config.max_prefill_tokens))` (the eager path's first window, 256, at least)
                 (each admitted request takes a prefill token at least, so nearly every step is
                 decided by the replay alone; a step that admits them all goes on eagerly).
         Returns:
