@@ -11,8 +11,9 @@ How the orders are built (one idea per policy):
 - Every key is made an integer (int64; lpm's lengths keep their int32) whose ascending order
   is the policy's order: a priority times `sign = -1` is `~priority` (bitwise-not reverses
   every int64 order without overflowing on the absent priorities -2^63 / 2^63-1); `-x` is
-  `~x`; a float64 time becomes order-preserving int64 bits. Keys are computed by `gpu_sched.kernels.sort_keys` (backend "triton") or by the same
-  formulas in torch (backend "torch"); the two agree bit for bit.
+  `~x`; a float64 time becomes order-preserving int64 bits. Keys are computed by
+  `gpu_sched.kernels.sort_keys` (backend "triton") or by the same formulas in torch (backend
+  "torch"); the two agree bit for bit.
 - A key that fits one int64 is sorted once with `torch.sort(stable=True)`: ties keep queue
   order (R-ORD-11). Two full 64-bit parts (priority and time, priority and max-new) do not fit
   one int64 together, so they are sorted least-significant part first, each sort stable (LSD):
