@@ -209,6 +209,9 @@ def cmd_replay(args) -> int:
         policies = [p.strip() for p in args.compare_policies.split(",")] if args.compare_policies else None
         if policies is not None and (not all(policies) or len(set(policies)) != len(policies)):
             raise ValueError(f"--compare-policies needs distinct comma-separated names, got {args.compare_policies!r}")
+        if policies is not None and args.schedule_policy is not None:  # one of them would be ignored
+            raise ValueError(f"--policy {args.schedule_policy} and --compare-policies {args.compare_policies} "
+                             f"name the policies twice: give one of them")
         configs = {p: base.replace(schedule_policy=p) for p in policies} if policies else {base.schedule_policy: base}
         trace = load_trace(args)
     except (FileNotFoundError, ValueError, TypeError) as e:  # TraceFormatError is a ValueError
@@ -291,9 +294,11 @@ def cmd_conformance(args) -> int:
 
     factory = make_scheduler_factory(args.backend, args.device, args.capture)
     try:
-        _, failed = run_file(args.file, factory)
-    except FileNotFoundError as e:
+        passed, failed = run_file(args.file, factory)
+    except (FileNotFoundError, ValueError) as e:  # reading the file; a scenario's own errors are failures
         raise CliError(str(e)) from None
+    if passed + failed == 0:
+        raise CliError(f"no scenarios in {args.file}")
     return 1 if failed else 0
 
 
@@ -335,9 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"step-cost preset: {', '.join(COST_MODELS)} (default {DEFAULT_COST_MODEL})")
     r.add_argument("--check", action="store_true", help="check scheduler integrity after every step")
     r.add_argument("--out", default=None, metavar="DIR",
-                   help="write results.json and PNG plots here (default: print the summary only)")
+                   help="write results.json and PNG plots here (with --compare-policies: DIR/<policy>/ "
+                        "for each run and DIR/comparison.png; default: print the summary only)")
     r.add_argument("--compare-policies", default=None, metavar="P1,P2,...",
-                   help="run each policy and print one comparison table (default: one run, of --policy)")
+                   help="run each policy and print one comparison table (default: one run, of --policy; "
+                        "not with --policy)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is not a TTY)")
     _add_config_flags(r)
     r.set_defaults(func=cmd_replay)

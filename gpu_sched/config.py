@@ -113,7 +113,9 @@ class SchedulerConfig:
         _check_int("lpm_fallback_queue_len", self.lpm_fallback_queue_len, lo=0, optional=True)
         _check_int("prefill_max_requests", self.prefill_max_requests, lo=1, optional=True)
         _check_int("truncation_align_size", self.truncation_align_size, lo=1, optional=True)
-        _check_int("random_seed", self.random_seed)
+        _check_int("random_seed", self.random_seed, lo=0)
+        if self.random_seed >= 2**64:  # numpy's and torch's generators take seeds in [0, 2^64)
+            raise ValueError(f"random_seed must be < 2^64, got {self.random_seed}")
         c = self.schedule_conservativeness
         if isinstance(c, bool) or not isinstance(c, (int, float)):
             raise TypeError(f"schedule_conservativeness must be a number, got {c!r}")

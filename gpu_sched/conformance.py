@@ -22,18 +22,31 @@ FIXED_IN_BATCH = 32
 
 
 def read_scenarios(path) -> Iterator[dict]:
-    """Yield scenario dicts from a JSON-lines file, gzipped or not."""
+    """Yield scenario dicts from a JSON-lines file, gzipped or not (FORMAT.md: one object per
+    line with "input" and "expected" objects). Raises FileNotFoundError, or ValueError naming
+    the file and line for a file that is not (gzipped) UTF-8 text, a line that is not JSON,
+    or a line that is not a scenario object."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"scenario file not found: {path}")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
+    lineno = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
                 try:
-                    yield json.loads(line)
+                    sc = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path.name} line {lineno}: invalid JSON ({e.msg})") from None
+                if not (isinstance(sc, dict) and isinstance(sc.get("input"), dict)
+                        and isinstance(sc.get("expected"), dict)):
+                    raise ValueError(f"{path.name} line {lineno}: not a scenario (an object with \"input\" and "
+                                     f"\"expected\" objects; see FORMAT.md)")
+                yield sc
+    except (OSError, EOFError, UnicodeDecodeError) as e:  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"{path.name} line {lineno + 1}: unreadable ({type(e).__name__}: {e})") from None
 
 
 def _expand(tokens, blocks) -> List[int]:

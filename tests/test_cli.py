@@ -112,6 +112,8 @@ def _bad_rows(tmp_path):
     (["replay", "--trace", "/no/such/trace.jsonl"], "not found"),
     (["replay", "--policy", "bogus"], "schedule_policy"),
     (["replay", "--compare-policies", "fcfs,bogus"], "schedule_policy"),
+    (["replay", "--policy", "lpm", "--compare-policies", "fcfs,lof"], "give one of them"),
+    (["replay", "--random-seed", "-1"], "random_seed must be >= 0"),
     (["replay", "--kv-tokens", "-5"], "kv-tokens"),
     (["replay", "--page-size", "0"], "page_size"),
     (["replay", "--schedule-conservativeness", "nan"], "schedule_conservativeness"),
@@ -142,6 +144,27 @@ def test_bad_input_is_one_line_without_traceback(argv, message, tmp_path, capsys
     assert "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu-sched: error: ") and message in lines[0]
+
+
+BAD_SCENARIO_FILES = [
+    # (file name, bytes, message): read before any scenario runs; one error line, exit 2
+    ("notjson.jsonl", b'{"id": "a", "input": {}, "expected": {}}\nnot json\n', "notjson.jsonl line 2: invalid JSON"),
+    ("list.jsonl", b"[1, 2]\n", "list.jsonl line 1: not a scenario"),
+    ("noinput.jsonl", b'{"foo": 1}\n', "noinput.jsonl line 1: not a scenario"),
+    ("empty.jsonl", b"\n", "no scenarios in"),
+    ("fake.jsonl.gz", b"not gzip", "fake.jsonl.gz line 1: unreadable (BadGzipFile"),
+    ("latin1.jsonl", b"\xff\xfe\n", "latin1.jsonl line 1: unreadable (UnicodeDecodeError"),
+]
+
+
+@pytest.mark.parametrize("name,data,message", BAD_SCENARIO_FILES, ids=[b[0] for b in BAD_SCENARIO_FILES])
+def test_conformance_bad_file_is_one_error(tmp_path, capsys, name, data, message):
+    path = tmp_path / name
+    path.write_bytes(data)
+    rc = main(["conformance", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.startswith("gpu-sched: error: ") and message in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")

@@ -86,6 +86,8 @@ BAD_FIELDS = [
     ("truncation_align_size", 0, ValueError),
     ("truncation_align_size", 2.0, TypeError),
     ("random_seed", "seed", TypeError),
+    ("random_seed", -1, ValueError),  # numpy's generator refuses it
+    ("random_seed", 2**64, ValueError),  # torch's manual_seed overflows
     ("schedule_conservativeness", 0, ValueError),
     ("schedule_conservativeness", -0.5, ValueError),
     ("schedule_conservativeness", float("nan"), ValueError),
@@ -103,6 +105,16 @@ def test_config_bad_field_names_field_and_value(field, value, exc):
     msg = str(ei.value)
     assert field in msg
     assert repr(value) in msg or str(value) in msg
+
+
+def test_random_seed_range_edges_build_both_schedulers():
+    """The ends of the accepted seed range, [0, 2^64), build both schedulers' generators."""
+    from gpu_sched.scheduler import GpuScheduler
+
+    for seed in (0, 2**64 - 1):
+        cfg = SchedulerConfig(schedule_policy="random", random_seed=seed)
+        ReferenceScheduler(cfg, 100)
+        GpuScheduler(cfg, 100, backend="torch", device="cpu")
 
 
 def test_config_bad_field_via_replace_and_preset():

@@ -152,6 +152,21 @@ def test_request_that_never_fits_is_named():
         _run(tr, kv=500)
 
 
+@pytest.mark.parametrize("cfg, cause", [
+    (dict(page_size=16, chunked_prefill_size=8), "chunked_prefill_size 8 is below page_size 16"),
+    (dict(chunked_prefill_size=8, truncation_align_size=16), "chunked_prefill_size 8 is below truncation_align_size 16"),
+    (dict(chunked_prefill_size=8), "the KV pool holds 500 tokens"),  # 900 tokens do not fit 500
+])
+def test_stall_names_its_cause(cfg, cause):
+    """A chunk budget no prompt can use (below the page size, or below the truncation
+    alignment for prompts longer than a chunk: R-ADM-3 step 7 refuses every chunk) is named as
+    the cause, not the KV pool."""
+    tr = Trace("t", [TraceRequest(index=0, arrival_s=0.0, input_len=900, output_len=5, output_key=1)])
+    with pytest.raises(SimulationError, match=r"request r0 .*can never be admitted") as e:
+        _run(tr, kv=500 if "KV" in cause else 20_000, **cfg)
+    assert cause in str(e.value)
+
+
 def test_check_reports_the_first_violation():
     class Broken(ReferenceScheduler):
         calls = 0

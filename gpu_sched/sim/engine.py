@@ -309,10 +309,20 @@ class _Replay:
         if waiting is None:
             raise self._fail(f"{self.outstanding} requests are neither running nor admitted and none will arrive")
         i = self.index[waiting]
+        cfg = self.config
+        chunk, P, align = cfg.chunked_prefill_size, cfg.page_size, cfg.truncation_align_size
+        if chunk is not None and chunk < P:  # R-ADM-3 step 7 cuts chunks at page boundaries
+            why = (f"chunked_prefill_size {chunk} is below page_size {P}, so no prompt fits a chunk "
+                   f"(chunks are cut at page boundaries)")
+        elif chunk is not None and align is not None and chunk < align:
+            why = (f"chunked_prefill_size {chunk} is below truncation_align_size {align}, so a prompt "
+                   f"longer than a chunk can never be chunked")
+        else:
+            why = f"the KV pool holds {self.kv_tokens} tokens"
         raise self._fail(
             f"request {waiting} ({self.prompt_len[i]} prompt + {self.gen[i]} output tokens, max_new_tokens "
-            f"{self.target[i]}) can never be admitted: nothing is running, no request will arrive, and the "
-            f"KV pool holds {self.kv_tokens} tokens (scheduler stop: {plan.stop})")
+            f"{self.target[i]}) can never be admitted: nothing is running, no request will arrive, and "
+            f"{why} (scheduler stop: {plan.stop})")
 
     # ---- main loop -------------------------------------------------------------------------
     def run(self) -> None:
