@@ -270,15 +270,23 @@ class FlatRadixTree:
         return (out[0] << 31) | out[1]
 
     def _prefix_hashes_host(self, tokens: np.ndarray, ns: np.ndarray, K: int, every: int) -> np.ndarray:
-        """`prefix_hashes`' formulas on host arrays (K = L // every >= 1): each term, running
-        sum and hash reduced by `_mod_host` (its bounds hold: terms (t+1) B^-(j+1) < 2^62, sums
-        of under 2^32 terms below p, seed + sum < 2^32 times a power below 2^31). int64 [B, K]."""
+        """`prefix_hashes`' formulas on host arrays (K = L // every >= 1): the namespace seeds'
+        windows from depth 0 (`_window_hashes_host`). int64 [B, K]."""
         t = tokens[:, : K * every].astype(np.int64) + 1
         d = np.arange(1, K + 1, dtype=np.int64) * every
+        return self._window_hashes_host(t, d, [self._seed(ns, P1), self._seed(ns, P2)])
+
+    def _window_hashes_host(self, x: np.ndarray, d: np.ndarray, bases) -> np.ndarray:
+        """The packed hashes at depths d (1-based, ascending, <= W) inside token windows x
+        (int64 token ids + 1 [B, W]) that continue from per-row bases (bases[k]: int64 [B], the
+        hash mod P1 / P2 so far, below p): per modulus (base + sum_{t<d} x_t B^-(t+1)) B^d mod p,
+        every reduction by `_mod_host` (terms below 2^62, sums of under 2^32 terms below 2^63,
+        base + sum below 2^32 times a power below 2^31). int64 [B, len(d)]."""
+        W = x.shape[1]
         out = []
-        for p, pw, ipw in ((P1, self.pw1, self.ipw1), (P2, self.pw2, self.ipw2)):
-            cs = np.cumsum(_mod_host(t * ipw.numpy()[1 : K * every + 1], p), axis=1)[:, every - 1 :: every]
-            out.append(_mod_host((self._seed(ns, p)[:, None] + _mod_host(cs, p)) * pw.numpy()[d], p))
+        for (p, pw, ipw), base in zip(((P1, self.pw1, self.ipw1), (P2, self.pw2, self.ipw2)), bases):
+            cs = _mod_host(np.cumsum(_mod_host(x * ipw.numpy()[1 : W + 1], p), axis=1)[:, d - 1], p)
+            out.append(_mod_host((base[:, None] + cs) * pw.numpy()[d], p))
         return (out[0] << 31) | out[1]
 
     def chunk_hashes_flat(self, tokens: torch.Tensor, lengths: np.ndarray, ns: np.ndarray,
@@ -695,8 +703,8 @@ class FlatRadixTree:
     def _chunk_page_hashes_host(self, tok: np.ndarray, tok_start: np.ndarray, ns: np.ndarray, ch: np.ndarray,
                                 ch_start: np.ndarray, lo: np.ndarray) -> np.ndarray:
         """`_chunk_page_hashes` on host arrays (chunk_pages > 1, power tables long enough):
-        the same window, sums and hashes, reduced by `_mod_host` (terms below 2^62, sums of at
-        most C - P terms below 2^63). int64 [B, chunk_pages - 1]."""
+        the same window, continued from the chunk hash before it (or the namespace seed at
+        chunk 0) by `_window_hashes_host`. int64 [B, chunk_pages - 1]."""
         B = lo.size
         n_in = self.chunk_pages - 1
         W = n_in * self.P
@@ -707,12 +715,9 @@ class FlatRadixTree:
         else:
             x = np.ones((B, W), dtype=np.int64)
         ends = np.arange(1, n_in + 1) * self.P  # depths inside the chunk
-        hs = []
-        for p, pw, ipw, sh in ((P1, self.pw1, self.ipw1, 31), (P2, self.pw2, self.ipw2, 0)):
-            base = np.where(lo > 0, (seed_h >> 31) if sh else (seed_h & (2**31 - 1)), self._seed(ns, p))
-            cs = _mod_host(np.cumsum(_mod_host(x * ipw.numpy()[1 : W + 1], p), axis=1)[:, ends - 1], p)
-            hs.append(_mod_host(_mod_host(base[:, None] + cs, p) * pw.numpy()[ends], p))
-        return (hs[0] << 31) | hs[1]
+        bases = [np.where(lo > 0, seed_h >> 31, self._seed(ns, P1)),
+                 np.where(lo > 0, seed_h & (2**31 - 1), self._seed(ns, P2))]
+        return self._window_hashes_host(x, ends, bases)
 
     def depth_hashes(self, tok, tok_start, ns, ch, ch_start, d) -> Tuple[torch.Tensor, torch.Tensor]:
         """Prefix hashes of queries at depths d and d + P (what `check_matches` probes), from
