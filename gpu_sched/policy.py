@@ -182,6 +182,8 @@ def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:
     distinct, so numpy's default (unstable, vectorized on x86) sort gives the stable order, then
     the index is read back from the low bits. Parts that are all constant: queue order. None
     when a packed sort would need more than 64 bits (the parts' and those of n - 1)."""
+    if len(parts) == 1 and _narrow(parts[0][1], n):  # the common one-part key, without the glue
+        return _narrow_argsort(*parts[0])
     nb = max(n - 1, 0).bit_length()
     widths = [span.bit_length() for _, span in parts]
     kb = sum(widths)
@@ -197,6 +199,18 @@ def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:
     packed |= _pack_parts(parts, widths, ut) << ut(nb)
     packed.sort()
     return (packed & ut((1 << nb) - 1)).astype(np.int64)
+
+
+def _narrow(span: int, n: int) -> bool:
+    """Whether a one-part key of this span takes `_narrow_argsort` (`_packed_argsort`'s rule)."""
+    return span < 256 or (span < 65536 and n <= 4096)
+
+
+def _narrow_argsort(off: np.ndarray, span: int) -> np.ndarray:
+    """Stable argsort (int64 [n]) of offsets in [0, span], span < 65536, as one uint8 / uint16
+    value per row (numpy's radix sort): `_packed_argsort` for one narrow part. A 1k-row order
+    spends about 10 us less in glue this way than through `_offsets` and `_pack_parts`."""
+    return np.argsort(off.astype(np.uint8 if span < 256 else np.uint16), kind="stable")
 
 
 def _pack_parts(parts, widths, ut):
@@ -223,6 +237,10 @@ def host_perm(key: np.ndarray, descending: bool = False) -> Optional[np.ndarray]
     need more than 64 bits together (`_packed_argsort`)."""
     if key.size < 2:
         return np.zeros(key.size, dtype=np.int64)
+    lo, hi = key.min(), key.max()
+    span = int(hi) - int(lo)
+    if _narrow(span, key.size):  # priorities, max-new lengths: without the `_offsets` glue
+        return _narrow_argsort((hi - key) if descending else (key - lo), span)
     return _packed_argsort([_offsets(key, descending)], key.size)
 
 

@@ -561,18 +561,17 @@ class GpuScheduler(ReferenceScheduler):
         q = self.queue
         rows = self._queue_rows(q)  # the queue as table rows: orders permute these
         n = len(rows)
-        policy = active_policy(cfg, n)
         sign = cfg.priority_sign
         be = self.backend
         dev = self.device
-
-        def col(c):
-            return torch.from_numpy(_rt_get(self._rt, rows, c)).to(dev)
-
         # on the CPU with the torch backend the integer-key orders are the policy functions'
         # host forms on the table's columns (`fcfs_perm_host`, `fcfs_time_perm_host`, `lof_perm_host`,
         # `_routing_perm_host`), without their tensor wrapping and checks: ~20 us less per call
         host = be == "torch" and dpolicy.host_device(dev)
+
+        def col(c):
+            return torch.from_numpy(_rt_get(self._rt, rows, c)).to(dev)
+
         if cfg.effective_policy == "fcfs":
             if not (cfg.enable_priority_scheduling and n):
                 return OrderResult("fcfs", q)
@@ -588,6 +587,7 @@ class GpuScheduler(ReferenceScheduler):
             tk = None if in_time_order else torch.from_numpy(t).to(dev)
             perm = dpolicy.fcfs_priority_order(col(RT_PRIO), tk, sign, backend=be)
             return OrderResult("fcfs", RowQueue(self, rows[perm.cpu().numpy()]))
+        policy = active_policy(cfg, n)
         if policy in ("lpm", "dfs-weight"):
             if n == 0:
                 return OrderResult(policy, q, [], [])

@@ -198,6 +198,28 @@ def test_packed_argsort_parts_at_the_type_limits(n):
         assert np.array_equal(got, want), (n, spans)
 
 
+@pytest.mark.parametrize("n", [2, 1000, 4096, 4097])
+@pytest.mark.parametrize("descending", [False, True])
+def test_host_perm_narrow_keys_at_their_limits(n, descending):
+    """`host_perm`'s one- and two-byte branch (`_narrow_argsort`, taken before any packing) is
+    the stable order by the key, ascending or descending, at spans around its limits (255 /
+    256 at any n; 65535 / 65536 up to and past 4096 rows), for int64 and int32 keys placed at
+    their type's ends, where `hi - key` and `key - lo` would overflow were the span not small."""
+    rng = np.random.default_rng(n + descending)
+    for dtype in (np.int64, np.int32):
+        info = np.iinfo(dtype)
+        for span in (0, 1, 255, 256, 2**16 - 1, 2**16):
+            for base in (0, -7, int(info.min), int(info.max) - span):
+                off = rng.integers(0, span, size=n, endpoint=True)
+                off[rng.integers(0, n)] = span
+                key = (np.asarray(base, dtype=object) + off).astype(dtype)
+                # the stable order by Python ints (no overflow): queue order among equal keys
+                want = sorted(range(n), key=lambda i: -int(key[i]) if descending else int(key[i]))
+                got = P.host_perm(key, descending)
+                assert got is not None and got.dtype == np.int64, (dtype, span, base)
+                assert got.tolist() == want, (dtype, span, base)
+
+
 def _packed_span(key: np.ndarray) -> int:
     """The span host_perm packs: max - min, after an int64 key's ends (-2^63, 2^63 - 1) move
     next to its other values when it spans 2^32 or more."""
