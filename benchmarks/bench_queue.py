@@ -1,5 +1,5 @@
 """Large-queue benchmark: one scheduling step of the reference scheduler against `GpuScheduler`,
-per policy, stage and queue length N = 2^min_exp .. 2^max_exp.
+per policy, stage and queue length N = 2^min_exp .. 2^max_exp (or the lengths `--sizes` lists).
 
 Rows are data (STYLE practice 9), one per (policy, stage, n, backend, device): median_s, p90_s,
 us_per_req, ratio_to_ref (this median / the reference's median for the same policy, stage and
@@ -478,6 +478,9 @@ def main(argv=None):
     ap.add_argument("--synthetic-groups", type=int, default=16, help="shared system prompts (synthetic queue)")
     ap.add_argument("--min-exp", type=int, default=7)
     ap.add_argument("--max-exp", type=int, default=20)
+    ap.add_argument("--sizes", default=None,
+                    help="queue lengths N, comma-separated (e.g. 1000,10000,100000), instead of "
+                         "2^min_exp .. 2^max_exp; the --*-max-exp limits still apply as 2^k")
     ap.add_argument("--ref-max-exp", type=int, default=15, help="largest 2^k the reference runs at")
     ap.add_argument("--eager-max-exp", type=int, default=None,
                     help="largest 2^k GpuScheduler's eager stages (order, admit, step) run at "
@@ -521,8 +524,18 @@ def main(argv=None):
     backends = [parse_backend(b) for b in args.backends.split(",")]
     if any(d == "cuda" for _, d in backends) and not torch.cuda.is_available():
         ap.error("a cuda backend was asked for but torch.cuda.is_available() is False")
-    exps = list(range(args.min_exp, args.max_exp + 1))
-    n_max = 2 ** args.max_exp
+    if args.sizes:
+        try:
+            sizes = sorted({int(x) for x in args.sizes.split(",")})
+        except ValueError:
+            ap.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+        if sizes[0] < 1:
+            ap.error(f"--sizes must be at least 1, got {sizes[0]}")
+    else:
+        sizes = [2 ** e for e in range(args.min_exp, args.max_exp + 1)]
+    if not sizes:
+        ap.error(f"--min-exp {args.min_exp} is above --max-exp {args.max_exp}: no queue length")
+    n_max = sizes[-1]
 
     t_start = time.perf_counter()
     run_id = args.run_id or time.strftime("%Y%m%dT%H%M%S")
@@ -566,9 +579,8 @@ def main(argv=None):
     print("-" * len(HEADER), flush=True)
     stopped = set()  # (backend, device, policy) past --max-seconds or out of memory
     out_of_time = False
-    for e in exps:
-        n = 2 ** e
-        live = [x for x in scheds if not (x[0] == "reference" and e > args.ref_max_exp)
+    for n in sizes:
+        live = [x for x in scheds if not (x[0] == "reference" and n > 2 ** args.ref_max_exp)
                 and not all((x[0], x[1], p) in stopped for p in policies)]
         for backend, device, s, cached, clock in live:
             set_queue(s, wl.queue[:n])
@@ -594,7 +606,7 @@ def main(argv=None):
                     if (backend, device, pol) in stopped:
                         continue
                     if isinstance(s, GpuScheduler) and st not in RECORDED_STAGES:
-                        if args.eager_max_exp is not None and e > args.eager_max_exp:
+                        if args.eager_max_exp is not None and n > 2 ** args.eager_max_exp:
                             continue
                         s._graph = None  # these stages time the eager path
                     fns = stage_fns(s, st, wl.max_len)
@@ -613,7 +625,7 @@ def main(argv=None):
                     if backend == "reference":
                         ref_med[key] = med
                         row["ratio_to_ref"] = 1.0
-                        if st == "step" and e <= args.check_max_exp:
+                        if st == "step" and n <= 2 ** args.check_max_exp:
                             ref_plan[(pol, n)] = dict(vars(first))
                     elif key in ref_med:
                         row["ratio_to_ref"] = med / ref_med[key]
@@ -628,7 +640,7 @@ def main(argv=None):
                             problems.append(f"{backend}/{device} {pol} n={n}: step plan differs from the "
                                             f"reference: {d}")
                             row["note"] = d[:80]
-                    if e == exps[0] and st == "step":
+                    if n == sizes[0] and st == "step":
                         s.check_integrity()  # the restores left a consistent state
                     rows.append(row)
                     print_row(row)

@@ -101,3 +101,29 @@ def test_order_served_times_the_ordering_of_a_queue_kept_in_its_previous_order()
         assert out == want == [r.rid for r in served]
         orders[backend] = out
     assert orders["reference"] == orders["torch"]
+
+
+def test_sizes_lists_the_queue_lengths_and_rows_carry_them(tmp_path):
+    """`--sizes 30,70`: rows at exactly those n (not powers of two), the reference and the torch
+    backend side by side with the ratio, the step's plans compared (n <= 2^check_max_exp)."""
+    import json
+
+    import pytest
+
+    out = tmp_path / "rows.json"
+    args = ["--queue", "synthetic", "--warm", "20", "--distinct", "60", "--sizes", "70,30", "--policies", "fcfs,lpm",
+            "--stages", "order,step", "--backends", "reference,torch-cpu", "--reps", "1", "--max-reps", "1",
+            "--budget-s", "0.01", "--check-max-exp", "7", "--out", str(out)]
+    rows = bench_queue.main(args)
+    assert json.loads(out.read_text()) == rows
+    got = {(r["policy"], r["stage"], r["n"], r["backend"]) for r in rows}
+    assert got == {(p, st, n, b) for p in ("fcfs", "lpm") for st in ("order", "step") for n in (30, 70)
+                   for b in ("reference", "torch")}
+    for r in rows:
+        assert r["ratio_to_ref"] is not None and r["ratio_to_ref"] > 0
+        if r["backend"] == "torch" and r["stage"] == "step":
+            assert r["plan_equal_ref"] is True
+    for bad in ("10,x", "0,5"):
+        with pytest.raises(SystemExit) as e:
+            bench_queue.main(args[:5] + ["--sizes", bad] + args[7:])
+        assert e.value.code == 2
