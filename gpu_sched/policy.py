@@ -144,13 +144,15 @@ def _stable_perm(key: torch.Tensor, descending: bool = False) -> torch.Tensor:
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _offsets(k: np.ndarray, descending: bool = False):
+def _offsets(k: np.ndarray, descending: bool = False, lo=None, hi=None):
     """(offsets, span) of an integer key [n >= 1]: `k - min` (descending: `max - k`) as the
     unsigned type of k's width, and span = max - min (a Python int). Exact for every span:
     it is below 2^width, and the subtraction wraps modulo 2^width where it overflows. An int64
     key holding its type's ends and spanning 2^32 or more has those ends moved next to its
-    other values first (`_squeeze_ends`: the same order, a span that may pack)."""
-    lo, hi = k.min(), k.max()
+    other values first (`_squeeze_ends`: the same order, a span that may pack). `lo`, `hi`:
+    k's min and max when the caller has them already (not read again)."""
+    if lo is None:
+        lo, hi = k.min(), k.max()
     if k.dtype == np.int64 and (lo == INT64_MIN or hi == INT64_MAX) and int(hi) - int(lo) >= 2**32:
         k, lo, hi = _squeeze_ends(k)
     off = (hi - k) if descending else (k - lo)
@@ -182,14 +184,12 @@ def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:
     distinct, so numpy's default (unstable, vectorized on x86) sort gives the stable order, then
     the index is read back from the low bits. Parts that are all constant: queue order. None
     when a packed sort would need more than 64 bits (the parts' and those of n - 1)."""
-    if len(parts) == 1 and _narrow(parts[0][1], n):  # the common one-part key, without the glue
-        return _narrow_argsort(*parts[0])
     nb = max(n - 1, 0).bit_length()
     widths = [span.bit_length() for _, span in parts]
     kb = sum(widths)
     if kb == 0:  # every part constant: queue order
         return np.arange(n, dtype=np.int64)
-    if kb <= 8 or (kb <= 16 and n <= 4096):  # numpy's stable sort of these is a radix sort
+    if _narrow((1 << kb) - 1, n):  # numpy's stable sort of these is a radix sort
         return np.argsort(_pack_parts(parts, widths, np.uint8 if kb <= 8 else np.uint16), kind="stable")
     total = nb + kb
     if total > 64:
@@ -202,14 +202,16 @@ def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:
 
 
 def _narrow(span: int, n: int) -> bool:
-    """Whether a one-part key of this span takes `_narrow_argsort` (`_packed_argsort`'s rule)."""
+    """Whether a key of this span (offsets in [0, span]) over n rows is sorted as uint8 / uint16
+    by `_narrow_argsort` (numpy's radix sort) rather than packed with the row index."""
     return span < 256 or (span < 65536 and n <= 4096)
 
 
 def _narrow_argsort(off: np.ndarray, span: int) -> np.ndarray:
     """Stable argsort (int64 [n]) of offsets in [0, span], span < 65536, as one uint8 / uint16
-    value per row (numpy's radix sort): `_packed_argsort` for one narrow part. A 1k-row order
-    spends about 10 us less in glue this way than through `_offsets` and `_pack_parts`."""
+    value per row (numpy's radix sort). `host_perm` and `rank_perm_host` call it directly for
+    one narrow key: a 1k-row order spends about 10 us less in glue than through `_offsets`
+    and `_packed_argsort`."""
     return np.argsort(off.astype(np.uint8 if span < 256 else np.uint16), kind="stable")
 
 
@@ -228,6 +230,8 @@ def rank_perm_host(key: np.ndarray, span: int) -> np.ndarray:
     """Stable ascending permutation (int64 [n]) of a key of ranks in [0, span] (no min/max
     pass): one packed sort (`_packed_argsort`), or numpy's stable argsort when the ranks and
     the row index do not fit 64 bits together."""
+    if _narrow(span, key.size):  # without `_packed_argsort`'s glue
+        return _narrow_argsort(key, span)
     perm = _packed_argsort([(key, span)], key.size)
     return perm if perm is not None else np.argsort(key, kind="stable")
 
@@ -241,7 +245,7 @@ def host_perm(key: np.ndarray, descending: bool = False) -> Optional[np.ndarray]
     span = int(hi) - int(lo)
     if _narrow(span, key.size):  # priorities, max-new lengths: without the `_offsets` glue
         return _narrow_argsort((hi - key) if descending else (key - lo), span)
-    return _packed_argsort([_offsets(key, descending)], key.size)
+    return _packed_argsort([_offsets(key, descending, lo, hi)], key.size)
 
 
 def host_lex_perm(primary: np.ndarray, secondary: np.ndarray, desc_primary: bool = False,
