@@ -262,6 +262,10 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     On CPU tensors with backend "torch" the same steps run as numpy calls (`_lock_drops_host`).
     """
     if backend == "torch" and _host(parent):
+        if last_node.numel() <= LOCK_WALK_MAX:  # few requests: walk their paths, not every node
+            return torch.from_numpy(_lock_drops_walk(parent.numpy(), key_len.numpy(), lock_ref.numpy(),
+                                                     alive.numpy(), last_node.numpy(), cover.numpy(),
+                                                     valid.numpy()))
         return torch.from_numpy(_lock_drops_host(parent.numpy(), key_len.numpy(), lock_ref.numpy(), alive.numpy(),
                                                  last_node.numpy(), cover.numpy(), valid.numpy(), max_depth,
                                                  early_exit))
@@ -330,6 +334,59 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     return torch.where(valid, drop + torch.where(pok, pgain, 0), 0)
 
 
+LOCK_WALK_MAX = 64  # `lock_drops` on the host: up to this many requests, Python walks of their paths
+
+
+def _lock_drops_walk(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray,
+                     last_node: np.ndarray, cover: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """`lock_drops` for a few requests, by walking their paths in queue order in Python: the
+    first request to reach a node is its F (later walks stop there: the nodes above were
+    reached first by the same or an earlier request), so the cost is the number of distinct
+    path nodes, not the tree's node count (the rounds of `_lock_drops_host` scan every node).
+    A walk goes up from a live node only (the rounds' `anc` stops at a dead one). Exact for
+    any path depth (the rounds' result when `max_depth` bounds it). Returns int64 [Q]."""
+    Q = last_node.size
+    N = parent.size
+    ln = [min(max(v, 0), N - 1) for v in last_node.tolist()]  # as the other forms' clip
+    cov, ok = cover.tolist(), valid.tolist()
+    first = {}  # node -> F, the first request whose whole-covered path holds it
+    partial = [False] * Q
+    for i in range(Q):
+        if not ok[i]:
+            continue
+        v = ln[i]
+        if cov[i] < key_len[v]:  # the match ends inside node v: its path starts at the parent
+            partial[i] = True
+            v = int(parent[v])
+        while v > 0 and v not in first:
+            first[v] = i
+            if not alive[v]:
+                break
+            v = int(parent[v])
+    drop = [0] * Q
+    if any(partial):
+        mp = {}  # node -> largest partial cover of it before its F
+        prev = {}  # node -> largest partial cover of it so far
+        for i in range(Q):
+            if not partial[i]:
+                continue
+            v, c = ln[i], cov[i]
+            f = first.get(v, Q)
+            if i < f and c > mp.get(v, 0):
+                mp[v] = c
+            p = prev.get(v, 0)
+            if c > p:
+                prev[v] = c
+                if f > i and lock_ref[v] == 0:
+                    drop[i] += c - p
+    else:
+        mp = {}
+    for v, i in first.items():
+        if alive[v] and lock_ref[v] == 0:
+            drop[i] += int(key_len[v]) - mp.get(v, 0)
+    return np.array(drop, dtype=np.int64)
+
+
 def _lock_drops_host(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray,
                      last_node: np.ndarray, cover: np.ndarray, valid: np.ndarray, max_depth: Optional[int],
                      early_exit: bool) -> np.ndarray:
@@ -342,7 +399,7 @@ def _lock_drops_host(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarr
         return np.zeros(0, dtype=np.int64)
     D = N  # dummy node slot
     idx = np.arange(Q, dtype=np.int64)
-    ln = np.clip(np.where(valid, last_node, 0), 0, N - 1)
+    ln = np.minimum(np.maximum(np.where(valid, last_node, 0), 0), N - 1)  # np.clip costs 3x more
     full = valid & (cover >= key_len[ln])
     partial = valid & ~full
     start = np.where(full, ln, parent[ln])

@@ -81,6 +81,8 @@ BACKENDS = ("torch", "triton")
 HASH_MIX = -7046029254386353131
 #: slots read per probe step of the torch backend (8 int64 = one 64-byte cache line)
 PROBE_WINDOW = 8
+PROBE_SCALAR_MAX = 32  # host probes of up to this many keys run as Python loops (`_probe_scalar`)
+SCALAR_BATCH = 32  # host batches of up to this many (applies, stamps, locks) run as Python walks
 INT64_MIN = -(2**63)
 
 
@@ -383,6 +385,8 @@ class FlatRadixTree:
         of 5-15 us. Returns int64 [n]."""
         keys = self.hkeys.numpy()
         H = keys.size
+        if h.size <= PROBE_SCALAR_MAX:
+            return np.array(self._probe_scalar(keys, h.tolist()), dtype=np.int64)
         slot = np.full(h.size, -1, dtype=np.int64)
         if h.size == 0 or self.max_probe <= 0:
             return slot
@@ -409,6 +413,26 @@ class FlatRadixTree:
             idx, pos, hh = idx[more], (pos[more] + w) & (H - 1), hh[more]
             done += w
         return slot
+
+    def _probe_scalar(self, keys: np.ndarray, hs: List[int]) -> List[int]:
+        """`_probe_host` for a few keys, one Python loop each: the same home slot (Python's
+        exact product agrees with int64's wrapped one in the bits the slot reads) and the same
+        max_probe slots in order, stopping at the key or an empty slot (tombstones are passed)."""
+        mask = keys.size - 1
+        out = []
+        for h in hs:
+            pos = ((h * HASH_MIX) >> 32) & mask
+            slot = -1
+            for _ in range(self.max_probe):
+                k = keys[pos]
+                if k == h:
+                    slot = pos
+                    break
+                if k == EMPTY:
+                    break
+                pos = (pos + 1) & mask
+            out.append(slot)
+        return out
 
     def lookup(self, h: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
         """Pool position stored for each prefix hash, -1 if absent."""
@@ -981,6 +1005,10 @@ class FlatRadixTree:
             cid = torch.arange(self.next_cid, self.next_cid + B, device=dev)
             self.clock += B
             self.next_cid += B
+        if B <= SCALAR_BATCH and be == "torch" and _host(m):
+            last = self._apply_scalar(m, pos, stamp)
+            if last is not None:
+                return m, last
         has = m > 0
         X, idx = self._match_ends(m, pos)
         if idx.numel():
@@ -1010,6 +1038,24 @@ class FlatRadixTree:
             last = X
         self._stamp_paths(last, stamp, be)
         return m, last
+
+    def _apply_scalar(self, m: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor) -> Optional[torch.Tensor]:
+        """`_apply` for a few matches on the CPU when none ends inside its node (no split):
+        the nodes holding their last tokens (`_match_ends`) and the stamp walks
+        (`_stamp_walks`), in Python. Returns the last nodes (int64 [B]), or None, having changed
+        nothing, when a match would split a node."""
+        owner, key_off, key_len = self.owner.numpy(), self.key_off.numpy(), self.key_len.numpy()
+        last = []
+        for mi, p in zip(m.tolist(), pos.tolist()):
+            if mi <= 0:
+                last.append(0)
+                continue
+            x = int(owner[p])
+            if p - key_off[x] + 1 < key_len[x]:
+                return None
+            last.append(x)
+        _stamp_walks(self.parent.numpy(), self.last_access.numpy(), last, stamp.tolist())
+        return torch.tensor(last, dtype=torch.int64)
 
     def _match_ends(self, m: torch.Tensor, pos: torch.Tensor,
                     host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -1092,6 +1138,9 @@ class FlatRadixTree:
             self._kernels().stamp_paths(nodes.contiguous(), stamp.contiguous(), self.parent, self.last_access)
             return
         if _host(nodes):
+            if nodes.numel() <= SCALAR_BATCH:
+                _stamp_walks(self.parent.numpy(), self.last_access.numpy(), nodes.tolist(), stamp.tolist())
+                return
             b = self.node_bound()  # every live id is below it
             _stamp_paths_host(self.parent[:b].numpy(), self.last_access[:b].numpy(), nodes.numpy(), stamp.numpy())
             return
@@ -1275,8 +1324,34 @@ class FlatRadixTree:
         u = torch.cat(parts)
         return (u, torch.ones_like(u)) if single else torch.unique(u, return_counts=True)
 
+    def _lock_scalar(self, nodes: List[int], sign: int) -> bool:
+        """`lock` (sign 1) or `unlock` (sign -1) of a few nodes on the CPU in Python: the
+        path counts by walks, then the same updates. False, with nothing changed, for an
+        unlock below zero."""
+        parent, lock_ref, key_len = self.parent.numpy(), self.lock_ref.numpy(), self.key_len.numpy()
+        cnt = {}
+        for v in nodes:
+            while v > 0:
+                cnt[v] = cnt.get(v, 0) + 1
+                v = int(parent[v])
+        if sign < 0 and any(lock_ref[u] < c for u, c in cnt.items()):
+            return False
+        delta = 0
+        for u, c in cnt.items():
+            ref = int(lock_ref[u])
+            if ref == (0 if sign > 0 else c):  # the node leaves (lock) or joins (unlock) evictable
+                delta += int(key_len[u])
+            lock_ref[u] = ref + sign * c
+        if delta:
+            self.evictable_size -= sign * delta
+            self.protected_size += sign * delta
+        return True
+
     def lock(self, nodes: torch.Tensor, *, backend: Optional[str] = None) -> None:
         """inc_lock_ref for each node (batched; node 0 = root is a no-op)."""
+        if nodes.numel() <= SCALAR_BATCH and self._be(backend) == "torch" and _host(self.lock_ref):
+            self._lock_scalar(nodes.tolist(), 1)
+            return
         u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))
         if u.numel() == 0:
             return
@@ -1288,6 +1363,10 @@ class FlatRadixTree:
 
     def unlock(self, nodes: torch.Tensor, *, backend: Optional[str] = None) -> None:
         """dec_lock_ref for each node (batched). Raises RuntimeError on a negative lock_ref."""
+        if nodes.numel() <= SCALAR_BATCH and self._be(backend) == "torch" and _host(self.lock_ref):
+            if not self._lock_scalar(nodes.tolist(), -1):
+                raise RuntimeError("unlock below zero: lock_ref would become negative")
+            return
         u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))
         if u.numel() == 0:
             return
@@ -1409,6 +1488,17 @@ class FlatRadixTree:
             f"evictable/protected {int(self.evictable_size)}/{int(self.protected_size)} != {ev}/{pr}")
         live_entries = int((self.hkeys >= 0).sum())
         assert live_entries == (ev + pr) // self.P, f"hash entries {live_entries} != pages {(ev + pr) // self.P}"
+
+
+def _stamp_walks(parent: np.ndarray, last_access: np.ndarray, nodes: List[int], stamps: List[int]) -> None:
+    """`FlatRadixTree._stamp_paths` for a few nodes in Python, one walk after another on numpy
+    views: each walk stops at a node holding a larger stamp, as in the level-by-level form,
+    and ends with the same maxima (a larger stamp of the batch covers the path above it,
+    whichever walk runs first)."""
+    for v, st in zip(nodes, stamps):
+        while v >= 0 and last_access[v] <= st:
+            last_access[v] = st
+            v = int(parent[v])
 
 
 def _stamp_paths_host(parent: np.ndarray, last_access: np.ndarray, nodes: np.ndarray, stamp: np.ndarray) -> None:

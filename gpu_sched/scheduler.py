@@ -22,6 +22,7 @@ The engine-facing bookkeeping (KV slots of running requests) stays on the host.
 from __future__ import annotations
 
 import collections
+import copy
 import operator
 import os
 import weakref
@@ -108,6 +109,31 @@ class _Views(weakref.WeakValueDictionary):
 _ENQUEUE_TIME = operator.attrgetter("enqueue_time")
 
 
+class _WindowLocks:
+    """The cache as `PrefillAdder` reads it while `GpuScheduler._scalar_admission` decides a
+    window: `evictable_size` a Python int, and a lock handle j (the window's request j) lowers
+    it by drops[j] when j's lock count leaves zero (and raises it back when it returns to
+    zero), as the tree's own lock and unlock would."""
+
+    def __init__(self, disable: bool, evictable: int, drops: List[int]):
+        self.disable = disable
+        self.evictable_size = evictable
+        self._drops = drops
+        self._count = [0] * len(drops)
+
+    def inc_lock_ref(self, j: int) -> None:
+        c = self._count[j]
+        if c == 0:
+            self.evictable_size -= self._drops[j]
+        self._count[j] = c + 1
+
+    def dec_lock_ref(self, j: int) -> None:
+        c = self._count[j] - 1
+        if c == 0:
+            self.evictable_size += self._drops[j]
+        self._count[j] = c
+
+
 class GpuScheduler(ReferenceScheduler):
     """Device scheduler.
 
@@ -119,7 +145,7 @@ class GpuScheduler(ReferenceScheduler):
 
     Attributes:
         admit_window: ordered requests the admission scans first (256; with `adaptive_window`,
-            at least an eighth more than the previous loop admitted); a loop that
+            an eighth more than the previous loop admitted, when it admitted any); a loop that
             admits them all goes on with the next window, twice as long. The sequential loop
             never reads past its stop point, so the decisions do not depend on it; the cost of
             a step's admission is then O(admitted), not O(queue).
@@ -136,8 +162,14 @@ class GpuScheduler(ReferenceScheduler):
     """
 
     admit_window = 256
-    #: start instead with an eighth more than the previous loop's admissions when larger
-    #: (steps admit similar counts: one window instead of several doublings)
+    #: admission windows of up to this many requests run the reference's loop on their
+    #: precomputed matches and lock drops (`_scalar_admission`): cheaper than the static
+    #: step's fixed cost of some hundred array calls when the step admits a few requests
+    SCALAR_WINDOW = 32
+    _match_hint = None
+    #: start instead with an eighth more than the previous loop's admissions, when it admitted
+    #: any (steps admit similar counts: one window, not several doublings, and not a window
+    #: far past the stop point)
     adaptive_window = True
     #: rows of the row table at first (grown by doubling)
     ROW_TABLE_MIN = 1024
@@ -832,7 +864,7 @@ class GpuScheduler(ReferenceScheduler):
             # too short costs a second, twice as long)
             need = self._last_admitted + (self._last_admitted >> 3) + 1
             q = 1 << max(need.bit_length() - 4, 0)
-            W = max(W, -(-need // q) * q)
+            W = -(-need // q) * q  # below admit_window too: a small window costs little (walks, not scans)
         while i < n:
             if pending is not None:  # the recorded step decided this segment already
                 rest = queue[: pending.window]
@@ -848,10 +880,13 @@ class GpuScheduler(ReferenceScheduler):
                 else:
                     rest = queue.window(i, i + W)[0] if isinstance(queue, RowQueue) else queue[i : i + W]
                 W *= 2
-                res, matched = self._static_admission(rest, adder, running_bs, scfg, wrows)
-                vals = [res.stop, res.stop_index, res.chunk_index, int(res.batch_full), res.I, res.cur_off,
-                        res.rem_input, res.rem_chunk, res.hit_tokens, res.input_tokens, int(res.decided),
-                        res.admitted] + res.extend_end
+                if self._scalar_window(rest):
+                    vals, matched = self._scalar_admission(rest, adder, running_bs, wrows)
+                else:
+                    res, matched = self._static_admission(rest, adder, running_bs, scfg, wrows)
+                    vals = [res.stop, res.stop_index, res.chunk_index, int(res.batch_full), res.I, res.cur_off,
+                            res.rem_input, res.rem_chunk, res.hit_tokens, res.input_tokens, int(res.decided),
+                            res.admitted] + res.extend_end
             Q = len(rest)
             stop, k, ci, full, I, cur, rin, rc, hit, inp, decided, na = vals[:12]
             if not decided:
@@ -935,8 +970,7 @@ class GpuScheduler(ReferenceScheduler):
         """Columns of the ordered queue's window `rest` (table rows `rows`, looked up when
         None) and the adder's budgets as device tensors, then `admit_step` (no host read
         inside; backend "triton" runs its per-request kernels)."""
-        from .admission import (HeldCols, QueueCols, StepState, admit_step, admit_step_host, lock_drops,
-                                read_step_result)
+        from .admission import HeldCols, QueueCols, StepState, admit_step, admit_step_host, read_step_result
 
         dev = self.device
         Q = len(rest)
@@ -944,31 +978,7 @@ class GpuScheduler(ReferenceScheduler):
             rows = self._rows_of(rest)
         sel = _RowCols(self._rt, rows)  # pool offsets not read: `_csr` hashes what a search needs
         cols = torch.from_numpy(np.stack([sel[:, c] for c in (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN)])).to(dev)
-        matched = None
-        if self.cache.disable:
-            m = torch.zeros(Q, dtype=torch.int64, device=dev)
-            drop = torch.zeros_like(m)
-            ev = torch.zeros((), dtype=torch.int64, device=dev)
-        else:
-            tree = self.cache.tree
-            m, pos, nc = self._window_match(rows, sel)
-            matched = (m, pos)
-            has = m > 0
-            if nc is not None:  # read off the paths already
-                node, cover = nc
-            else:
-                p = torch.where(has, pos, 0)
-                node = torch.where(has, tree.owner[p], 0)
-                cover = p - tree.key_off[node] + 1
-            # nodes on any matched path
-            depth = int(np.minimum(sel[:, RT_FILL], sel[:, RT_CAP]).max(initial=0)) // self.config.page_size
-            # live node ids lie below node_bound(): scan that prefix, rounded up to a power of
-            # two (few distinct shapes), not the whole capacity
-            b = min(1 << max(tree.node_bound() - 1, 1).bit_length(), tree.parent.numel())
-            drop = lock_drops(tree.parent[:b], tree.key_len[:b], tree.lock_ref[:b], tree.alive[:b], node, cover,
-                              has, max_depth=1 << depth.bit_length(),  # power of two: few distinct shapes
-                              backend=self.backend, early_exit=True)
-            ev = tree.evictable_size
+        m, drop, ev, matched = self._window_drops(Q, rows, sel)
         budgets = [self.pool.available, adder.I, adder.cur_off, adder.rem_input,
                    adder.rem_chunk if adder.rem_chunk is not None else 0, adder.N, len(adder.can_run), running_bs,
                    int(self.batch_is_full)]
@@ -989,6 +999,158 @@ class GpuScheduler(ReferenceScheduler):
         if host:
             return admit_step_host(scfg, st, q, held), matched
         return read_step_result(admit_step(scfg, st, q, held, None, backend=self.backend, early_exit=True)), matched
+
+    def _window_drops(self, Q: int, rows: np.ndarray, sel: "_RowCols"):
+        """The admission window's capped matches (`_window_match`) and what locking each
+        request's path lowers `evictable` by after the requests before it in the window locked
+        theirs (`admission.lock_drops`, R-RC-6): (m, drop, evictable, matched), m and drop int64
+        device tensors [Q], evictable the tree's (a device scalar), matched = (m, pos) or None
+        with the cache disabled (all zero)."""
+        from .admission import lock_drops
+
+        dev = self.device
+        if self.cache.disable:
+            m = torch.zeros(Q, dtype=torch.int64, device=dev)
+            return m, torch.zeros_like(m), torch.zeros((), dtype=torch.int64, device=dev), None
+        tree = self.cache.tree
+        m, pos, nc = self._window_match(rows, sel)
+        has = m > 0
+        if nc is not None:  # read off the paths already
+            node, cover = nc
+        else:
+            p = torch.where(has, pos, 0)
+            node = torch.where(has, tree.owner[p], 0)
+            cover = p - tree.key_off[node] + 1
+        # nodes on any matched path
+        depth = int(np.minimum(sel[:, RT_FILL], sel[:, RT_CAP]).max(initial=0)) // self.config.page_size
+        # live node ids lie below node_bound(): scan that prefix, rounded up to a power of
+        # two (few distinct shapes), not the whole capacity
+        b = min(1 << max(tree.node_bound() - 1, 1).bit_length(), tree.parent.numel())
+        drop = lock_drops(tree.parent[:b], tree.key_len[:b], tree.lock_ref[:b], tree.alive[:b], node, cover,
+                          has, max_depth=1 << depth.bit_length(),  # power of two: few distinct shapes
+                          backend=self.backend, early_exit=True)
+        return m, drop, tree.evictable_size, (m, pos)
+
+    def _scalar_window(self, rest) -> bool:
+        """Whether `_scalar_admission` decides this window: a few requests (at most
+        `SCALAR_WINDOW`), the torch backend on the CPU, no priority preemption (its victims'
+        release changes the tree mid-loop)."""
+        return (len(rest) <= self.SCALAR_WINDOW and self.backend == "torch" and self.device.type == "cpu"
+                and not self.config.enable_priority_preemption)
+
+    def _scalar_admission(self, rest, adder, running_bs: int, rows: Optional[np.ndarray] = None):
+        """R-STEP-3 over a small window by the reference's own loop (`_admit_one` and
+        `PrefillAdder.add_one_req`, one request at a time) on a copy of the adder whose cache
+        is a `_WindowLocks`: each request's re-match (R-STEP-3.4) is its window match and
+        locking its path lowers `evictable` by its `lock_drops` entry, which is what the tree
+        would do, since the loop locks exactly the window's requests before it. Nothing on the
+        tree changes here: `_admission_scan` applies the outcome (`_admit_run`) as it applies
+        `admit_step`'s. Returns (vals, matched) in `_static_admission`'s read-back layout."""
+        from .admission import STOP_NAMES
+
+        Q = len(rest)
+        if rows is None:
+            rows = self._rows_of(rest)
+        got = self._window_drops_scalar(rows)
+        if got is None:  # a row whose match must be searched for
+            m, drop, ev, matched = self._window_drops(Q, rows, _RowCols(self._rt, rows))
+            ms, drops = m.tolist(), drop.tolist()
+        else:
+            ms, drops, ev, matched = got
+        sub = copy.copy(adder)  # the budgets as the loop leaves them; the real adder takes them after
+        sub.can_run = list(adder.can_run)
+        sub.new_chunked = None
+        sub.log_hit_tokens = sub.log_input_tokens = 0
+        sub.cache = _WindowLocks(self.cache.disable, int(ev), drops)
+        start, full0 = len(sub.can_run), self.batch_is_full
+        stop, k = "queue_end", Q
+        # `_rematch` reads the hint; j is the request's lock handle (with the cache disabled
+        # every drop is 0 and the node is the root, as the reference's match returns it)
+        root = self.cache.root if self.cache.disable else None
+        try:
+            for j in range(Q):
+                self._match_hint = (ms[j], j if root is None else root)
+                stop = self._admit_one(rest[j], sub, running_bs)
+                if stop is not None:
+                    k = j
+                    break
+            else:
+                stop = "queue_end"
+        finally:
+            self._match_hint = None
+            full, self.batch_is_full = self.batch_is_full, full0
+        run = sub.can_run[start:]  # the window's admitted prefix
+        code = {v: c for c, v in STOP_NAMES.items()}[stop]
+        ci = next((j for j, r in enumerate(run) if r is sub.new_chunked), -1)
+        vals = [code, k, ci, int(full), sub.I, sub.cur_off, sub.rem_input,
+                sub.rem_chunk if sub.rem_chunk is not None else 0, sub.log_hit_tokens, sub.log_input_tokens, 1,
+                len(run)] + [r.extend_end for r in run]
+        return vals, matched
+
+    def _window_drops_scalar(self, rows: np.ndarray):
+        """`_window_drops` for a small window in Python over the rows: a match known on the
+        tree's content is climbed to its capped depth (`path_position`'s climb), a kept one is
+        checked by its two lookups (`check_matches`' test, `_probe_scalar`), the lock drops
+        are `admission._lock_drops_walk`. Returns (m list, drops list, evictable, (m, pos)
+        tensors), or None when a row has no match to trust or check (it must be searched:
+        `_checked_find`) or the cache is disabled."""
+        from .admission import _lock_drops_walk
+
+        if self.cache.disable:
+            return None
+        tree = self.cache.tree
+        P = self.config.page_size
+        ver = tree.version
+        owner, key_off, key_len, parent = (a.numpy() for a in (tree.owner, tree.key_off, tree.key_len, tree.parent))
+        keys, hvals = tree.hkeys.numpy(), tree.hvals.numpy()
+        ms, ps, nodes, covers = [], [], [], []
+        cols = self._rt[rows][:, [RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2]]
+        for fill, cap, mver, mlen, mpos, h1, h2 in cols.tolist():
+            Lq = min(fill, cap) // P * P
+            if mver == ver:  # the full match on this content: its capped part lies on its path
+                d = min(Lq, mlen)
+                if d == 0:
+                    ms.append(0), ps.append(-1), nodes.append(0), covers.append(0)
+                    continue
+                X = int(owner[mpos])
+                start = mlen - (mpos - int(key_off[X]) + 1)  # the depth where node X begins
+                while d <= start:
+                    X = int(parent[X])
+                    start -= int(key_len[X])
+                cover = d - start
+                ms.append(d), ps.append(int(key_off[X]) + cover - 1), nodes.append(X), covers.append(cover)
+                continue
+            if mver == -1 or mlen > Lq or mlen % P:
+                return None
+            # mlen is the match iff depth mlen is present (or 0) and depth mlen + P absent (or past Lq)
+            pos = -1
+            if mlen > 0:
+                slot = tree._probe_scalar(keys, [h1])[0]
+                pos = int(hvals[slot]) if slot >= 0 else -1
+                if pos < 0:
+                    return None
+            if mlen + P <= Lq:
+                slot = tree._probe_scalar(keys, [h2])[0]
+                if slot >= 0 and hvals[slot] >= 0:
+                    return None
+            if mlen == 0:
+                ms.append(0), ps.append(-1), nodes.append(0), covers.append(0)
+                continue
+            X = int(owner[pos])
+            ms.append(mlen), ps.append(pos), nodes.append(X), covers.append(pos - int(key_off[X]) + 1)
+        has = np.array(ms, dtype=np.int64) > 0
+        drops = _lock_drops_walk(parent, key_len, tree.lock_ref.numpy(), tree.alive.numpy(),
+                                 np.array(nodes, dtype=np.int64), np.array(covers, dtype=np.int64), has).tolist()
+        dev = self.device
+        mp = torch.tensor([ms, ps], dtype=torch.int64, device=dev)
+        return ms, drops, tree.evictable_size, (mp[0], mp[1])
+
+    def _rematch(self, r: ReqState) -> None:
+        hint = self._match_hint  # `_scalar_admission`'s window match, else a match on the tree
+        if hint is not None:
+            r.prefix_len, r.last_node = hint
+            return
+        super()._rematch(r)
 
     def _window_match(self, rows: np.ndarray, sel: "_RowCols"):
         """R-STEP-3.4 matches (capped at max_prefix_len) of table rows `rows` (`sel` = their

@@ -27,6 +27,7 @@ triton = pytest.importorskip("triton")
 
 from gpu_sched import policy as P  # noqa: E402
 from gpu_sched.kernels import radix as K  # noqa: E402
+from gpu_sched import radix as radix_module  # noqa: E402
 from gpu_sched.radix import FlatRadixTree, home_slot  # noqa: E402
 
 from test_radix_device import ROUNDS, Lanes, pad, random_seq  # noqa: E402
@@ -101,7 +102,10 @@ def small_table(rng, H=256, n_live=120, n_dead=30):
 
 @pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
 @pytest.mark.parametrize("max_probe", [3, 12, 64])  # 12: a window cut short by the limit
-def test_probe(n, block, max_probe):
+@pytest.mark.parametrize("scalar", [True, False])
+def test_probe(n, block, max_probe, scalar, monkeypatch):
+    # the host form probes few keys in Python loops (`_probe_scalar`), more in numpy windows
+    monkeypatch.setattr(radix_module, "PROBE_SCALAR_MAX", 1 << 30 if scalar else -1)
     rng = random.Random(n * 7 + max_probe)
     tree, keys = small_table(rng)
     tree.max_probe = max_probe

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from gpu_sched import policy as PM
+from gpu_sched import radix as radix_module
 from gpu_sched.radix import P1, P2, FlatRadixTree, _mod_host
 from gpu_sched.reference.radix_cache import KVPool, RadixCache
 
@@ -305,8 +306,13 @@ ROUNDS = 50
 
 
 @pytest.mark.parametrize("page_size,chunk_pages", TORCH_CONFIGS)
-def test_random_operation_sequences(page_size, chunk_pages):
-    """LANES random sequences x ROUNDS operations per configuration (512 in all)."""
+@pytest.mark.parametrize("walks", [True, False])
+def test_random_operation_sequences(page_size, chunk_pages, walks, monkeypatch):
+    """LANES random sequences x ROUNDS operations per configuration (512 in all), with the
+    CPU's Python walks for small batches (applies without splits, stamps, locks; the default
+    up to `radix.SCALAR_BATCH`) and without them (every batch through the array forms)."""
+    if not walks:
+        monkeypatch.setattr(radix_module, "SCALAR_BATCH", -1)
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -332,8 +332,14 @@ def random_lock_case(seed: int):
     return rng, parent, key_len, lock_ref, last, cover, valid
 
 
+@pytest.mark.parametrize("walk", [True, False])
 @pytest.mark.parametrize("seed", range(40))
-def test_lock_drops_partial_covers(seed):
+def test_lock_drops_partial_covers(seed, walk, monkeypatch):
+    # the host form for few requests walks their paths (`_lock_drops_walk`), for more runs
+    # the rounds over every node (`_lock_drops_host`): both, at every queue size here
+    import gpu_sched.admission as A
+
+    monkeypatch.setattr(A, "LOCK_WALK_MAX", 1 << 30 if walk else -1)
     rng, parent, key_len, lock_ref, last, cover, valid = random_lock_case(seed)
     N, Q = len(parent), len(last)
     depth = [0] * N

@@ -1,7 +1,7 @@
 """Whole scheduling steps: GpuScheduler against the reference scheduler on random scenarios.
 
-2,000 scenarios (500 families of 4, `tests/_scenarios.py`) with the torch backend and 100 small
-ones with the Triton backend (interpreter on CPU). Each scenario is a complete state built
+2,000 scenarios (500 families of 4, `tests/_scenarios.py`) with the torch backend, once with
+each form of small admission windows, and 100 small ones with the Triton backend (interpreter on CPU). Each scenario is a complete state built
 through the API on both schedulers: waiting queues of 0..3000 (most small), running batches of
 0..500, page sizes 1/4/16, chunking on/off, every policy, budgets drawn around the scenario's own
 demand, ignore-EOS requests with the cache disabled, priority scheduling with preemption on/off
@@ -155,7 +155,13 @@ def _groups(n, size):
 
 
 @pytest.mark.parametrize("families", _groups(FAMILIES, GROUP), ids=lambda fs: f"families{fs[0]}-{fs[-1]}")
-def test_torch_steps_match_reference(families):
+@pytest.mark.parametrize("windows", ["scalar", "static"])
+def test_torch_steps_match_reference(families, windows, monkeypatch):
+    # both forms of a small admission window: the reference's loop on the window's matches
+    # and lock drops (`GpuScheduler._scalar_admission`, the default up to SCALAR_WINDOW
+    # requests) and the static step (`admit_step`) that larger windows take
+    if windows == "static":
+        monkeypatch.setattr(GpuScheduler, "SCALAR_WINDOW", 0)
     _run_group(families, "torch", small=False)
 
 

@@ -106,7 +106,8 @@ def test_recorded_window_then_host_windows(name, monkeypatch):
     reference's."""
     monkeypatch.setattr(GpuScheduler, "admit_window", 1)
     ran, after = [False], []
-    run, step, window = StepGraph.run, GpuScheduler.step, GpuScheduler._static_admission
+    run, step = StepGraph.run, GpuScheduler.step
+    static, scalar = GpuScheduler._static_admission, GpuScheduler._scalar_admission
 
     def run_(g):
         ran[0] = True
@@ -116,14 +117,17 @@ def test_recorded_window_then_host_windows(name, monkeypatch):
         ran[0] = False
         return step(self, *a, **k)
 
-    def window_(self, rest, *a, **k):
-        if ran[0]:  # a host window in a step the recorded step decided first
-            after.append(len(rest))
-        return window(self, rest, *a, **k)
+    def hook(window):  # either form of a host window (small ones: `_scalar_admission`)
+        def window_(self, rest, *a, **k):
+            if ran[0]:  # a host window in a step the recorded step decided first
+                after.append(len(rest))
+            return window(self, rest, *a, **k)
+        return window_
 
     monkeypatch.setattr(StepGraph, "run", run_)
     monkeypatch.setattr(GpuScheduler, "step", step_)
-    monkeypatch.setattr(GpuScheduler, "_static_admission", window_)
+    monkeypatch.setattr(GpuScheduler, "_static_admission", hook(static))
+    monkeypatch.setattr(GpuScheduler, "_scalar_admission", hook(scalar))
     hits = run_long(name, seed=3, capture=dict(queue_capacity=32, running_capacity=24, admit_window=2))
     assert hits["recorded"] > 10, hits
     assert len(after) > 5 and max(after) > 1, (after, hits)
