@@ -16,6 +16,9 @@ finish / abort / seed_* / check_integrity); tests hold one against the other. Wh
   * admission is one static-shaped device computation over the ordered queue
     (`gpu_sched.admission.admit_step`: prefix sums, chunks, ignore-EOS grid, stop reason, budgets),
     read back once and applied on the host; only priority preemption runs the per-request rules.
+    On the CPU a window of a few requests (`SCALAR_WINDOW`) is decided instead by the
+    reference's own loop over the window's precomputed matches and lock drops
+    (`_scalar_admission`): its fixed cost is lower than the static step's hundred array calls.
 The engine-facing bookkeeping (KV slots of running requests) stays on the host.
 """
 
