@@ -51,7 +51,7 @@ Floats: float64 exactly where D7 / R-ADM-6 / R-ADM-7 say; everything else int64.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -68,6 +68,7 @@ STOP_PREEMPT = 6
 #: stop codes as the reference scheduler names them ("needs_preempt": the host runs R-ADM-7)
 STOP_NAMES = {STOP_QUEUE_END: "queue_end", STOP_BUDGET_OTHER: "budget_other", STOP_BATCH_FULL: "batch_full",
               STOP_NO_TOKEN: "add_no_token", STOP_OTHER: "add_other", STOP_PREEMPT: "needs_preempt"}
+STOP_CODES = {name: code for code, name in STOP_NAMES.items()}
 
 KIND_NONE, KIND_WHOLE, KIND_CHUNK = 0, 1, 2
 _CONT, _NT, _OTH = 0, 1, 2
@@ -263,9 +264,9 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     """
     if backend == "torch" and _host(parent):
         if last_node.numel() <= LOCK_WALK_MAX:  # few requests: walk their paths, not every node
-            return torch.from_numpy(_lock_drops_walk(parent.numpy(), key_len.numpy(), lock_ref.numpy(),
-                                                     alive.numpy(), last_node.numpy(), cover.numpy(),
-                                                     valid.numpy()))
+            return torch.tensor(_lock_drops_walk(parent.numpy(), key_len.numpy(), lock_ref.numpy(), alive.numpy(),
+                                                 last_node.tolist(), cover.tolist(), valid.tolist()),
+                                dtype=torch.int64)
         return torch.from_numpy(_lock_drops_host(parent.numpy(), key_len.numpy(), lock_ref.numpy(), alive.numpy(),
                                                  last_node.numpy(), cover.numpy(), valid.numpy(), max_depth,
                                                  early_exit))
@@ -338,17 +339,18 @@ LOCK_WALK_MAX = 64  # `lock_drops` on the host: up to this many requests, Python
 
 
 def _lock_drops_walk(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray,
-                     last_node: np.ndarray, cover: np.ndarray, valid: np.ndarray) -> np.ndarray:
+                     last_node: List[int], cover: List[int], valid: List[bool]) -> List[int]:
     """`lock_drops` for a few requests, by walking their paths in queue order in Python: the
     first request to reach a node is its F (later walks stop there: the nodes above were
     reached first by the same or an earlier request), so the cost is the number of distinct
     path nodes, not the tree's node count (the rounds of `_lock_drops_host` scan every node).
     A walk goes up from a live node only (the rounds' `anc` stops at a dead one). Exact for
-    any path depth (the rounds' result when `max_depth` bounds it). Returns int64 [Q]."""
-    Q = last_node.size
+    any path depth (the rounds' result when `max_depth` bounds it). Takes the requests'
+    columns as Python lists (node arrays as numpy views); returns the Q drops as a list."""
+    Q = len(last_node)
     N = parent.size
-    ln = [min(max(v, 0), N - 1) for v in last_node.tolist()]  # as the other forms' clip
-    cov, ok = cover.tolist(), valid.tolist()
+    ln = [min(max(v, 0), N - 1) for v in last_node]  # as the other forms' clip
+    cov, ok = cover, valid
     first = {}  # node -> F, the first request whose whole-covered path holds it
     partial = [False] * Q
     for i in range(Q):
@@ -364,8 +366,8 @@ def _lock_drops_walk(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarr
                 break
             v = int(parent[v])
     drop = [0] * Q
+    mp = {}  # node -> largest partial cover of it before its F
     if any(partial):
-        mp = {}  # node -> largest partial cover of it before its F
         prev = {}  # node -> largest partial cover of it so far
         for i in range(Q):
             if not partial[i]:
@@ -379,12 +381,10 @@ def _lock_drops_walk(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarr
                 prev[v] = c
                 if f > i and lock_ref[v] == 0:
                     drop[i] += c - p
-    else:
-        mp = {}
     for v, i in first.items():
         if alive[v] and lock_ref[v] == 0:
             drop[i] += int(key_len[v]) - mp.get(v, 0)
-    return np.array(drop, dtype=np.int64)
+    return drop
 
 
 def _lock_drops_host(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray,

@@ -1036,9 +1036,10 @@ class GpuScheduler(ReferenceScheduler):
 
     def _scalar_window(self, rest) -> bool:
         """Whether `_scalar_admission` decides this window: a few requests (at most
-        `SCALAR_WINDOW`), the torch backend on the CPU, no priority preemption (its victims'
-        release changes the tree mid-loop)."""
-        return (len(rest) <= self.SCALAR_WINDOW and self.backend == "torch" and self.device.type == "cpu"
+        `SCALAR_WINDOW`), the torch backend on the host paths' CPU (`policy.host_device`: not
+        inside `torch_forms()`), no priority preemption (its victims' release changes the tree
+        mid-loop)."""
+        return (len(rest) <= self.SCALAR_WINDOW and self.backend == "torch" and dpolicy.host_device(self.device)
                 and not self.config.enable_priority_preemption)
 
     def _scalar_admission(self, rest, adder, running_bs: int, rows: Optional[np.ndarray] = None):
@@ -1049,7 +1050,7 @@ class GpuScheduler(ReferenceScheduler):
         would do, since the loop locks exactly the window's requests before it. Nothing on the
         tree changes here: `_admission_scan` applies the outcome (`_admit_run`) as it applies
         `admit_step`'s. Returns (vals, matched) in `_static_admission`'s read-back layout."""
-        from .admission import STOP_NAMES
+        from .admission import STOP_CODES
 
         Q = len(rest)
         if rows is None:
@@ -1073,17 +1074,15 @@ class GpuScheduler(ReferenceScheduler):
         try:
             for j in range(Q):
                 self._match_hint = (ms[j], j if root is None else root)
-                stop = self._admit_one(rest[j], sub, running_bs)
-                if stop is not None:
-                    k = j
+                reason = self._admit_one(rest[j], sub, running_bs)
+                if reason is not None:
+                    stop, k = reason, j
                     break
-            else:
-                stop = "queue_end"
         finally:
             self._match_hint = None
             full, self.batch_is_full = self.batch_is_full, full0
         run = sub.can_run[start:]  # the window's admitted prefix
-        code = {v: c for c, v in STOP_NAMES.items()}[stop]
+        code = STOP_CODES[stop]
         ci = next((j for j, r in enumerate(run) if r is sub.new_chunked), -1)
         vals = [code, k, ci, int(full), sub.I, sub.cur_off, sub.rem_input,
                 sub.rem_chunk if sub.rem_chunk is not None else 0, sub.log_hit_tokens, sub.log_input_tokens, 1,
@@ -1105,7 +1104,6 @@ class GpuScheduler(ReferenceScheduler):
         P = self.config.page_size
         ver = tree.version
         owner, key_off, key_len, parent = (a.numpy() for a in (tree.owner, tree.key_off, tree.key_len, tree.parent))
-        keys, hvals = tree.hkeys.numpy(), tree.hvals.numpy()
         ms, ps, nodes, covers = [], [], [], []
         cols = self._rt[rows][:, [RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2]]
         for fill, cap, mver, mlen, mpos, h1, h2 in cols.tolist():
@@ -1126,26 +1124,17 @@ class GpuScheduler(ReferenceScheduler):
             if mver == -1 or mlen > Lq or mlen % P:
                 return None
             # mlen is the match iff depth mlen is present (or 0) and depth mlen + P absent (or past Lq)
-            pos = -1
-            if mlen > 0:
-                slot = tree._probe_scalar(keys, [h1])[0]
-                pos = int(hvals[slot]) if slot >= 0 else -1
-                if pos < 0:
-                    return None
-            if mlen + P <= Lq:
-                slot = tree._probe_scalar(keys, [h2])[0]
-                if slot >= 0 and hvals[slot] >= 0:
-                    return None
+            pos = tree._lookup_scalar(h1) if mlen > 0 else -1
+            if mlen > 0 and pos < 0 or mlen + P <= Lq and tree._lookup_scalar(h2) >= 0:
+                return None
             if mlen == 0:
                 ms.append(0), ps.append(-1), nodes.append(0), covers.append(0)
                 continue
             X = int(owner[pos])
             ms.append(mlen), ps.append(pos), nodes.append(X), covers.append(pos - int(key_off[X]) + 1)
-        has = np.array(ms, dtype=np.int64) > 0
-        drops = _lock_drops_walk(parent, key_len, tree.lock_ref.numpy(), tree.alive.numpy(),
-                                 np.array(nodes, dtype=np.int64), np.array(covers, dtype=np.int64), has).tolist()
-        dev = self.device
-        mp = torch.tensor([ms, ps], dtype=torch.int64, device=dev)
+        drops = _lock_drops_walk(parent, key_len, tree.lock_ref.numpy(), tree.alive.numpy(), nodes, covers,
+                                 [v > 0 for v in ms])
+        mp = torch.tensor([ms, ps], dtype=torch.int64, device=self.device)
         return ms, drops, tree.evictable_size, (mp[0], mp[1])
 
     def _rematch(self, r: ReqState) -> None:
