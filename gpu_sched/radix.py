@@ -321,6 +321,8 @@ class FlatRadixTree:
             return torch.zeros(0, dtype=torch.int64, device=dev)
         starts = np.cumsum(lengths) - lengths
         self._ensure_pow(int(lengths.max()) + 1)
+        if _host(tokens):
+            return torch.from_numpy(self._chunk_hashes_flat_host(tokens.numpy(), lengths, starts, cnt, ns, every))
         # per token its power index (position in its sequence + 1); per chunk end its token
         # index, its sequence's start and its depth
         widx = torch.from_numpy(np.arange(1, T + 1, dtype=np.int64) - np.repeat(starts, lengths)).to(dev)
@@ -337,6 +339,29 @@ class FlatRadixTree:
             torch.cumsum(t * ipw.index_select(0, widx) % p, 0, out=cs0[1:])
             run = (cs0.index_select(0, end + 1) - cs0.index_select(0, before)) % p
             out.append((self._seed(nsq, p) + run) * pw.index_select(0, d) % p)  # < 2^63, as above
+        return (out[0] << 31) | out[1]
+
+    def _chunk_hashes_flat_host(self, tokens: np.ndarray, lengths: np.ndarray, starts: np.ndarray,
+                                cnt: np.ndarray, ns, every: int) -> np.ndarray:
+        """`chunk_hashes_flat`'s sums on host arrays (a CPU tree), reduced by `_mod_host`: the
+        same values in numpy calls of a few us instead of torch CPU ops of 10-30 us (one
+        2k-token prompt: ~300 us in torch). int64 [sum(cnt)]."""
+        T = tokens.size
+        widx = np.arange(1, T + 1, dtype=np.int64)
+        if lengths.size > 1:
+            widx -= np.repeat(starts, lengths)
+        seq = np.repeat(np.arange(lengths.size), cnt)
+        depth = (np.arange(seq.size, dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt) + 1) * every
+        before = starts[seq]
+        end = before + depth  # the cumsum's index just past the chunk's last token
+        nsq = np.asarray(ns, dtype=np.int64)[seq]
+        t = tokens.astype(np.int64) + 1
+        out = []
+        cs0 = np.zeros(T + 1, dtype=np.int64)  # cs0[i]: the first i terms
+        for p, pw, ipw in ((P1, self.pw1, self.ipw1), (P2, self.pw2, self.ipw2)):
+            np.cumsum(_mod_host(t * ipw.numpy()[widx], p), out=cs0[1:])
+            run = _mod_host(cs0[end] - cs0[before], p)
+            out.append(_mod_host((self._seed(nsq, p) + run) * pw.numpy()[depth], p))
         return (out[0] << 31) | out[1]
 
     # ---- hash table ------------------------------------------------------------------------
@@ -747,6 +772,74 @@ class FlatRadixTree:
         bases = [np.where(lo > 0, seed_h >> 31, self._seed(ns, P1)),
                  np.where(lo > 0, seed_h & (2**31 - 1), self._seed(ns, P2))]
         return self._window_hashes_host(x, ends, bases)
+
+    def _find_scalar(self, tok: np.ndarray, ch: np.ndarray, toff: int, coff: int, length: int,
+                     ns: int) -> Tuple[int, int, int, int]:
+        """`_find_csr` then `depth_hashes` for one query on a CPU tree, as binary searches of
+        scalar lookups (`_probe_scalar`): a query's first match costs ~10 lookups of a few us
+        instead of the array form's probe rounds (~1 ms of torch and numpy calls for one row).
+        Presence is monotone along a query's page ends, so every search of [0, hi] gives the
+        same largest present point. tok, ch: the CSR pools (int32 tokens, int64 chunk hashes);
+        the query reads tokens from toff and chunk hashes from coff. Returns (matched length,
+        pool position of its last token or -1, hash at the length, hash at length + P), the
+        last two as `depth_hashes` computes them (garbage where it does)."""
+        P, C = self.P, self.C
+        Lq = length // P * P
+        keys, vals = self.hkeys.numpy(), self.hvals.numpy()
+
+        def search(hs, hi):  # largest j in [0, hi] with hs[j - 1] present, and its value
+            a, pos = 0, -1
+            while a < hi:
+                mid = (a + hi + 1) // 2
+                slot = self._probe_scalar(keys, [int(hs[mid - 1])])[0]
+                if slot >= 0:
+                    a, pos = mid, int(vals[slot])
+                else:
+                    hi = mid - 1
+            return a, pos
+
+        lo, pos = search(ch[coff:], Lq // C) if ch.size else (0, -1)
+        last = max(ch.size - 1, 0)
+        hin = self._page_hashes_scalar(tok, ch, toff, coff, lo, ns)
+        if hin:
+            lo2, pos2 = search(hin, min((Lq - lo * C) // P, len(hin)))
+            pos = pos2 if lo2 > 0 else pos
+        else:
+            lo2 = 0
+        m = lo * C + lo2 * P
+
+        def at(x):  # depth_hashes' value at depth x in [lo*C, lo*C + C]
+            r = x - lo * C
+            if r % C == 0 or not hin:
+                return int(ch[min(max(coff + x // C - 1, 0), last)]) if ch.size else 0
+            return hin[min(max(r // P - 1, 0), len(hin) - 1)]
+
+        return m, pos, at(m), at(m + P)
+
+    def _page_hashes_scalar(self, tok: np.ndarray, ch: np.ndarray, toff: int, coff: int, lo: int,
+                            ns: int) -> List[int]:
+        """`_chunk_page_hashes_host` for one row, in Python: the hash rolls on token by token,
+        H(d + 1) = (H(d) * B + t_d + 1) mod p per modulus (the same residues as the power
+        sums), from the chunk hash at depth lo*C (the namespace seed at lo == 0), over the
+        same tokens (reads clamped to the pool, ones for an empty pool)."""
+        n_in = self.chunk_pages - 1
+        if n_in == 0:
+            return []
+        if lo > 0:
+            h = int(ch[min(max(coff + lo - 1, 0), ch.size - 1)]) if ch.size else 0
+            a, b = h >> 31, h & (2**31 - 1)
+        else:
+            a, b = (ns * 1000003 + 12345) % P1, (ns * 1000003 + 12345) % P2
+        start, top = toff + lo * self.C, tok.size - 1
+        x = tok[max(min(start, top), 0) : start + n_in * self.P].tolist() if tok.size else []
+        x += [x[-1] if tok.size else 0] * (n_in * self.P - len(x))  # past the pool: its last token
+        B1, B2 = self.B1, self.B2
+        out = []
+        for j, t in enumerate(x, start=1):
+            a, b = (a * B1 + t + 1) % P1, (b * B2 + t + 1) % P2
+            if j % self.P == 0:
+                out.append((a << 31) | b)
+        return out
 
     def depth_hashes(self, tok, tok_start, ns, ch, ch_start, d) -> Tuple[torch.Tensor, torch.Tensor]:
         """Prefix hashes of queries at depths d and d + P (what `check_matches` probes), from

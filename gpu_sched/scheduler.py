@@ -169,6 +169,9 @@ class GpuScheduler(ReferenceScheduler):
     #: precomputed matches and lock drops (`_scalar_admission`): cheaper than the static
     #: step's fixed cost of some hundred array calls when the step admits a few requests
     SCALAR_WINDOW = 32
+    #: first searches of up to this many rows at once run as scalar binary searches on the
+    #: host (`FlatRadixTree._find_scalar`, ~10 lookups a row) instead of probe rounds
+    FIND_SCALAR_MAX = 8
     _match_hint = None
     #: start instead with an eighth more than the previous loop's admissions, when it admitted
     #: any (steps admit similar counts: one window, not several doublings, and not a window
@@ -499,9 +502,11 @@ class GpuScheduler(ReferenceScheduler):
         if self.cache.disable or not len(rows):
             return
         rt = self._rt
-        todo = np.unique(rows[_rt_get(rt, rows, RT_TOFF) < 0])
+        todo = rows[_rt_get(rt, rows, RT_TOFF) < 0]
         if not todo.size:
             return
+        if todo.size > 1:
+            todo = np.unique(todo)
         tree = self.cache.tree
         C = tree.C
         lens_all = _rt_get(rt, todo, RT_FILL)
@@ -509,18 +514,21 @@ class GpuScheduler(ReferenceScheduler):
         ends = np.cumsum(lens_all)
         i = 0
         while i < todo.size:
-            j = max(i + 1, int(np.searchsorted(ends, (ends[i - 1] if i else 0) + max_batch_tokens, side="right")))
+            if ends[-1] - (ends[i - 1] if i else 0) <= max_batch_tokens:
+                j = todo.size  # the rest fits in one batch
+            else:
+                j = max(i + 1, int(np.searchsorted(ends, (ends[i - 1] if i else 0) + max_batch_tokens, side="right")))
             brow, lens = todo[i:j], lens_all[i:j]
             fills = [self._rt_owner[k].fill() for k in brow.tolist()]
-            flat = np.concatenate(fills).astype(np.int32, copy=False) if fills else np.zeros(0, np.int32)
+            flat = np.concatenate(fills).astype(np.int32, copy=False)  # a copy: fills are read-only
             toks = torch.from_numpy(flat).to(self.device)
             ch = tree.chunk_hashes_flat(toks, lens, _rt_get(rt, brow, RT_NS), C)
             cnt = lens // C
             t0, c0 = self._pool_append(toks, ch)
-            rt[brow, RT_TOFF] = t0 + np.cumsum(lens) - lens
-            rt[brow, RT_COFF] = c0 + np.cumsum(cnt) - cnt
+            _rt_set(rt, brow, RT_TOFF, t0 + np.cumsum(lens) - lens)
+            _rt_set(rt, brow, RT_COFF, c0 + np.cumsum(cnt) - cnt)
             self._stamp += 1
-            rt[brow, RT_STAMP] = self._stamp  # offsets moved: device mirrors upload the row again
+            _rt_set(rt, brow, RT_STAMP, self._stamp)  # offsets moved: device mirrors upload the row again
             i = j
 
     def _pool_append(self, toks: torch.Tensor, ch: torch.Tensor):
@@ -1093,9 +1101,10 @@ class GpuScheduler(ReferenceScheduler):
         """`_window_drops` for a small window in Python over the rows: a match known on the
         tree's content is climbed to its capped depth (`path_position`'s climb), a kept one is
         checked by its two lookups (`check_matches`' test, `_probe_scalar`), the lock drops
-        are `admission._lock_drops_walk`. Returns (m list, drops list, evictable, (m, pos)
-        tensors), or None when a row has no match to trust or check (it must be searched:
-        `_checked_find`) or the cache is disabled."""
+        are `admission._lock_drops_walk`; rows with no match to trust or that fail the check
+        are searched (`_find_rows_scalar`, as `_checked_find` does). Returns (m list, drops
+        list, evictable, (m, pos) tensors), or None when more than `FIND_SCALAR_MAX` rows need
+        a search or the cache is disabled."""
         from .admission import _lock_drops_walk
 
         if self.cache.disable:
@@ -1105,6 +1114,7 @@ class GpuScheduler(ReferenceScheduler):
         ver = tree.version
         owner, key_off, key_len, parent = (a.numpy() for a in (tree.owner, tree.key_off, tree.key_len, tree.parent))
         ms, ps, nodes, covers = [], [], [], []
+        search = []  # window indices of rows whose match must be searched for
         cols = self._rt[rows][:, [RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2]]
         for fill, cap, mver, mlen, mpos, h1, h2 in cols.tolist():
             Lq = min(fill, cap) // P * P
@@ -1121,17 +1131,23 @@ class GpuScheduler(ReferenceScheduler):
                 cover = d - start
                 ms.append(d), ps.append(int(key_off[X]) + cover - 1), nodes.append(X), covers.append(cover)
                 continue
-            if mver == -1 or mlen > Lq or mlen % P:
-                return None
             # mlen is the match iff depth mlen is present (or 0) and depth mlen + P absent (or past Lq)
-            pos = tree._lookup_scalar(h1) if mlen > 0 else -1
-            if mlen > 0 and pos < 0 or mlen + P <= Lq and tree._lookup_scalar(h2) >= 0:
+            pos = -1
+            if (mver == -1 or mlen > Lq or mlen % P or mlen > 0 and (pos := tree._lookup_scalar(h1)) < 0
+                    or mlen + P <= Lq and tree._lookup_scalar(h2) >= 0):
+                search.append(len(ms))
+                mlen = 0  # found below
+            ms.append(mlen), ps.append(pos), nodes.append(0), covers.append(0)
+        if search:
+            if len(search) > self.FIND_SCALAR_MAX:
                 return None
-            if mlen == 0:
-                ms.append(0), ps.append(-1), nodes.append(0), covers.append(0)
-                continue
-            X = int(owner[pos])
-            ms.append(mlen), ps.append(pos), nodes.append(X), covers.append(pos - int(key_off[X]) + 1)
+            kept = self._find_rows_scalar(rows[search])
+            for j, mlen, pos in zip(search, kept[0].tolist(), kept[1].tolist()):
+                ms[j], ps[j] = mlen, pos
+        for j, pos in enumerate(ps):
+            if ms[j] > 0 and not covers[j]:  # a checked or searched match: its node holds pos
+                X = int(owner[pos])
+                nodes[j], covers[j] = X, pos - int(key_off[X]) + 1
         drops = _lock_drops_walk(parent, key_len, tree.lock_ref.numpy(), tree.alive.numpy(), nodes, covers,
                                  [v > 0 for v in ms])
         mp = torch.tensor([ms, ps], dtype=torch.int64, device=self.device)
@@ -1191,21 +1207,41 @@ class GpuScheduler(ReferenceScheduler):
             miss = np.flatnonzero(~ok.cpu().numpy())
         if miss.size:
             mrows = rows[miss]
-            tok, toff, lens, ns, ch, coff, cl = self._csr(mrows, True)
-            mc = int(cl.max()) if cl.numel() else 0
-            fm, fp = tree._find_csr(tok, toff, lens, lens, ns, ch, coff, cl, mc, be)
-            h1, h2 = tree.depth_hashes(tok, toff, ns, ch, coff, fm)
-            kept = torch.stack([fm, fp, h1, h2]).cpu().numpy()
-            _rt_set(self._rt, mrows, RT_MVER, -2)
-            _rt_set(self._rt, mrows, RT_MLEN, kept[0])
-            _rt_set(self._rt, mrows, RT_MPOS, kept[1])
-            _rt_set(self._rt, mrows, RT_H1, kept[2])
-            _rt_set(self._rt, mrows, RT_H2, kept[3])
+            if miss.size <= self.FIND_SCALAR_MAX and be == "torch" and dpolicy.host_device(dev):
+                kept = self._find_rows_scalar(mrows)
+                fm, fp = torch.from_numpy(kept[0]), torch.from_numpy(kept[1])
+            else:
+                tok, toff, lens, ns, ch, coff, cl = self._csr(mrows, True)
+                mc = int(cl.max()) if cl.numel() else 0
+                fm, fp = tree._find_csr(tok, toff, lens, lens, ns, ch, coff, cl, mc, be)
+                h1, h2 = tree.depth_hashes(tok, toff, ns, ch, coff, fm)
+                self._keep_found(mrows, torch.stack([fm, fp, h1, h2]).cpu().numpy())
             if m is None:
                 return fm, fp
             mi = torch.from_numpy(miss).to(dev)
             m, pos = m.index_copy(0, mi, fm), pos.index_copy(0, mi, fp)
         return m, pos
+
+    def _keep_found(self, rows: np.ndarray, kept: np.ndarray) -> None:
+        """Keep searched capped matches in the row table (kept: int64 [4, n] = length, pool
+        position, hashes at the length and one page on) with tree version -2: checked before
+        use (`check_matches`), never trusted."""
+        _rt_set(self._rt, rows, RT_MVER, -2)
+        for c, v in zip((RT_MLEN, RT_MPOS, RT_H1, RT_H2), kept):
+            _rt_set(self._rt, rows, c, v)
+
+    def _find_rows_scalar(self, rows: np.ndarray) -> np.ndarray:
+        """`_checked_find`'s search of a few table rows on the host (`FlatRadixTree._find_scalar`
+        per row, on the pools' views), kept like the array search's. int64 [4, n] (length,
+        position, the two hashes)."""
+        self._ensure_hashed(rows)
+        tok, ch = (x.numpy() for x in self._pools())
+        cols = self._rt[rows][:, [RT_TOFF, RT_COFF, RT_FILL, RT_CAP, RT_NS]].tolist()
+        find = self.cache.tree._find_scalar
+        kept = np.array([find(tok, ch, toff, coff, min(fill, cap), ns) for toff, coff, fill, cap, ns in cols],
+                        dtype=np.int64).reshape(len(cols), 4).T.copy()
+        self._keep_found(rows, kept)
+        return kept
 
     def _admit_run(self, run: List[ReqState], ends: List[int], adder, rematch: Optional[ReqState] = None,
                    matched=None) -> None:

@@ -19,17 +19,17 @@ CONFIGS = [(1, None), (1, 3), (4, None), (4, 2), (16, None), (16, 1)]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def build(page_size, chunk_pages, seed):
+def build(page_size, chunk_pages, seed, dev=DEV):
     rng = random.Random(seed)
     tree = FlatRadixTree(page_size, max_nodes=4096, token_capacity=1 << 15, chunk_pages=chunk_pages, seed=seed,
-                         device=DEV)
+                         device=dev)
     bases = [[rng.randrange(6) for _ in range(rng.randrange(1, 120))] for _ in range(12)]
     slot = 0
     for _ in range(40):
         b = bases[rng.randrange(len(bases))]
         seq = b[: rng.randrange(len(b) + 1)] + [rng.randrange(6) for _ in range(rng.randrange(0, 40))]
         ns = rng.randrange(2)
-        tree.insert(torch.tensor(seq, dtype=torch.int32, device=DEV), torch.arange(slot, slot + len(seq), device=DEV),
+        tree.insert(torch.tensor(seq, dtype=torch.int32, device=dev), torch.arange(slot, slot + len(seq), device=dev),
                     ns)
         slot += len(seq)
     return rng, tree, bases
@@ -123,6 +123,44 @@ def check_matches_case(page_size, chunk_pages, be):
     m3, _ = csr.find(tree)
     assert bool((m3 != m2).any())
     check_all(tree, csr, g, h1, h2, be)
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="the scalar search is the CPU tree's")
+@pytest.mark.parametrize("forms", ["numpy", "torch"])
+@pytest.mark.parametrize("page_size,chunk_pages", CONFIGS)
+def test_find_scalar_is_find_csr(page_size, chunk_pages, forms):
+    """`_find_scalar` (one query, binary searches of scalar lookups) gives `_find_csr`'s
+    matched length and position and `depth_hashes`' two hashes at that length, for queries
+    cut at any length (what a capped match reads), short queries with no whole chunk (an
+    empty chunk-hash pool) and empty ones (an empty token pool), on a tree before and after inserts and evictions; the array form on
+    the CPU in its numpy and its torch form."""
+    rng, tree, bases = build(page_size, chunk_pages, seed=7 + page_size * 10 + (chunk_pages or 0))
+    qs = queries(rng, bases, 120) + [([rng.randrange(6) for _ in range(rng.randrange(tree.C))], 0) for _ in range(8)]
+    csr = Csr(tree, qs)
+    short = Csr(tree, qs[-8:])  # no whole chunk anywhere: the pool holds no chunk hash
+    empty = Csr(tree, [([], 0), ([], 1)])  # no token at all: the window reads ones
+    assert short.ch.numel() == 0 and empty.tok.numel() == 0
+    cut = torch.tensor([rng.randrange(len(q) + 1) for q, _ in qs], dtype=torch.int64)
+    hits = 0
+    for step in range(3):
+        for c, lengths in ((csr, None), (csr, cut), (short, None), (empty, None)):
+            with contextlib.nullcontext() if forms == "numpy" else P.torch_forms():
+                m, pos = c.find(tree, lengths)
+                h1, h2 = c.hashes(tree, m)
+            lens = (c.lens if lengths is None else lengths).tolist()
+            tok, ch = c.tok.numpy(), c.ch.numpy()
+            got = [tree._find_scalar(tok, ch, int(c.toff[i]), int(c.coff[i]), lens[i], int(c.ns[i]))
+                   for i in range(len(lens))]
+            want = list(zip(m.tolist(), pos.tolist(), h1.tolist(), h2.tolist()))
+            assert got == want, (step, [(i, a, b) for i, (a, b) in enumerate(zip(got, want)) if a != b][:3])
+            hits += int((m > 0).sum())
+        if step == 0:  # longer matches for some queries
+            for q, ns in qs[:30]:
+                ext = q + [rng.randrange(6) for _ in range(rng.randrange(1, 20))]
+                tree.insert(torch.tensor(ext, dtype=torch.int32), torch.arange(len(ext)) + 10**6, ns)
+        else:  # shorter ones
+            tree.evict(int(tree.evictable_size) // 2)
+    assert hits > 100
 
 
 @pytest.mark.parametrize("page_size,chunk_pages", CONFIGS)

@@ -11,6 +11,7 @@ each insert's present length, the evicted node order and values, the tree as a s
 tests/test_kernels_radix.py runs the same lanes with backend="triton".
 """
 
+import contextlib
 import random
 
 import numpy as np
@@ -515,11 +516,18 @@ def test_chunk_page_hashes_host_equals_torch(B):
     assert B == 1 or (bool((lo == 0).any()) and bool((lo > 0).any()))
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
 @pytest.mark.parametrize("every", [1, 3, 8])
-def test_chunk_hashes_flat_equal_padded_prefix_hashes(every):
+def test_chunk_hashes_flat_equal_padded_prefix_hashes(every, host):
     """`chunk_hashes_flat` (sequences end to end) gives `prefix_hashes`' values (padded batch,
     masked to each sequence's lengths // every), empty and short sequences and token ids up to
-    int32's top included; more than 2^32 - 1 tokens are refused before anything is computed."""
+    int32's top included; more than 2^32 - 1 tokens are refused before anything is computed.
+    On the CPU both forms: numpy's (`_chunk_hashes_flat_host`) and torch's."""
+    with contextlib.nullcontext() if host else PM.torch_forms():
+        _check_chunk_hashes_flat(every)
+
+
+def _check_chunk_hashes_flat(every):
     rng = np.random.default_rng(every)
     tree = FlatRadixTree(page_size=1)
     for B in (0, 1, 7, 40):
