@@ -174,15 +174,12 @@ def _squeeze_ends(k: np.ndarray):
 
 def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:
     """Stable ascending argsort (int64 [n]) of the key made of `parts`, most significant first:
-    each (offsets, span) non-negative with offsets <= span. Parts of 8 bits or fewer in all
-    (16 or fewer up to 4096 rows) are packed into one uint8 / uint16 value per row and sorted
-    by numpy's stable argsort, which is a radix sort for those types: about 8-20 ns per row
-    from 1k to 256k for uint8 here, where the packed sort below costs 31 ns per row at 1k
-    (its extra passes) and 10-16 ns from 16k; uint16's two passes lose to it from about 16k
-    rows (min of repeated calls on the 2-core CI-class CPU). Wider parts and each row's index are
-    packed into one uint32 / uint64 value per row, most significant first; the values are
-    distinct, so numpy's default (unstable, vectorized on x86) sort gives the stable order, then
-    the index is read back from the low bits. Parts that are all constant: queue order. None
+    each (offsets, span) non-negative with offsets <= span. Parts of 16 bits or fewer in all
+    are packed into one uint8 / uint16 value per row and sorted by numpy's stable argsort,
+    which is a radix sort for those types (`_narrow`: 4-16 ns per row). Wider parts and each
+    row's index are packed into one uint32 / uint64 value per row, most significant first; the
+    values are distinct, so numpy's default (unstable) sort gives the stable order, then the
+    index is read back from the low bits. Parts that are all constant: queue order. None
     when a packed sort would need more than 64 bits (the parts' and those of n - 1)."""
     nb = max(n - 1, 0).bit_length()
     widths = [span.bit_length() for _, span in parts]
@@ -203,8 +200,12 @@ def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:
 
 def _narrow(span: int, n: int) -> bool:
     """Whether a key of this span (offsets in [0, span]) over n rows is sorted as uint8 / uint16
-    by `_narrow_argsort` (numpy's radix sort) rather than packed with the row index."""
-    return span < 256 or (span < 65536 and n <= 4096)
+    by `_narrow_argsort` (numpy's radix sort) rather than packed with the row index: at every
+    n. On the CI-class CPU (AMD EPYC, numpy 2.4: its unstable sort is not vectorized there) a
+    uint16 radix argsort costs 4-16 ns per row from 4k to 1M rows, the packed uint32 / uint64
+    sort 18-64 ns (a CPU where numpy's sort is vectorized had the packed sort ahead from about
+    16k rows, by 1.4x: the radix sort is the safer side of the two)."""
+    return span < 65536
 
 
 def _narrow_argsort(off: np.ndarray, span: int) -> np.ndarray:

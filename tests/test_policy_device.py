@@ -203,7 +203,7 @@ def test_packed_argsort_parts_at_the_type_limits(n):
 def test_host_perm_narrow_keys_at_their_limits(n, descending):
     """`host_perm`'s one- and two-byte branch (`_narrow_argsort`, taken before any packing) is
     the stable order by the key, ascending or descending, at spans around its limits (255 /
-    256 at any n; 65535 / 65536 up to and past 4096 rows), for int64 and int32 keys placed at
+    256, 65535 / 65536, at any n), for int64 and int32 keys placed at
     their type's ends, where `hi - key` and `key - lo` would overflow were the span not small."""
     rng = np.random.default_rng(n + descending)
     for dtype in (np.int64, np.int32):
