@@ -459,10 +459,10 @@ class FlatRadixTree:
             out.append(slot)
         return out
 
-    def _lookup_scalar(self, h: int) -> int:
-        """`lookup` of one hash on a CPU table, in Python: its value, -1 if absent."""
-        slot = self._probe_scalar(self.hkeys.numpy(), [h])[0]
-        return int(self.hvals.numpy()[slot]) if slot >= 0 else -1
+    def _lookup_scalar(self, hs: List[int]) -> List[int]:
+        """`lookup` of a few hashes on a CPU table, in Python: their values, -1 if absent."""
+        vals = self.hvals.numpy()
+        return [int(vals[s]) if s >= 0 else -1 for s in self._probe_scalar(self.hkeys.numpy(), hs)]
 
     def lookup(self, h: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
         """Pool position stored for each prefix hash, -1 if absent."""

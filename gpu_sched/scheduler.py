@@ -55,6 +55,8 @@ BACKENDS = ("torch", "triton")
 (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_TOFF, RT_COFF,
  RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_HEADT, RT_HEAD, RT_STAMP, RT_PRIO, RT_TIME, RT_RKEY) = range(20)
 RT_COLS = 20
+#: the row-table columns `_window_drops_scalar` reads
+_SCALAR_COLS = np.array([RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2])
 _DEV_ROW = operator.attrgetter("dev_row")
 _OUTPUT_IDS = operator.attrgetter("req.output_ids")
 _PRIORITY = operator.attrgetter("priority")
@@ -1115,8 +1117,10 @@ class GpuScheduler(ReferenceScheduler):
         owner, key_off, key_len, parent = (a.numpy() for a in (tree.owner, tree.key_off, tree.key_len, tree.parent))
         ms, ps, nodes, covers = [], [], [], []
         search = []  # window indices of rows whose match must be searched for
-        cols = self._rt[rows][:, [RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2]]
-        for fill, cap, mver, mlen, mpos, h1, h2 in cols.tolist():
+        cols = self._rt[rows[:, None], _SCALAR_COLS].tolist()
+        # the kept matches' two lookups each, all at once (`check_matches`' test, below)
+        found = iter(tree._lookup_scalar([h for c in cols if c[2] not in (ver, -1) for h in c[5:]]))
+        for fill, cap, mver, mlen, mpos, h1, h2 in cols:
             Lq = min(fill, cap) // P * P
             if mver == ver:  # the full match on this content: its capped part lies on its path
                 d = min(Lq, mlen)
@@ -1132,12 +1136,11 @@ class GpuScheduler(ReferenceScheduler):
                 ms.append(d), ps.append(int(key_off[X]) + cover - 1), nodes.append(X), covers.append(cover)
                 continue
             # mlen is the match iff depth mlen is present (or 0) and depth mlen + P absent (or past Lq)
-            pos = -1
-            if (mver == -1 or mlen > Lq or mlen % P or mlen > 0 and (pos := tree._lookup_scalar(h1)) < 0
-                    or mlen + P <= Lq and tree._lookup_scalar(h2) >= 0):
+            pos, pos2 = (next(found), next(found)) if mver != -1 else (-1, -1)
+            if mver == -1 or mlen > Lq or mlen % P or mlen > 0 and pos < 0 or mlen + P <= Lq and pos2 >= 0:
                 search.append(len(ms))
                 mlen = 0  # found below
-            ms.append(mlen), ps.append(pos), nodes.append(0), covers.append(0)
+            ms.append(mlen), ps.append(pos if mlen > 0 else -1), nodes.append(0), covers.append(0)
         if search:
             if len(search) > self.FIND_SCALAR_MAX:
                 return None
@@ -1150,7 +1153,7 @@ class GpuScheduler(ReferenceScheduler):
                 nodes[j], covers[j] = X, pos - int(key_off[X]) + 1
         drops = _lock_drops_walk(parent, key_len, tree.lock_ref.numpy(), tree.alive.numpy(), nodes, covers,
                                  [v > 0 for v in ms])
-        mp = torch.tensor([ms, ps], dtype=torch.int64, device=self.device)
+        mp = torch.from_numpy(np.array([ms, ps], dtype=np.int64)).to(self.device)
         return ms, drops, tree.evictable_size, (mp[0], mp[1])
 
     def _rematch(self, r: ReqState) -> None:
