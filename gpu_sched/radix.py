@@ -243,8 +243,10 @@ class FlatRadixTree:
 
     @staticmethod
     def _seed(ns, p: int):
-        """A namespace's hash seed mod p, for int tensors or numpy arrays (int64 results)."""
-        ns = ns.astype(np.int64) if isinstance(ns, np.ndarray) else ns.to(torch.int64)
+        """A namespace's hash seed mod p, for int tensors or numpy arrays (int64 results) or a
+        Python int."""
+        if not isinstance(ns, int):
+            ns = ns.astype(np.int64) if isinstance(ns, np.ndarray) else ns.to(torch.int64)
         return (ns * 1000003 + 12345) % p
 
     def prefix_hashes(self, tokens: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
@@ -829,7 +831,7 @@ class FlatRadixTree:
             h = int(ch[min(max(coff + lo - 1, 0), ch.size - 1)]) if ch.size else 0
             a, b = h >> 31, h & (2**31 - 1)
         else:
-            a, b = (ns * 1000003 + 12345) % P1, (ns * 1000003 + 12345) % P2
+            a, b = self._seed(ns, P1), self._seed(ns, P2)
         start, top = toff + lo * self.C, tok.size - 1
         x = tok[max(min(start, top), 0) : start + n_in * self.P].tolist() if tok.size else []
         x += [x[-1] if tok.size else 0] * (n_in * self.P - len(x))  # past the pool: its last token
