@@ -787,19 +787,7 @@ class FlatRadixTree:
         last two as `depth_hashes` computes them (garbage where it does)."""
         P, C = self.P, self.C
         Lq = length // P * P
-        keys, vals = self.hkeys.numpy(), self.hvals.numpy()
-
-        def search(hs, hi):  # largest j in [0, hi] with hs[j - 1] present, and its value
-            a, pos = 0, -1
-            while a < hi:
-                mid = (a + hi + 1) // 2
-                slot = self._probe_scalar(keys, [int(hs[mid - 1])])[0]
-                if slot >= 0:
-                    a, pos = mid, int(vals[slot])
-                else:
-                    hi = mid - 1
-            return a, pos
-
+        search = self._search_scalar
         lo, pos = search(ch[coff:], Lq // C) if ch.size else (0, -1)
         last = max(ch.size - 1, 0)
         hin = self._page_hashes_scalar(tok, ch, toff, coff, lo, ns)
@@ -817,6 +805,21 @@ class FlatRadixTree:
             return hin[min(max(r // P - 1, 0), len(hin) - 1)]
 
         return m, pos, at(m), at(m + P)
+
+    def _search_scalar(self, hs, hi: int) -> Tuple[int, int]:
+        """`_search` of one row on a CPU table as a binary search of scalar probes: the largest
+        j in [0, hi] whose hash hs[j - 1] is present (presence is monotone in j, so any search
+        finds the same point) and its stored value (-1 for 0). hs: a sequence of int hashes."""
+        keys, vals = self.hkeys.numpy(), self.hvals.numpy()
+        a, pos = 0, -1
+        while a < hi:
+            mid = (a + hi + 1) // 2
+            slot = self._probe_scalar(keys, [int(hs[mid - 1])])[0]
+            if slot >= 0:
+                a, pos = mid, int(vals[slot])
+            else:
+                hi = mid - 1
+        return a, pos
 
     def _page_hashes_scalar(self, tok: np.ndarray, ch: np.ndarray, toff: int, coff: int, lo: int,
                             ns: int) -> List[int]:
@@ -1323,8 +1326,11 @@ class FlatRadixTree:
         W, Lmax = tok.shape
         npg = Lmax // P
         pe = full_h[:, P - 1 :: P][:, :npg].reshape(-1)  # page-end hashes, row-major [W * npg]
-        arity = 255 if W == 1 else max(self._arity(W), 15)
-        k, kpos = self._search(lens // P, lambda rows, q: pe[rows * npg + q - 1], arity, be)
+        if W <= SCALAR_BATCH and W == 1 and be == "torch" and _host(pe):  # ~log2(pages) scalar probes
+            k, kpos = (torch.tensor([v]) for v in self._search_scalar(pe.numpy(), int(lens[0]) // P))
+        else:
+            arity = 255 if W == 1 else max(self._arity(W), 15)
+            k, kpos = self._search(lens // P, lambda rows, q: pe[rows * npg + q - 1], arity, be)
         m = k * P
         new = lens - m
         leaf = new > 0

@@ -311,7 +311,8 @@ ROUNDS = 50
 def test_random_operation_sequences(page_size, chunk_pages, walks, monkeypatch):
     """LANES random sequences x ROUNDS operations per configuration (512 in all), with the
     CPU's Python walks for small batches (applies without splits, stamps, locks; the default
-    up to `radix.SCALAR_BATCH`) and without them (every batch through the array forms)."""
+    up to `radix.SCALAR_BATCH`; a single insert's search) and without them (every batch
+    through the array forms)."""
     if not walks:
         monkeypatch.setattr(radix_module, "SCALAR_BATCH", -1)
     n = torch.get_num_threads()
@@ -332,6 +333,33 @@ def test_page_size_short_query_matches_nothing():
     m, last = tree.match(t, lens, torch.tensor([0]))
     assert int(m[0]) == 0 and int(last[0]) == 0
     assert tree.triples() == set()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("walks", [True, False])
+def test_insert_finds_every_present_length(page_size, walks, monkeypatch):
+    """A single insert's search (the scalar binary search on the CPU, the array rounds
+    without the walks) returns the present length whatever it is: every page count of a
+    sequence already cached, from none to all of it and one page short of the new sequence's
+    end, whose last page alone is then entered."""
+    if not walks:
+        monkeypatch.setattr(radix_module, "SCALAR_BATCH", -1)
+    P = page_size
+    rng = np.random.default_rng(P)
+    for pages in range(0, 12):
+        tree = FlatRadixTree(P, max_nodes=64, token_capacity=1024)
+        seq = rng.integers(0, 50, 12 * P).astype(np.int32)
+        if pages:
+            assert tree.insert(torch.from_numpy(seq[: pages * P]), torch.arange(pages * P), 0) == 0
+        for extra in (0, 1, 2):  # re-insert as long, one page longer, two pages longer
+            n = min(12, pages + extra) * P
+            got = tree.insert(torch.from_numpy(seq[:n]), torch.arange(n) + 10**4, 0)
+            assert got == min(pages * P, n), (pages, extra, got)
+            pages = max(pages, n // P)
+        t, lens = pad([seq.tolist()])
+        m, _ = tree.match(t, lens, torch.tensor([0]))
+        assert int(m[0]) == pages * P
+        tree.check_integrity()
 
 
 def test_batched_match_splits_like_sequential():
