@@ -29,7 +29,7 @@ How the orders are built (one idea per policy):
 
 On CPU tensors (outside `torch.compile`, `HOST_PATHS` on) the integer-key sorts (one key or
 two packed with the row index into one uint32/uint64 value, `host_perm` / `host_lex_perm`;
-keys of 8 bits or fewer, and of 16 up to 4096 rows, by numpy's stable radix sort instead)
+keys of 16 bits or fewer by numpy's stable radix sort instead, `_narrow`)
 and the fcfs, lof and routing-key orders run as numpy calls on views of the tensors: there is
 no device to sync with, and a numpy call costs 1-3 us where a torch CPU op costs 5-15 us,
 which is most of an ordering's time below a few thousand requests. An int64 key holding the
