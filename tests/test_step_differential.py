@@ -159,9 +159,11 @@ def _groups(n, size):
 def test_torch_steps_match_reference(families, windows, monkeypatch):
     # both forms of a small admission window: the reference's loop on the window's matches
     # and lock drops (`GpuScheduler._scalar_admission`, the default up to SCALAR_WINDOW
-    # requests) and the static step (`admit_step`) that larger windows take
+    # requests, first matches by scalar searches up to FIND_SCALAR_MAX rows) and the static
+    # step (`admit_step`) that larger windows take, its first matches by the array search
     if windows == "static":
         monkeypatch.setattr(GpuScheduler, "SCALAR_WINDOW", 0)
+        monkeypatch.setattr(GpuScheduler, "FIND_SCALAR_MAX", 0)
     _run_group(families, "torch", small=False)
 
 
