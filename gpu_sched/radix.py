@@ -1355,6 +1355,10 @@ class FlatRadixTree:
         _, last = self._apply(m, kpos, be, stamp, head_cid)
         if n_leaf == 0:
             return m.tolist()
+        if W <= SCALAR_BATCH and W == 1 and be == "torch" and _host(tok):
+            self._write_leaf_host(tok, val, full_h, int(m[0]), int(lens[0]), int(last[0]), int(stamp[0]),
+                                  int(head_cid[0]) + 1, order0, int(nsv[0]))
+            return m.tolist()
         off = self._alloc_tokens(n_new)
         rows = torch.nonzero(leaf).flatten()
         ids = self._alloc_nodes(n_leaf)
@@ -1386,6 +1390,31 @@ class FlatRadixTree:
         self._log_change(self.hsh[page_ends])
         self.evictable_size += n_new
         return m.tolist()
+
+    def _write_leaf_host(self, tok, val, full_h, m: int, L: int, par: int, stamp: int, cid: int, order: int,
+                         ns: int) -> None:
+        """`_insert_wave`'s leaf for one sequence on a CPU tree, written through numpy views:
+        the same token-pool slice, node fields, child count, table entries of its page ends and
+        change log as the array writes (some 20 indexed tensor writes of ~10-20 us each), for
+        the new part [m, L) of row 0 of tok / val / full_h under parent node `par`."""
+        n_new, P = L - m, self.P
+        off = self._alloc_tokens(n_new)
+        node = int(self._alloc_nodes(1)[0])
+        dst = slice(off, off + n_new)
+        self.tok.numpy()[dst] = tok.numpy()[0, m:L]
+        self.val.numpy()[dst] = val.numpy()[0, m:L]
+        self.hsh.numpy()[dst] = full_h.numpy()[0, m:L]
+        self.owner.numpy()[dst] = node
+        for a, v in ((self.parent, par), (self.key_off, off), (self.key_len, n_new), (self.start, m),
+                     (self.lock_ref, 0), (self.last_access, stamp), (self.cid, cid), (self.order, order),
+                     (self.ns, ns), (self.nchild, 0), (self.alive, True)):
+            a.numpy()[node] = v
+        self.nchild.numpy()[par] += 1
+        page_ends = torch.arange(off + P - 1, off + n_new, P)  # m is page-aligned: every P-th new token
+        h = self.hsh[page_ends]
+        self._table_insert(h, page_ends)
+        self._log_change(h)
+        self.evictable_size += n_new
 
     def _live_tokens(self) -> int:
         b = self._hwm

@@ -362,6 +362,47 @@ def test_insert_finds_every_present_length(page_size, walks, monkeypatch):
         tree.check_integrity()
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_single_insert_walk_writes_what_the_array_form_writes(page_size, monkeypatch):
+    """A single insert's host path (scalar search, leaf written through numpy views) leaves
+    every array of the tree (token pool, node fields, hash table, sizes) and its change log
+    exactly as the array path does, over inserts that extend, split and repeat cached
+    sequences, interleaved with matches (stamps) and evictions, through a compaction of the
+    small token pool."""
+    P = page_size
+    rng = np.random.default_rng(7 + P)
+    trees = [FlatRadixTree(P, max_nodes=512, token_capacity=160 * P, seed=3) for _ in range(2)]
+    bases = [rng.integers(0, 6, int(rng.integers(1, 16)) * P).astype(np.int32) for _ in range(6)]
+    for step in range(120):
+        b = bases[int(rng.integers(len(bases)))]
+        seq = np.concatenate([b[: int(rng.integers(len(b) + 1))], rng.integers(0, 6, int(rng.integers(0, 3 * P)))])
+        op = int(rng.integers(6))
+        outs = []
+        for k, tree in enumerate(trees):
+            with monkeypatch.context() as mp:
+                if k:  # the second tree: every batch through the array forms
+                    mp.setattr(radix_module, "SCALAR_BATCH", -1)
+                if op == 0 or int(tree.evictable_size) > 100 * P:
+                    outs.append(tree.evict(int(tree.evictable_size) // 2).num_tokens)
+                elif op == 1:
+                    t, lens = pad([seq.tolist()])
+                    outs.append(tree.match(t, lens, torch.tensor([0]))[0].tolist())
+                else:
+                    outs.append(tree.insert(torch.from_numpy(seq.astype(np.int32)), torch.arange(len(seq)) + step * 100,
+                                            int(step % 2)))
+        assert outs[0] == outs[1], (step, outs)
+        a, b2 = trees
+        for x, y in zip(a._node_arrays() + [a.alive, a.tok, a.val, a.hsh, a.owner, a.hkeys, a.hvals,
+                                            a.evictable_size, a.protected_size],
+                        b2._node_arrays() + [b2.alive, b2.tok, b2.val, b2.hsh, b2.owner, b2.hkeys, b2.hvals,
+                                             b2.evictable_size, b2.protected_size]):
+            assert torch.equal(x, y), step
+        assert (a.top, a.clock, a.next_cid, a.next_order, a._free_nodes) == \
+            (b2.top, b2.clock, b2.next_cid, b2.next_order, b2._free_nodes), step
+        assert [h.tolist() for _, h in a._log] == [h.tolist() for _, h in b2._log], step
+    a.check_integrity()
+
+
 def test_batched_match_splits_like_sequential():
     """R-RC-4 / SPEC 8: several queries cutting one node at different depths in one batch."""
     pr = Pair(1)
