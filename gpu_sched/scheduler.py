@@ -812,15 +812,19 @@ class GpuScheduler(ReferenceScheduler):
             miss = torch.arange(len(rows), device=dev)
         if miss.numel():
             mi = miss.cpu().numpy()
-            tok, toff, mlen, ns, ch, coff, cl = self._csr(rows[mi], False)
-            mc = int(sel[mi, RT_FILL].max(initial=0)) // tree.C
-            fm, fp = tree._find_csr(tok, toff, mlen, mlen, ns, ch, coff, cl, mc, be)
-            h1, h2 = tree.depth_hashes(tok, toff, ns, ch, coff, fm)
+            if mi.size <= self.FIND_SCALAR_MAX and be == "torch" and dpolicy.host_device(dev):
+                k4 = self._find_rows_scalar(rows[mi], capped=False)  # a few rows: scalar searches
+                fm, fp, hh = torch.from_numpy(k4[0]), torch.from_numpy(k4[1]), k4[2:]
+            else:
+                tok, toff, mlen, ns, ch, coff, cl = self._csr(rows[mi], False)
+                mc = int(sel[mi, RT_FILL].max(initial=0)) // tree.C
+                fm, fp = tree._find_csr(tok, toff, mlen, mlen, ns, ch, coff, cl, mc, be)
+                h1, h2 = tree.depth_hashes(tok, toff, ns, ch, coff, fm)
+                hh = torch.stack([h1, h2]).cpu().numpy()
             if m is None:
                 m, pos = fm, fp
             else:
                 m, pos = m.index_copy(0, miss, fm), pos.index_copy(0, miss, fp)
-            hh = torch.stack([h1, h2]).cpu().numpy()
             _rt_set(self._rt, rows[mi], RT_MVER, -1)  # no hint until the caller writes the new lengths
             _rt_set(self._rt, rows[mi], RT_H1, hh[0])
             _rt_set(self._rt, rows[mi], RT_H2, hh[1])
@@ -1234,17 +1238,19 @@ class GpuScheduler(ReferenceScheduler):
         for c, v in zip((RT_MLEN, RT_MPOS, RT_H1, RT_H2), kept):
             _rt_set(self._rt, rows, c, v)
 
-    def _find_rows_scalar(self, rows: np.ndarray) -> np.ndarray:
-        """`_checked_find`'s search of a few table rows on the host (`FlatRadixTree._find_scalar`
-        per row, on the pools' views), kept like the array search's. int64 [4, n] (length,
-        position, the two hashes)."""
+    def _find_rows_scalar(self, rows: np.ndarray, capped: bool = True) -> np.ndarray:
+        """The search of a few table rows on the host (`FlatRadixTree._find_scalar` per row, on
+        the pools' views): capped matches as `_checked_find`'s, kept like its array search's;
+        with `capped` False full-length matches as `_full_match`'s (its caller keeps them).
+        int64 [4, n] (length, position, the two hashes)."""
         self._ensure_hashed(rows)
         tok, ch = (x.numpy() for x in self._pools())
         cols = self._rt[rows][:, [RT_TOFF, RT_COFF, RT_FILL, RT_CAP, RT_NS]].tolist()
         find = self.cache.tree._find_scalar
-        kept = np.array([find(tok, ch, toff, coff, min(fill, cap), ns) for toff, coff, fill, cap, ns in cols],
-                        dtype=np.int64).reshape(len(cols), 4).T.copy()
-        self._keep_found(rows, kept)
+        kept = np.array([find(tok, ch, toff, coff, min(fill, cap) if capped else fill, ns)
+                         for toff, coff, fill, cap, ns in cols], dtype=np.int64).reshape(len(cols), 4).T.copy()
+        if capped:
+            self._keep_found(rows, kept)
         return kept
 
     def _admit_run(self, run: List[ReqState], ends: List[int], adder, rematch: Optional[ReqState] = None,
