@@ -186,7 +186,7 @@ def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:
     kb = sum(widths)
     if kb == 0:  # every part constant: queue order
         return np.arange(n, dtype=np.int64)
-    if _narrow((1 << kb) - 1, n):  # numpy's stable sort of these is a radix sort
+    if _narrow((1 << kb) - 1):  # numpy's stable sort of these is a radix sort
         return np.argsort(_pack_parts(parts, widths, np.uint8 if kb <= 8 else np.uint16), kind="stable")
     total = nb + kb
     if total > 64:
@@ -198,10 +198,10 @@ def _packed_argsort(parts, n: int) -> Optional[np.ndarray]:
     return (packed & ut((1 << nb) - 1)).astype(np.int64)
 
 
-def _narrow(span: int, n: int) -> bool:
-    """Whether a key of this span (offsets in [0, span]) over n rows is sorted as uint8 / uint16
-    by `_narrow_argsort` (numpy's radix sort) rather than packed with the row index: at every
-    n. On the CI-class CPU (AMD EPYC, numpy 2.4: its unstable sort is not vectorized there) a
+def _narrow(span: int) -> bool:
+    """Whether a key of this span (offsets in [0, span]) is sorted as uint8 / uint16 by
+    `_narrow_argsort` (numpy's radix sort) rather than packed with the row index, at any queue
+    size. On the CI-class CPU (AMD EPYC, numpy 2.4: its unstable sort is not vectorized there) a
     uint16 radix argsort costs 4-16 ns per row from 4k to 1M rows, the packed uint32 / uint64
     sort 18-64 ns (a CPU where numpy's sort is vectorized had the packed sort ahead from about
     16k rows, by 1.4x: the radix sort is the safer side of the two)."""
@@ -231,7 +231,7 @@ def rank_perm_host(key: np.ndarray, span: int) -> np.ndarray:
     """Stable ascending permutation (int64 [n]) of a key of ranks in [0, span] (no min/max
     pass): one packed sort (`_packed_argsort`), or numpy's stable argsort when the ranks and
     the row index do not fit 64 bits together."""
-    if _narrow(span, key.size):  # without `_packed_argsort`'s glue
+    if _narrow(span):  # without `_packed_argsort`'s glue
         return _narrow_argsort(key, span)
     perm = _packed_argsort([(key, span)], key.size)
     return perm if perm is not None else np.argsort(key, kind="stable")
@@ -244,7 +244,7 @@ def host_perm(key: np.ndarray, descending: bool = False) -> Optional[np.ndarray]
         return np.zeros(key.size, dtype=np.int64)
     lo, hi = key.min(), key.max()
     span = int(hi) - int(lo)
-    if _narrow(span, key.size):  # priorities, max-new lengths: without the `_offsets` glue
+    if _narrow(span):  # priorities, max-new lengths: without the `_offsets` glue
         return _narrow_argsort((hi - key) if descending else (key - lo), span)
     return _packed_argsort([_offsets(key, descending, lo, hi)], key.size)
 

@@ -1331,7 +1331,10 @@ class FlatRadixTree:
         W, Lmax = tok.shape
         npg = Lmax // P
         pe = full_h[:, P - 1 :: P][:, :npg].reshape(-1)  # page-end hashes, row-major [W * npg]
-        if W <= SCALAR_BATCH and W == 1 and be == "torch" and _host(pe):  # ~log2(pages) scalar probes
+        # one sequence on a CPU tree (off with the other walks when SCALAR_BATCH < 1): its search
+        # by ~log2(pages) scalar probes, its leaf written through numpy views
+        one = W == 1 and SCALAR_BATCH >= 1 and be == "torch" and _host(pe)
+        if one:
             k, kpos = (torch.tensor([v]) for v in self._search_scalar(pe.numpy(), int(lens[0]) // P))
         else:
             arity = 255 if W == 1 else max(self._arity(W), 15)
@@ -1360,7 +1363,7 @@ class FlatRadixTree:
         _, last = self._apply(m, kpos, be, stamp, head_cid)
         if n_leaf == 0:
             return m.tolist()
-        if W <= SCALAR_BATCH and W == 1 and be == "torch" and _host(tok):
+        if one:
             self._write_leaf_host(tok, val, full_h, int(m[0]), int(lens[0]), int(last[0]), int(stamp[0]),
                                   int(head_cid[0]) + 1, order0, int(nsv[0]))
             return m.tolist()

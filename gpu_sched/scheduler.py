@@ -57,6 +57,8 @@ BACKENDS = ("torch", "triton")
 RT_COLS = 20
 #: the row-table columns `_window_drops_scalar` reads
 _SCALAR_COLS = np.array([RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2])
+#: and those `_find_rows_scalar` reads
+_FIND_COLS = np.array([RT_TOFF, RT_COFF, RT_FILL, RT_CAP, RT_NS])
 _DEV_ROW = operator.attrgetter("dev_row")
 _OUTPUT_IDS = operator.attrgetter("req.output_ids")
 _PRIORITY = operator.attrgetter("priority")
@@ -517,10 +519,7 @@ class GpuScheduler(ReferenceScheduler):
         ends = np.cumsum(lens_all)
         i = 0
         while i < todo.size:
-            if ends[-1] - (ends[i - 1] if i else 0) <= max_batch_tokens:
-                j = todo.size  # the rest fits in one batch
-            else:
-                j = max(i + 1, int(np.searchsorted(ends, (ends[i - 1] if i else 0) + max_batch_tokens, side="right")))
+            j = max(i + 1, int(np.searchsorted(ends, (ends[i - 1] if i else 0) + max_batch_tokens, side="right")))
             brow, lens = todo[i:j], lens_all[i:j]
             fills = [self._rt_owner[k].fill() for k in brow.tolist()]
             flat = np.concatenate(fills).astype(np.int32, copy=False)  # a copy: fills are read-only
@@ -812,8 +811,8 @@ class GpuScheduler(ReferenceScheduler):
             miss = torch.arange(len(rows), device=dev)
         if miss.numel():
             mi = miss.cpu().numpy()
-            if mi.size <= self.FIND_SCALAR_MAX and be == "torch" and dpolicy.host_device(dev):
-                k4 = self._find_rows_scalar(rows[mi], capped=False)  # a few rows: scalar searches
+            if self._scalar_find(mi.size):
+                k4 = self._find_rows_scalar(rows[mi], capped=False)
                 fm, fp, hh = torch.from_numpy(k4[0]), torch.from_numpy(k4[1]), k4[2:]
             else:
                 tok, toff, mlen, ns, ch, coff, cl = self._csr(rows[mi], False)
@@ -1149,7 +1148,8 @@ class GpuScheduler(ReferenceScheduler):
         if search:
             if len(search) > self.FIND_SCALAR_MAX:
                 return None
-            kept = self._find_rows_scalar(rows[search])
+            kept = self._find_rows_scalar(rows[search], capped=True)
+            self._keep_found(rows[search], kept)
             for j, mlen, pos in zip(search, kept[0].tolist(), kept[1].tolist()):
                 ms[j], ps[j] = mlen, pos
         for j, pos in enumerate(ps):
@@ -1215,8 +1215,9 @@ class GpuScheduler(ReferenceScheduler):
             miss = np.flatnonzero(~ok.cpu().numpy())
         if miss.size:
             mrows = rows[miss]
-            if miss.size <= self.FIND_SCALAR_MAX and be == "torch" and dpolicy.host_device(dev):
-                kept = self._find_rows_scalar(mrows)
+            if self._scalar_find(miss.size):
+                kept = self._find_rows_scalar(mrows, capped=True)
+                self._keep_found(mrows, kept)
                 fm, fp = torch.from_numpy(kept[0]), torch.from_numpy(kept[1])
             else:
                 tok, toff, lens, ns, ch, coff, cl = self._csr(mrows, True)
@@ -1238,20 +1239,23 @@ class GpuScheduler(ReferenceScheduler):
         for c, v in zip((RT_MLEN, RT_MPOS, RT_H1, RT_H2), kept):
             _rt_set(self._rt, rows, c, v)
 
-    def _find_rows_scalar(self, rows: np.ndarray, capped: bool = True) -> np.ndarray:
-        """The search of a few table rows on the host (`FlatRadixTree._find_scalar` per row, on
-        the pools' views): capped matches as `_checked_find`'s, kept like its array search's;
-        with `capped` False full-length matches as `_full_match`'s (its caller keeps them).
-        int64 [4, n] (length, position, the two hashes)."""
+    def _scalar_find(self, n: int) -> bool:
+        """Whether n rows' matches are searched on the host one by one (`_find_rows_scalar`)
+        rather than by the array search: a few rows (`FIND_SCALAR_MAX`), the torch backend on
+        the host paths' CPU."""
+        return n <= self.FIND_SCALAR_MAX and self.backend == "torch" and dpolicy.host_device(self.device)
+
+    def _find_rows_scalar(self, rows: np.ndarray, capped: bool) -> np.ndarray:
+        """The matches of a few table rows by `FlatRadixTree._find_scalar` per row, on the
+        pools' views: capped at max_prefix_len (`_checked_find`'s) or full-length
+        (`_full_match`'s). int64 [4, n] (length, position, the hashes at the length and one
+        page on); the callers keep them as they keep the array search's."""
         self._ensure_hashed(rows)
         tok, ch = (x.numpy() for x in self._pools())
-        cols = self._rt[rows][:, [RT_TOFF, RT_COFF, RT_FILL, RT_CAP, RT_NS]].tolist()
+        cols = self._rt[rows[:, None], _FIND_COLS].tolist()
         find = self.cache.tree._find_scalar
-        kept = np.array([find(tok, ch, toff, coff, min(fill, cap) if capped else fill, ns)
+        return np.array([find(tok, ch, toff, coff, min(fill, cap) if capped else fill, ns)
                          for toff, coff, fill, cap, ns in cols], dtype=np.int64).reshape(len(cols), 4).T.copy()
-        if capped:
-            self._keep_found(rows, kept)
-        return kept
 
     def _admit_run(self, run: List[ReqState], ends: List[int], adder, rematch: Optional[ReqState] = None,
                    matched=None) -> None:
