@@ -513,6 +513,10 @@ def lpm_order(matched: torch.Tensor, deprioritized: torch.Tensor,
     check_tensor(where, "deprioritized", deprioritized, (torch.bool,), numel=matched.numel(),
                  device=matched.device, contiguous=False)
     k = _kernels(backend, "sort_keys")
+    if k is None and _host(matched):
+        perm = lpm_perm_host(matched.numpy(), deprioritized.numpy())
+        if perm is not None:
+            return torch.from_numpy(perm)
     if k is None:
         # in matched's own dtype: ~m = -m-1 < 0 for m >= 0, so 0 puts the deprioritized last,
         # and the keys span only max(m) + 1 (int32 sorts ~2x faster than int64 in torch; on the
@@ -521,6 +525,48 @@ def lpm_order(matched: torch.Tensor, deprioritized: torch.Tensor,
     else:
         key = k.lpm_keys(_contig(matched), _contig(deprioritized), block=block)
     return _stable_perm(key)
+
+
+def lpm_perm_host(matched: np.ndarray, deprioritized: np.ndarray) -> Optional[np.ndarray]:
+    """`lpm_order`'s host form on numpy columns [n] (matched >= 0, any int dtype; bool flags):
+    int64 [n], or None when max(matched) + 1 needs more than 16 bits or a length is negative
+    (outside the contract: `lpm_order`'s torch form decides). One uint8 / uint16 key per row,
+    `max - matched` (the longest first) and `max + 1` for the deprioritized (last), sorted by
+    numpy's stable radix argsort: no `where`, no packing."""
+    n = matched.size
+    if n < 2:
+        return np.zeros(n, dtype=np.int64)
+    top = int(matched.max()) + 1  # the deprioritized rows' key
+    if not _narrow(top) or matched.min() < 0:
+        return None
+    off = np.subtract(top - 1, matched, dtype=np.int64).astype(np.uint8 if top < 256 else np.uint16)
+    off[deprioritized] = top
+    return np.argsort(off, kind="stable")
+
+
+def deprioritize_groups_host(prefix_len: np.ndarray, fill_len: np.ndarray, group: np.ndarray,
+                             check_threshold: int, threshold: int) -> np.ndarray:
+    """`in_batch_deprioritize_groups`'s host form on numpy columns [n] (arguments already
+    checked by the caller): bool [n]. The first occurrence of each group among the eligible
+    rows (with a warm cache few have a match within check_threshold) by a stable argsort of
+    their ids."""
+    n = prefix_len.size
+    if check_threshold == -1:
+        return np.zeros(n, dtype=bool)
+    checked = prefix_len <= check_threshold
+    if threshold == 0:
+        return checked
+    e = np.flatnonzero(checked & (fill_len >= threshold))
+    out = np.zeros(n, dtype=bool)
+    if e.size:
+        out[e] = True
+        g = group[e]
+        o = np.argsort(g, kind="stable")  # each group's rows in queue order
+        gs = g[o]
+        first = np.ones(e.size, dtype=bool)
+        first[1:] = gs[1:] != gs[:-1]
+        out[e[o[first]]] = False  # each group's first stays
+    return out
 
 
 # ---- R-ORD-9 in-batch deprioritization -----------------------------------------------------------
@@ -673,12 +719,8 @@ def in_batch_deprioritize_groups(prefix_len: torch.Tensor, fill_len: torch.Tenso
         return k.deprio_by_group(_contig(prefix_len), _contig(fill_len), _contig(group), num_groups,
                                  check_threshold, threshold, block=block)
     if _host(prefix_len):  # numpy: the first occurrences among the (few) eligible rows
-        e = np.flatnonzero(checked.numpy() & (fill_len.numpy() >= threshold))
-        out = np.zeros(n, dtype=bool)
-        if e.size:
-            out[e] = True
-            out[e[np.unique(group.numpy()[e], return_index=True)[1]]] = False  # each group's first stays
-        return torch.from_numpy(out)
+        return torch.from_numpy(deprioritize_groups_host(prefix_len.numpy(), fill_len.numpy(), group.numpy(),
+                                                         check_threshold, threshold))
     eligible = checked & (fill_len >= threshold)
     idx = torch.arange(n, device=dev)
     g = torch.where(eligible, group.to(torch.int64), 0)  # ids are read only where eligible

@@ -644,24 +644,28 @@ class GpuScheduler(ReferenceScheduler):
             m, pos = self._full_match(rows, sel, lens)  # hashes the fills it searches on first use
             version = tree.version  # the matches hold until the tree's content changes
             m, last = tree._apply(m, pos, tree.backend)
-            num = torch.minimum(m, torch.from_numpy(sel[:, RT_CAP].copy()).to(dev))
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
             check = cfg.in_batch_prefix_caching_check_threshold
             if T > 0 and check >= 0:  # R-ORD-9 groups: (namespace, first T fill tokens), kept per row
                 grp, G = self._head_groups(rows, sel, T)
             else:
                 grp, G = torch.zeros(n, dtype=torch.int64, device=dev), 1
-            dep = dpolicy.in_batch_deprioritize_groups(m, lens, grp, G, check, T, backend=be)
-            if policy == "lpm":
-                # lengths are token counts (< 2^31): int32 keys sort faster
-                perm = dpolicy.lpm_order(num.to(torch.int32), dep, backend=be)
+            if host:  # capped lengths, R-ORD-9 and lpm's key on the columns' numpy views
+                mn = m.numpy()
+                num = np.minimum(mn, sel[:, RT_CAP])
+                dep = dpolicy.deprioritize_groups_host(mn, sel[:, RT_FILL], grp.numpy(), check, T)
+                perm = dpolicy.lpm_perm_host(num, dep) if policy == "lpm" else None
+                if perm is None:
+                    perm = self._ranked_perm(policy, torch.from_numpy(num), torch.from_numpy(dep), last).numpy()
+                vals = [mn, num, dep, perm, pos.numpy()]
             else:
-                parent, rank, remap = self._child_ranks()
-                perm = dpolicy.dfs_weight_order(parent, rank, None, remap[last], backend=be)
-            if dev.type == "cpu":  # views, no copies
-                vals = [m.numpy(), num.numpy(), dep.numpy(), perm.numpy(), pos.numpy()]
-            else:
-                vals = torch.stack([m, num, dep.to(torch.int64), perm, pos]).cpu().numpy()  # the read-back
+                num = torch.minimum(m, torch.from_numpy(sel[:, RT_CAP].copy()).to(dev))
+                dep = dpolicy.in_batch_deprioritize_groups(m, lens, grp, G, check, T, backend=be)
+                perm = self._ranked_perm(policy, num, dep, last)
+                if dev.type == "cpu":  # views, no copies
+                    vals = [m.numpy(), num.numpy(), dep.numpy(), perm.numpy(), pos.numpy()]
+                else:
+                    vals = torch.stack([m, num, dep.to(torch.int64), perm, pos]).cpu().numpy()  # the read-back
             # admission reuses these matches while the tree holds the same content (`_window_match`);
             # rows that all hold this version's matches already were kept as they are (nothing
             # changed since: `_full_match`), so the writes would change nothing
@@ -711,6 +715,15 @@ class GpuScheduler(ReferenceScheduler):
             perm = dpolicy.routing_key_order(torch.from_numpy(lut[qk]).to(dev), torch.from_numpy(rank).to(dev),
                                              torch.from_numpy(lut[run_ids]).to(dev), backend=be)
         return OrderResult(policy, RowQueue(self, rows[perm.cpu().numpy()]))
+
+    def _ranked_perm(self, policy: str, num: torch.Tensor, dep: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """lpm's order (R-ORD-8) by capped match lengths `num` and R-ORD-9 flags `dep`, or
+        dfs-weight's (R-ORD-10) by the matches' last nodes `last`: int64 permutation [n]."""
+        be = self.backend
+        if policy == "lpm":  # lengths are token counts (< 2^31): int32 keys sort faster
+            return dpolicy.lpm_order(num.to(torch.int32), dep, backend=be)
+        parent, rank, remap = self._child_ranks()
+        return dpolicy.dfs_weight_order(parent, rank, None, remap[last], backend=be)
 
     def _routing_perm_host(self, qk: np.ndarray) -> Optional[np.ndarray]:
         """R-ORD-7 on the host for queued requests with interned key ids `qk` (int64 [n], -1:

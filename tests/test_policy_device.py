@@ -384,6 +384,34 @@ def test_host_forms_equal_torch_forms(dtype):
                 assert torch.equal(P.routing_key_order(key_id, rank, run, er), want), (dtype, n, K, m, er)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_lpm_host_form_equals_torch_form(dtype):
+    """lpm's host form (`lpm_perm_host`: one uint8 / uint16 key, `max - matched`, the
+    deprioritized at `max + 1`), called by `lpm_order` on the CPU and by the scheduler
+    directly, gives the torch form's permutation: spans either side of 2^8 and 2^16 (past
+    that: None, the torch form decides), ties, no / some / all rows deprioritized, and None
+    for a negative length (outside the contract)."""
+    g = torch.Generator().manual_seed(11)
+    checked = 0
+    for n in (0, 1, 2, 3, 300, 5000):
+        for span in (0, 1, 6, 254, 255, 256, 2**16 - 2, 2**16 - 1, 2**16, 2**20):
+            for dep_p in (0.0, 0.3, 1.0):
+                m = torch.randint(0, span + 1, (n,), generator=g, dtype=torch.int64)
+                if n >= 2:
+                    m[0], m[-1] = span, 0
+                dep = torch.rand(n, generator=g) < dep_p
+                m = m.to(dtype)
+                want = _torch_forms(P.lpm_order, m, dep)
+                assert torch.equal(P.lpm_order(m, dep), want), (dtype, n, span, dep_p)
+                direct = P.lpm_perm_host(m.numpy(), dep.numpy())
+                assert (direct is None) == (n >= 2 and span + 1 >= 2**16), (n, span)
+                if direct is not None:
+                    assert direct.dtype == np.int64 and direct.tolist() == want.tolist(), (dtype, n, span, dep_p)
+                checked += 1
+    assert checked == 6 * 10 * 3
+    assert P.lpm_perm_host(np.array([3, -1, 2], dtype=np.int64), np.zeros(3, dtype=bool)) is None
+
+
 # ---- R-ORD-5 lof ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend,n", BACKEND_CASES)
 @pytest.mark.parametrize("priority_on,low_first", [(False, False), (True, False), (True, True)])
@@ -834,6 +862,9 @@ def test_in_batch_deprioritize_groups_matches_reference(backend, n, check, T):
     if backend == "torch":  # on the CPU that was the numpy form; the torch form too
         got = _torch_forms(P.in_batch_deprioritize_groups, prefix, lengths, group, G, check, T)
         assert_perm_equal(got.to(torch.int64), want, f"deprio groups torch form n={n} check={check} T={T}")
+        # the numpy form as the scheduler calls it (all thresholds, T == 0 and check == -1 too)
+        got = P.deprioritize_groups_host(prefix.numpy(), lengths.numpy(), group.numpy(), check, T)
+        assert got.dtype == np.bool_ and got.tolist() == [bool(w) for w in want], (n, check, T)
     if n > 100 and check >= 8 and T > 0:
         assert 0 < sum(want) < n  # both outcomes occur
 
