@@ -1108,18 +1108,23 @@ class FlatRadixTree:
         next B clock values and creation ids (the caller that passes them advances the counters)."""
         B = m.numel()
         dev = self.device
+        host = be == "torch" and _host(m)
         if stamp is None:
-            stamp = torch.arange(self.clock + 1, self.clock + 1 + B, device=dev)
-            cid = torch.arange(self.next_cid, self.next_cid + B, device=dev)
+            if host:  # numpy's arange and a view: a torch op less each
+                stamp = torch.from_numpy(np.arange(self.clock + 1, self.clock + 1 + B, dtype=np.int64))
+                cid = torch.from_numpy(np.arange(self.next_cid, self.next_cid + B, dtype=np.int64))
+            else:
+                stamp = torch.arange(self.clock + 1, self.clock + 1 + B, device=dev)
+                cid = torch.arange(self.next_cid, self.next_cid + B, device=dev)
             self.clock += B
             self.next_cid += B
-        if B <= SCALAR_BATCH and be == "torch" and _host(m):
+        if B <= SCALAR_BATCH and host:
             last = self._apply_scalar(m, pos, stamp)
             if last is not None:
                 return m, last
-        has = m > 0
         X, idx = self._match_ends(m, pos)
         if idx.numel():
+            has = m > 0
             # A request ending where an earlier one of the batch ends finds that cut made: drop it.
             p = pos[idx]
             o = torch.argsort(p * (B + 1) + idx)  # positions are unique across nodes
@@ -1493,10 +1498,32 @@ class FlatRadixTree:
             self.protected_size += sign * delta
         return True
 
+    def _lock_host(self, nodes: np.ndarray, sign: int) -> bool:
+        """`lock` (sign 1) / `unlock` (sign -1) of many nodes on a CPU tree, on numpy views: the
+        paths' distinct nodes and counts (`_path_nodes_host`), then one gather and one write of
+        their lock counts; the sizes move by the tokens of the nodes whose count leaves or
+        reaches 0. False, having changed nothing, for an unlock below zero."""
+        u, c = _path_nodes_host(self.parent.numpy(), nodes, self.node_bound())
+        if u.size == 0:
+            return True
+        lock_ref = self.lock_ref.numpy()
+        ref = lock_ref[u]
+        if sign < 0 and bool((ref < c).any()):
+            return False
+        delta = int(self.key_len.numpy()[u][ref == (0 if sign > 0 else c)].sum())
+        if delta:
+            self.evictable_size -= sign * delta
+            self.protected_size += sign * delta
+        lock_ref[u] = ref + sign * c
+        return True
+
     def lock(self, nodes: torch.Tensor, *, backend: Optional[str] = None) -> None:
         """inc_lock_ref for each node (batched; node 0 = root is a no-op)."""
-        if nodes.numel() <= SCALAR_BATCH and self._be(backend) == "torch" and _host(self.lock_ref):
-            self._lock_scalar(nodes.tolist(), 1)
+        if self._be(backend) == "torch" and _host(self.lock_ref):
+            if nodes.numel() <= SCALAR_BATCH:
+                self._lock_scalar(nodes.tolist(), 1)
+            else:
+                self._lock_host(nodes.to(torch.int64).numpy(), 1)
             return
         u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))
         if u.numel() == 0:
@@ -1509,8 +1536,10 @@ class FlatRadixTree:
 
     def unlock(self, nodes: torch.Tensor, *, backend: Optional[str] = None) -> None:
         """dec_lock_ref for each node (batched). Raises RuntimeError on a negative lock_ref."""
-        if nodes.numel() <= SCALAR_BATCH and self._be(backend) == "torch" and _host(self.lock_ref):
-            if not self._lock_scalar(nodes.tolist(), -1):
+        if self._be(backend) == "torch" and _host(self.lock_ref):
+            ok = (self._lock_scalar(nodes.tolist(), -1) if nodes.numel() <= SCALAR_BATCH
+                  else self._lock_host(nodes.to(torch.int64).numpy(), -1))
+            if not ok:
                 raise RuntimeError("unlock below zero: lock_ref would become negative")
             return
         u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))

@@ -12,6 +12,7 @@ tests/test_kernels_radix.py runs the same lanes with backend="triton".
 """
 
 import contextlib
+import copy
 import random
 
 import numpy as np
@@ -525,6 +526,38 @@ def test_path_nodes_host_equals_torch(n):
             v = int(tree.parent[v])
     assert dict(zip(u.tolist(), c.tolist())) == want
     assert (0 < u.numel() * 16 < tree.node_bound()) == (n in (1, 2))  # the np.unique branch at n 2
+
+
+@pytest.mark.parametrize("n", [5, 40, 3000])
+def test_batched_lock_unlock_forms_agree(n):
+    """A batched lock and unlock on a CPU tree (Python walks up to `SCALAR_BATCH` holders,
+    numpy past it: `_lock_host`) leave the lock counts and the evictable / protected sizes the
+    torch form leaves; an unlock below zero raises and changes nothing, in every form."""
+    rng = random.Random(n)
+    tree, nodes = random_tree_and_nodes(rng, 400, n)
+
+    def state(t):
+        return t.lock_ref.clone(), int(t.evictable_size), int(t.protected_size)
+
+    twin, start = copy.deepcopy(tree), state(tree)
+    tree.lock(nodes)
+    with PM.torch_forms():
+        twin.lock(nodes)
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(state(tree), state(twin)))
+    assert int(tree.protected_size) > 0
+    held = nodes[nodes > 0]
+    for t, forms in ((tree, contextlib.nullcontext), (twin, PM.torch_forms)):
+        before = state(t)
+        with forms(), pytest.raises(RuntimeError, match="below zero"):
+            t.unlock(torch.cat([held, held[:1]]))  # one path released once more than it was locked
+        after = state(t)
+        assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+    tree.unlock(nodes)
+    with PM.torch_forms():
+        twin.unlock(nodes)
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(state(tree), state(twin)))
+    end = state(tree)
+    assert torch.equal(end[0], start[0]) and end[1:] == start[1:]  # back where it started
 
 
 @pytest.mark.parametrize("p", [P1, P2, 2**30 + 3])
