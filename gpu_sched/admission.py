@@ -905,12 +905,13 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
     on a CPU, a kernel launch each on a GPU) by two reads.
 
     Args: as `admit_step`; the fields of `st`, `q.n` and `chunked` may be Python numbers or
-    0-d tensors (read once). Returns `HostStepResult`. Tests hold it equal to `admit_step`
-    field by field (`tests/test_step_core.py`).
+    0-d tensors (read once), and without the ignore-EOS path q's columns may be numpy arrays
+    (the CPU form runs on them as they are). Returns `HostStepResult`. Tests hold it equal to
+    `admit_step` field by field (`tests/test_step_core.py`).
     """
     P = cfg.page_size
-    Q = q.fill_len.numel()
-    dev = q.fill_len.device
+    Q = len(q.fill_len)
+    dev = q.fill_len.device if isinstance(q.fill_len, torch.Tensor) else torch.device("cpu")
     i64 = torch.int64
     A, ev0, N = int(_py(st.available)), int(_py(st.evictable)), int(_py(st.N))
     ratio = float(_py(st.ratio))
@@ -938,9 +939,9 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
 
     # CPU tensors without the ignore-EOS grid: the checks run as numpy calls on their views
     # (each 1-3 us where a torch CPU op costs 5-15 us); the same formulas (`eval_requests`)
-    host = not cfg.ignore_eos_path and _host(q.fill_len)
-    if host:
-        q = QueueCols(n, *(v.numpy() for v in q[1:]))
+    host = not cfg.ignore_eos_path and (isinstance(q.fill_len, np.ndarray) or _host(q.fill_len))
+    if host:  # numpy columns as they are, CPU tensors as their views
+        q = QueueCols(n, *(v if isinstance(v, np.ndarray) else v.numpy() for v in q[1:]))
     qs = _queue_sums(cfg, q, n)
     ar, valid, fill, out, prompt, maxn, pre, drop, ie, e, wI, wC, exI, exC, exE, exD = qs
     ev = ev0 - exD

@@ -1007,12 +1007,14 @@ class GpuScheduler(ReferenceScheduler):
         if rows is None:
             rows = self._rows_of(rest)
         sel = _RowCols(self._rt, rows)  # pool offsets not read: `_csr` hashes what a search needs
-        cols = torch.from_numpy(np.stack([sel[:, c] for c in (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN)])).to(dev)
+        host = self.backend == "torch"  # the rounds' scalar state on the host (`admit_step_host`)
+        cols = np.stack([sel[:, c] for c in (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN)])
+        if not (host and not scfg.ignore_eos_path and dpolicy.host_device(dev)):
+            cols = torch.from_numpy(cols).to(dev)  # else numpy columns: `admit_step_host` reads those as they are
         m, drop, ev, matched = self._window_drops(Q, rows, sel)
         budgets = [self.pool.available, adder.I, adder.cur_off, adder.rem_input,
                    adder.rem_chunk if adder.rem_chunk is not None else 0, adder.N, len(adder.can_run), running_bs,
                    int(self.batch_is_full)]
-        host = self.backend == "torch"  # the rounds' scalar state on the host (`admit_step_host`)
         sc = budgets if host else torch.tensor(budgets, dtype=torch.int64).to(dev)
         st = StepState(available=sc[0], evictable=ev, I=sc[1], cur_off=sc[2], rem_input=sc[3], rem_chunk=sc[4],
                        ratio=adder.ratio if host else torch.tensor(adder.ratio, dtype=torch.float64, device=dev),

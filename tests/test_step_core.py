@@ -244,6 +244,9 @@ def host_equals_tensor_form(seed, **over):
     for host in (True, False) if seed % 3 == 0 else (True,):
         got = _with_host_paths(host, admit_step_host, scfg, st, q, held, chunked)
         check_host_result(got, want, f"seed {seed} host {host} ({cfg})")
+    if not scfg.ignore_eos_path:  # the queue's columns as numpy arrays, as the scheduler passes them
+        qn = QueueCols(q.n, *(v.numpy() for v in q[1:]))
+        check_host_result(admit_step_host(scfg, st, qn, held, chunked), want, f"seed {seed} numpy columns ({cfg})")
     return int(want.chunk_index) >= 0
 
 
