@@ -747,6 +747,61 @@ def _sibling_offsets(parent: torch.Tensor, weight: torch.Tensor, skey: torch.Ten
     return torch.empty_like(off_s).scatter_(0, order, off_s)
 
 
+def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: np.ndarray,
+                         rounds: int) -> np.ndarray:
+    """`dfs_weight_order`'s torch form on numpy arrays (parent, child_rank int [N >= 1],
+    last_node int [n]; arguments checked by the caller), step for step: subtree weights by
+    `rounds` pointer-jumping rounds, sibling offsets by one stable sort and a segmented
+    prefix sum, starts by `rounds` more rounds, then the stable order of the request bases.
+    A round after every pointer has reached the root changes nothing, so the rounds stop
+    there (about log2 of the tree depth rounds instead of log2 N). int64 permutation [n]."""
+    N, n = parent.size, last_node.size
+    p64 = parent.astype(np.int64, copy=False)
+    ln = last_node.astype(np.int64, copy=False)
+    ln = np.where((ln >= 0) & (ln < N), ln, 0)
+    own = np.bincount(ln, minlength=N).astype(np.int64, copy=False)
+    s, anc = own, p64
+    for _ in range(rounds):
+        up = anc >= 0
+        if not up.any():
+            break
+        nxt = np.zeros(N + 1, dtype=np.int64)  # slot N: the root's (discarded) share
+        np.add.at(nxt, np.where(up, anc, N), s)
+        s = s + nxt[:N]
+        anc = np.where(up, anc.take(anc, mode="clip"), -1)
+    weight = s
+    skey = (p64 + 1) * (n + 1) + (n - weight)
+    pack_rank = (N + 1) * (n + 1) * N <= INT64_MAX
+    rank64 = child_rank.astype(np.int64, copy=False)
+    if pack_rank:
+        order = host_perm(skey * N + rank64)
+    else:
+        order = host_lex_perm(skey, rank64)
+        if order is None:
+            order = np.lexsort((rank64, skey))
+    if order is None:
+        order = np.argsort(skey * N + rank64, kind="stable")
+    # per node the weight of the siblings sorted before it (a segmented exclusive prefix sum)
+    w_s, p_s = weight[order], p64[order]
+    excl = np.cumsum(w_s) - w_s
+    first = np.ones(N, dtype=bool)
+    first[1:] = p_s[1:] != p_s[:-1]
+    seg0 = np.maximum.accumulate(np.where(first, np.arange(N), 0))
+    off = np.empty(N, dtype=np.int64)
+    off[order] = excl - excl[seg0]
+    t, anc = off, p64
+    for _ in range(rounds):
+        up = anc >= 0
+        if not up.any():
+            break
+        a = np.maximum(anc, 0)
+        t = t + np.where(up, t[a], 0)
+        anc = np.where(up, anc[a], -1)
+    base = (t + weight - own)[ln]
+    perm = host_perm(base)
+    return perm if perm is not None else np.argsort(base, kind="stable")
+
+
 def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Optional[torch.Tensor],
                      last_node: torch.Tensor, *, max_depth: Optional[int] = None, backend: str = "torch",
                      block: Optional[int] = None) -> torch.Tensor:
@@ -787,6 +842,8 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
     # one packed sibling key (parent, -weight, child_rank) when it fits int64, else two sorts
     pack_rank = (N + 1) * (n + 1) * N <= INT64_MAX
     k = _kernels(backend, "dfs_weight")
+    if k is None and _host(parent):
+        return torch.from_numpy(dfs_weight_perm_host(parent.numpy(), child_rank.numpy(), last_node.numpy(), rounds))
     p64 = parent.to(torch.int64)
     if k is None:
         ln = last_node.to(torch.int64)

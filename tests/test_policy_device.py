@@ -694,6 +694,8 @@ def test_dfs_weight_matches_reference(backend, n, page_size):
     # a correct depth bound gives the same order in fewer rounds
     got2 = P.dfs_weight_order(parent, rank, None, last, max_depth=int(depth.max()), **kw(backend))
     assert_perm_equal(got2, want, f"dfs {backend} n={n} with max_depth")
+    if backend == "torch":  # on the CPU that was the numpy form (rounds stop at the root); the torch form too
+        assert_perm_equal(_torch_forms(P.dfs_weight_order, parent, rank, depth, last), want, f"dfs torch form n={n}")
 
 
 def test_dfs_weight_shuffled_node_numbering_and_sibling_ties():
@@ -715,6 +717,9 @@ def test_dfs_weight_shuffled_node_numbering_and_sibling_ties():
         got = P.dfs_weight_order(new_parent.to(torch.int32), new_rank.to(torch.int32), None, last.to(torch.int32),
                                  **kw(backend))
         assert_perm_equal(got, want, f"dfs relabelled {backend}")
+    got = _torch_forms(P.dfs_weight_order, new_parent.to(torch.int32), new_rank.to(torch.int32), None,
+                       last.to(torch.int32))
+    assert_perm_equal(got, want, "dfs relabelled torch form")
 
 
 def test_dfs_weight_100k_chain():
@@ -730,6 +735,7 @@ def test_dfs_weight_100k_chain():
     got = P.dfs_weight_order(parent, rank, None, last)
     closed = torch.sort(-last, stable=True).indices
     assert_perm_equal(got, closed.tolist(), "chain closed form")
+    assert_perm_equal(_torch_forms(P.dfs_weight_order, parent, rank, None, last), closed.tolist(), "chain torch form")
     nodes = [TreeNode(np.zeros(0, np.int32), np.zeros(0, np.int64), None, 0, 0)]
     for i in range(1, N):
         node = TreeNode(np.zeros(1, np.int32), np.zeros(1, np.int64), nodes[-1], 0, i)
