@@ -1703,18 +1703,20 @@ def _path_position_host(owner: np.ndarray, key_off: np.ndarray, key_len: np.ndar
     """`FlatRadixTree.path_position(..., nodes=True)` on numpy views of the tree's arrays: the
     same climb, on the rows that still need a parent step only. (pos, node, cover) int64 [B]."""
     has = m > 0
-    X = np.where(has, owner.take(np.maximum(pos, 0)), 0)
-    start = np.where(has, m - (pos - key_off.take(X) + 1), 0)  # depth where node X begins
+    # takes with mode="clip": every index is in range (an empty match's -1 clips and is masked)
+    X = owner.take(pos, mode="clip")
+    X[~has] = 0
+    start = np.where(has, m - (pos - key_off.take(X, mode="clip") + 1), 0)  # depth where node X begins
     on = d > 0
     live = np.flatnonzero(on & (d <= start))
     while live.size:
-        x = parent.take(X[live])
+        x = parent.take(X[live], mode="clip")
         X[live] = x
-        s = start[live] - key_len.take(x)
+        s = start[live] - key_len.take(x, mode="clip")
         start[live] = s
         live = live[d[live] <= s]
     cover = np.where(on, d - start, 0)
-    return np.where(on, key_off.take(X) + cover - 1, -1), np.where(on, X, 0), cover
+    return np.where(on, key_off.take(X, mode="clip") + cover - 1, -1), np.where(on, X, 0), cover
 
 
 def _path_nodes_host(parent: np.ndarray, nodes: np.ndarray, bound: int) -> Tuple[np.ndarray, np.ndarray]:

@@ -449,3 +449,38 @@ def test_child_ranks_host_form_equals_torch_form():
     for v, p in enumerate(parent):
         by_parent.setdefault(p, []).append(rank[v])
     assert all(sorted(r) == list(range(len(r))) for r in by_parent.values())  # ranks 0..k-1 per parent
+
+
+def test_step_pauses_the_garbage_collector_and_restores_it(monkeypatch):
+    """`GpuScheduler.pause_gc`: the collector is off during `step` and back in its earlier
+    state after it, also when the step raises; with pause_gc False it is left alone."""
+    import gc
+
+    seen = []
+    s = GpuScheduler(SchedulerConfig(schedule_policy="lpm"), 10_000)
+    order = s._order
+    monkeypatch.setattr(s, "_order", lambda: (seen.append(gc.isenabled()), order())[1])
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        for i in range(3):
+            s.submit([Request(f"r{i}", list(range(5 + i)), max_new_tokens=4)])
+            plan = s.step(0.5)
+            s.complete_prefill({rid: 7 for rid, _, _ in plan.admitted})
+            assert gc.isenabled() and plan.admitted
+        assert seen == [False] * 3
+        with pytest.raises(ValueError):
+            s.step(0.0)  # refused before anything changes
+        assert gc.isenabled()
+        gc.disable()
+        s.submit([Request("off", [1, 2, 3], max_new_tokens=4)])
+        plan = s.step(0.5)
+        s.complete_prefill({rid: 7 for rid, _, _ in plan.admitted})
+        assert not gc.isenabled()  # left off, as it was
+        gc.enable()
+        s.pause_gc = False
+        s.submit([Request("on", [4, 5, 6], max_new_tokens=4)])
+        s.step(0.5)
+        assert seen[-1] is True and gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
