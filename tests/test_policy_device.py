@@ -722,6 +722,20 @@ def test_dfs_weight_shuffled_node_numbering_and_sibling_ties():
     assert_perm_equal(got, want, "dfs relabelled torch form")
 
 
+def test_dfs_weight_unpacked_sibling_key(monkeypatch):
+    """When (parent, -weight, child_rank) does not fit one int64 key (forced here by a smaller
+    bound), both CPU forms sort siblings by two keys instead and give the reference's order."""
+    rng = random.Random(17)
+    cache, prompts = random_tree_workload(400, rng, n_inserts=80)
+    queue = make_queue(400, rng, False, prompts=prompts)
+    want = ref_perm(queue, order_queue(queue, SchedulerConfig(schedule_policy="dfs-weight"), cache, [], no_shuffle).queue)
+    parent, rank, depth, index = flatten_tree(cache.root)
+    last = torch.tensor([index[id(r.last_node)] for r in queue], dtype=torch.int64)
+    monkeypatch.setattr(P, "INT64_MAX", 1)  # no packed sibling key
+    assert_perm_equal(P.dfs_weight_order(parent, rank, depth, last), want, "dfs unpacked, numpy form")
+    assert_perm_equal(_torch_forms(P.dfs_weight_order, parent, rank, depth, last), want, "dfs unpacked, torch form")
+
+
 def test_dfs_weight_100k_chain():
     """A chain of 10^5 nodes: no recursion; 17 pointer-jumping rounds. Compared with the
     reference walk over real TreeNodes and with the closed form (deepest node first)."""
