@@ -532,16 +532,16 @@ def lpm_perm_host(matched: np.ndarray, deprioritized: np.ndarray) -> Optional[np
     int64 [n], or None when max(matched) + 1 needs more than 16 bits or a length is negative
     (outside the contract: `lpm_order`'s torch form decides). One uint8 / uint16 key per row,
     `max - matched` (the longest first) and `max + 1` for the deprioritized (last), sorted by
-    numpy's stable radix argsort: no `where`, no packing."""
+    numpy's stable radix argsort (`_narrow_argsort`): no `where`, no packing."""
     n = matched.size
     if n < 2:
         return np.zeros(n, dtype=np.int64)
     top = int(matched.max()) + 1  # the deprioritized rows' key
     if not _narrow(top) or matched.min() < 0:
         return None
-    off = np.subtract(top - 1, matched, dtype=np.int64).astype(np.uint8 if top < 256 else np.uint16)
+    off = np.subtract(top - 1, matched, dtype=np.int64)
     off[deprioritized] = top
-    return np.argsort(off, kind="stable")
+    return _narrow_argsort(off, top)
 
 
 def deprioritize_groups_host(prefix_len: np.ndarray, fill_len: np.ndarray, group: np.ndarray,
@@ -771,16 +771,12 @@ def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: 
         anc = np.where(up, anc.take(anc, mode="clip"), -1)
     weight = s
     skey = (p64 + 1) * (n + 1) + (n - weight)
-    pack_rank = (N + 1) * (n + 1) * N <= INT64_MAX
     rank64 = child_rank.astype(np.int64, copy=False)
-    if pack_rank:
-        order = host_perm(skey * N + rank64)
-    else:
-        order = host_lex_perm(skey, rank64)
-        if order is None:
-            order = np.lexsort((rank64, skey))
-    if order is None:
-        order = np.argsort(skey * N + rank64, kind="stable")
+    # by (skey, child_rank): one packed key when it fits int64, else the two keys
+    pack_rank = (N + 1) * (n + 1) * N <= INT64_MAX
+    order = host_perm(skey * N + rank64) if pack_rank else host_lex_perm(skey, rank64)
+    if order is None:  # the key and the row index do not fit one packed sort
+        order = np.lexsort((rank64, skey))
     # per node the weight of the siblings sorted before it (a segmented exclusive prefix sum)
     w_s, p_s = weight[order], p64[order]
     excl = np.cumsum(w_s) - w_s
@@ -839,11 +835,11 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
         raise ValueError(f"{where}: max_depth must be an int >= 0, got {max_depth!r}")
     else:
         rounds = max_depth.bit_length()
-    # one packed sibling key (parent, -weight, child_rank) when it fits int64, else two sorts
-    pack_rank = (N + 1) * (n + 1) * N <= INT64_MAX
     k = _kernels(backend, "dfs_weight")
     if k is None and _host(parent):
         return torch.from_numpy(dfs_weight_perm_host(parent.numpy(), child_rank.numpy(), last_node.numpy(), rounds))
+    # one packed sibling key (parent, -weight, child_rank) when it fits int64, else two sorts
+    pack_rank = (N + 1) * (n + 1) * N <= INT64_MAX
     p64 = parent.to(torch.int64)
     if k is None:
         ln = last_node.to(torch.int64)

@@ -1178,12 +1178,8 @@ class FlatRadixTree:
         tensors, `policy._host`): as numpy calls on views of the tree's arrays (several times
         cheaper per call than torch's), else as torch ops."""
         if _host(m) if host is None else host:
-            mn, pn = m.numpy(), pos.numpy()
-            has = mn > 0
-            # `take(mode="clip")`: no bounds pass (positions and node ids are in range; the -1
-            # of an empty match clips to 0 and is masked), 1.3-1.5x faster on these large arrays
-            X = self.owner.numpy().take(pn, mode="clip")
-            X[~has] = 0
+            pn = pos.numpy()
+            has, X = _match_nodes_host(self.owner.numpy(), m.numpy(), pn)
             interior = has & (pn - self.key_off.numpy().take(X, mode="clip") + 1 < self.key_len.numpy().take(X, mode="clip"))
             return torch.from_numpy(X), torch.from_numpy(np.flatnonzero(interior))
         has = m > 0
@@ -1698,14 +1694,22 @@ def _stamp_paths_host(parent: np.ndarray, last_access: np.ndarray, nodes: np.nda
         cur, stamp = nxt[keep], stamp[keep]
 
 
+def _match_nodes_host(owner: np.ndarray, m: np.ndarray, pos: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(has, node) of matches (m, pos) int64 [B] on a CPU tree's `owner` view: whether each
+    matched anything, and the node holding its last token (0 where not). `take(mode="clip")`
+    skips numpy's bounds pass (positions are in range; an empty match's -1 clips to 0 and is
+    masked): 1.3-1.5x faster on a large token pool."""
+    has = m > 0
+    X = owner.take(pos, mode="clip")
+    X[~has] = 0
+    return has, X
+
+
 def _path_position_host(owner: np.ndarray, key_off: np.ndarray, key_len: np.ndarray, parent: np.ndarray,
                         m: np.ndarray, pos: np.ndarray, d: np.ndarray):
     """`FlatRadixTree.path_position(..., nodes=True)` on numpy views of the tree's arrays: the
     same climb, on the rows that still need a parent step only. (pos, node, cover) int64 [B]."""
-    has = m > 0
-    # takes with mode="clip": every index is in range (an empty match's -1 clips and is masked)
-    X = owner.take(pos, mode="clip")
-    X[~has] = 0
+    has, X = _match_nodes_host(owner, m, pos)  # takes with mode="clip": every index is in range
     start = np.where(has, m - (pos - key_off.take(X, mode="clip") + 1), 0)  # depth where node X begins
     on = d > 0
     live = np.flatnonzero(on & (d <= start))

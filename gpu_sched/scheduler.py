@@ -627,7 +627,7 @@ class GpuScheduler(ReferenceScheduler):
         # on the CPU with the torch backend the integer-key orders are the policy functions'
         # host forms on the table's columns (`fcfs_perm_host`, `fcfs_time_perm_host`, `lof_perm_host`,
         # `_routing_perm_host`), without their tensor wrapping and checks: ~20 us less per call
-        host = be == "torch" and dpolicy.host_device(dev)
+        host = self._host_paths()
 
         def col(c):
             return torch.from_numpy(_rt_get(self._rt, rows, c)).to(dev)
@@ -862,7 +862,7 @@ class GpuScheduler(ReferenceScheduler):
         from tree ids to compacted ids, for dfs-weight: siblings ranked by child order."""
         t = self.cache.tree
         b = t.node_bound()  # every live id is below it
-        if self.backend == "torch" and dpolicy.host_device(self.device):  # the same steps in numpy
+        if self._host_paths():  # the same steps in numpy
             ids = np.flatnonzero(t.alive[:b].numpy())  # root (0) first
             remap = np.full(b, -1, dtype=np.int64)
             remap[ids] = np.arange(ids.size)
@@ -1038,7 +1038,7 @@ class GpuScheduler(ReferenceScheduler):
         sel = _RowCols(self._rt, rows)  # pool offsets not read: `_csr` hashes what a search needs
         host = self.backend == "torch"  # the rounds' scalar state on the host (`admit_step_host`)
         cols = np.stack([sel[:, c] for c in (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN)])
-        if not (host and not scfg.ignore_eos_path and dpolicy.host_device(dev)):
+        if scfg.ignore_eos_path or not self._host_paths():
             cols = torch.from_numpy(cols).to(dev)  # else numpy columns: `admit_step_host` reads those as they are
         m, drop, ev, matched = self._window_drops(Q, rows, sel)
         budgets = [self.pool.available, adder.I, adder.cur_off, adder.rem_input,
@@ -1097,7 +1097,7 @@ class GpuScheduler(ReferenceScheduler):
         `SCALAR_WINDOW`), the torch backend on the host paths' CPU (`policy.host_device`: not
         inside `torch_forms()`), no priority preemption (its victims' release changes the tree
         mid-loop)."""
-        return (len(rest) <= self.SCALAR_WINDOW and self.backend == "torch" and dpolicy.host_device(self.device)
+        return (len(rest) <= self.SCALAR_WINDOW and self._host_paths()
                 and not self.config.enable_priority_preemption)
 
     def _scalar_admission(self, rest, adder, running_bs: int, rows: Optional[np.ndarray] = None):
@@ -1283,11 +1283,17 @@ class GpuScheduler(ReferenceScheduler):
         for c, v in zip((RT_MLEN, RT_MPOS, RT_H1, RT_H2), kept):
             _rt_set(self._rt, rows, c, v)
 
+    def _host_paths(self) -> bool:
+        """Whether this scheduler's passes take their host forms: the torch backend on the CPU
+        outside `torch.compile` (`policy.host_device`), where numpy on the tensors' views
+        stands in for torch ops and the Python walks for a few rows are allowed."""
+        return self.backend == "torch" and dpolicy.host_device(self.device)
+
     def _scalar_find(self, n: int) -> bool:
         """Whether n rows' matches are searched on the host one by one (`_find_rows_scalar`)
         rather than by the array search: a few rows (`FIND_SCALAR_MAX`), the torch backend on
         the host paths' CPU."""
-        return n <= self.FIND_SCALAR_MAX and self.backend == "torch" and dpolicy.host_device(self.device)
+        return n <= self.FIND_SCALAR_MAX and self._host_paths()
 
     def _find_rows_scalar(self, rows: np.ndarray, capped: bool) -> np.ndarray:
         """The matches of a few table rows by `FlatRadixTree._find_scalar` per row, on the

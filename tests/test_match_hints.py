@@ -132,8 +132,8 @@ def test_find_scalar_is_find_csr(page_size, chunk_pages, forms):
     """`_find_scalar` (one query, binary searches of scalar lookups) gives `_find_csr`'s
     matched length and position and `depth_hashes`' two hashes at that length, for queries
     cut at any length (what a capped match reads), short queries with no whole chunk (an
-    empty chunk-hash pool) and empty ones (an empty token pool), on a tree before and after inserts and evictions; the array form on
-    the CPU in its numpy and its torch form."""
+    empty chunk-hash pool) and empty ones (an empty token pool), on a tree before and after
+    inserts and evictions; the array form on the CPU in its numpy and its torch form."""
     rng, tree, bases = build(page_size, chunk_pages, seed=7 + page_size * 10 + (chunk_pages or 0))
     qs = queries(rng, bases, 120) + [([rng.randrange(6) for _ in range(rng.randrange(tree.C))], 0) for _ in range(8)]
     csr = Csr(tree, qs)
