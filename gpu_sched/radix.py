@@ -64,13 +64,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from .kernels._utils import gather
-from .policy import _host
+from .policy import _host, host_device
 
 P1, P2 = 2**31 - 1, 2147483629
 EMPTY, TOMB = -1, -2
@@ -1154,12 +1154,18 @@ class FlatRadixTree:
 
     def _apply_scalar(self, m: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor) -> Optional[torch.Tensor]:
         """`_apply` for a few matches on the CPU when none ends inside its node (no split):
-        the nodes holding their last tokens (`_match_ends`) and the stamp walks
-        (`_stamp_walks`), in Python. Returns the last nodes (int64 [B]), or None, having changed
-        nothing, when a match would split a node."""
+        `_apply_walks` on the tensors' values. Returns the last nodes (int64 [B]), or None,
+        having changed nothing, when a match would split a node."""
+        last = self._apply_walks(m.tolist(), pos.tolist(), stamp.tolist())
+        return None if last is None else torch.tensor(last, dtype=torch.int64)
+
+    def _apply_walks(self, m: List[int], pos: List[int], stamps) -> Optional[List[int]]:
+        """The nodes holding a few matches' last tokens (`_match_ends`; 0 where m is 0) and
+        their stamp walks (`_stamp_walks`), in Python on numpy views. None, having changed
+        nothing, when a match ends inside its node (a split: the batched form does those)."""
         owner, key_off, key_len = self.owner.numpy(), self.key_off.numpy(), self.key_len.numpy()
         last = []
-        for mi, p in zip(m.tolist(), pos.tolist()):
+        for mi, p in zip(m, pos):
             if mi <= 0:
                 last.append(0)
                 continue
@@ -1167,8 +1173,23 @@ class FlatRadixTree:
             if p - key_off[x] + 1 < key_len[x]:
                 return None
             last.append(x)
-        _stamp_walks(self.parent.numpy(), self.last_access.numpy(), last, stamp.tolist())
-        return torch.tensor(last, dtype=torch.int64)
+        _stamp_walks(self.parent.numpy(), self.last_access.numpy(), last, stamps)
+        return last
+
+    def _apply_list(self, m: List[int], pos: List[int]) -> List[int]:
+        """`_apply` (splits and stamps, the next len(m) clock values and creation ids) of a
+        batch given as Python lists of matched lengths [tokens] and last pool positions; returns
+        the last nodes as a list. A few matches on a CPU tree with the torch backend that split
+        nothing take `_apply_walks` and no tensor is made; the others go through `_apply`."""
+        B = len(m)
+        if B <= SCALAR_BATCH and self.backend == "torch" and host_device(self.device):
+            last = self._apply_walks(m, pos, range(self.clock + 1, self.clock + 1 + B))
+            if last is not None:
+                self.clock += B
+                self.next_cid += B
+                return last
+        t = torch.tensor([m, pos], dtype=torch.int64).to(self.device)
+        return self._apply(t[0], t[1], self.backend)[1].tolist()
 
     def _match_ends(self, m: torch.Tensor, pos: torch.Tensor,
                     host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -1513,14 +1534,18 @@ class FlatRadixTree:
         lock_ref[u] = ref + sign * c
         return True
 
-    def lock(self, nodes: torch.Tensor, *, backend: Optional[str] = None) -> None:
-        """inc_lock_ref for each node (batched; node 0 = root is a no-op)."""
+    def lock(self, nodes: Union[torch.Tensor, List[int]], *, backend: Optional[str] = None) -> None:
+        """inc_lock_ref for each node (batched; node 0 = root is a no-op). nodes: int64 [B] or
+        a list of node ids (the host paths' form: no tensor is made for a few)."""
+        listed = isinstance(nodes, list)
         if self._be(backend) == "torch" and _host(self.lock_ref):
-            if nodes.numel() <= SCALAR_BATCH:
-                self._lock_scalar(nodes.tolist(), 1)
+            if len(nodes) <= SCALAR_BATCH:
+                self._lock_scalar(nodes if listed else nodes.tolist(), 1)
             else:
-                self._lock_host(nodes.to(torch.int64).numpy(), 1)
+                self._lock_host(np.asarray(nodes, dtype=np.int64) if listed else nodes.to(torch.int64).numpy(), 1)
             return
+        if listed:
+            nodes = torch.tensor(nodes, dtype=torch.int64)
         u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))
         if u.numel() == 0:
             return

@@ -954,7 +954,10 @@ class GpuScheduler(ReferenceScheduler):
             refused = na == k and k < Q and stop in (STOP_NO_TOKEN, STOP_OTHER)  # re-matched, then refused
             if matched is not None:  # the admission's own capped match of the rows applied
                 # the admitted prefix, and the refused request after it (slices: no index tensor)
-                matched = tuple(torch.cat([v[:na], v[k : k + 1]]) if refused else v[:na] for v in matched)
+                if isinstance(matched[0], list):
+                    matched = tuple(v[:na] + v[k : k + 1] if refused else v[:na] for v in matched)
+                else:
+                    matched = tuple(torch.cat([v[:na], v[k : k + 1]]) if refused else v[:na] for v in matched)
             self._admit_run(rest[:na], ends[:na], adder, rematch=rest[k] if refused else None, matched=matched)
             if lead == i:
                 lead += na
@@ -1153,8 +1156,8 @@ class GpuScheduler(ReferenceScheduler):
         checked by its two lookups (`check_matches`' test, `_probe_scalar`), the lock drops
         are `admission._lock_drops_walk`; rows with no match to trust or that fail the check
         are searched (`_find_rows_scalar`, as `_checked_find` does). Returns (m list, drops
-        list, evictable, (m, pos) tensors), or None when more than `FIND_SCALAR_MAX` rows need
-        a search or the cache is disabled."""
+        list, evictable, (m, pos) lists: `_admit_run` applies those without a tensor), or None
+        when more than `FIND_SCALAR_MAX` rows need a search or the cache is disabled."""
         from .admission import _lock_drops_walk
 
         if self.cache.disable:
@@ -1202,8 +1205,7 @@ class GpuScheduler(ReferenceScheduler):
                 nodes[j], covers[j] = X, pos - int(key_off[X]) + 1
         drops = _lock_drops_walk(parent, key_len, tree.lock_ref.numpy(), tree.alive.numpy(), nodes, covers,
                                  [v > 0 for v in ms])
-        mp = torch.from_numpy(np.array([ms, ps], dtype=np.int64)).to(self.device)
-        return ms, drops, tree.evictable_size, (mp[0], mp[1])
+        return ms, drops, tree.evictable_size, (ms, ps)
 
     def _rematch(self, r: ReqState) -> None:
         hint = self._match_hint  # `_scalar_admission`'s window match, else a match on the tree
@@ -1312,9 +1314,9 @@ class GpuScheduler(ReferenceScheduler):
         """Apply the admissions `admit_step` decided, in queue order: the admission's capped
         matches applied in this order (splits and stamps as sequential matching; `rematch` last:
         the refused request the loop re-matched before refusing it), batched locks, extend ranges
-        and can_run. `matched`: (matched length, pool position) int64 device tensors of
-        run + [rematch], found on the tree as it was at admission (splits since do not move
-        tokens, so the positions still hold). Budgets and counters come from the step's result."""
+        and can_run. `matched`: (matched length, pool position) of run + [rematch], int64
+        device tensors or, from a small window, Python lists, found on the tree as it was at
+        admission (splits since do not move tokens, so the positions still hold). Budgets and counters come from the step's result."""
         if self.cache.disable:
             root = self.cache.root
             for r, end in zip(run, ends):  # adder._admit's effect, inlined: one pass
@@ -1326,11 +1328,17 @@ class GpuScheduler(ReferenceScheduler):
         if not rs:
             return
         tree = self.cache.tree
-        m, last = tree._apply(matched[0], matched[1], tree.backend)
+        if isinstance(matched[0], list):  # a small window's lists (`_window_drops_scalar`): no tensor
+            m, last = matched[0], tree._apply_list(*matched)
+            vals = m + last
+        else:
+            m, last = tree._apply(matched[0], matched[1], tree.backend)
+            vals = None
         if run:
             tree.lock(last[: len(run)])
         B = len(rs)
-        vals = torch.cat([m, last]).tolist()
+        if vals is None:
+            vals = torch.cat([m, last]).tolist()
         for r, a, b, end in zip(run, vals, vals[B:], ends):  # adder._admit's effect, inlined: one pass
             r.prefix_len, r.last_node, r.lock_node = a, b, b
             r.extend_start, r.extend_end = a, end

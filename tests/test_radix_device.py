@@ -560,6 +560,44 @@ def test_batched_lock_unlock_forms_agree(n):
     assert torch.equal(end[0], start[0]) and end[1:] == start[1:]  # back where it started
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_apply_list_equals_apply(page_size):
+    """`_apply_list` (a small admission window's matches as Python lists: Python walks, or
+    `_apply` when a match ends inside a node) returns the last nodes `_apply` returns on the
+    same matches as tensors and leaves every array, the clock and the creation ids as it does,
+    over batches with and without splits, and one past `SCALAR_BATCH`; `lock` of a list
+    leaves what `lock` of the tensor leaves."""
+    P = page_size
+    rng = np.random.default_rng(page_size)
+    tree = FlatRadixTree(P, max_nodes=1024, token_capacity=8192)
+    seqs = [rng.integers(0, 3, int(rng.integers(1, 12)) * P).astype(np.int32) for _ in range(16)]
+    for i, seq in enumerate(seqs):
+        tree.insert(torch.from_numpy(seq), torch.arange(len(seq)) + 100 * i, 0)
+    kinds = set()
+    for trial in range(40):
+        B = 40 if trial == 39 else int(rng.integers(1, 6))
+        qs = [np.concatenate([seqs[int(rng.integers(len(seqs)))][: int(rng.integers(0, 12)) * P],
+                              rng.integers(0, 3, int(rng.integers(0, 2 * P)))]) for _ in range(B)]
+        t, lens = pad([q.tolist() for q in qs])
+        m, pos = tree._find(t, lens, torch.zeros(B, dtype=torch.int64))
+        twin = copy.deepcopy(tree)
+        nodes_before = int(tree.alive.sum())
+        last = tree._apply_list(m.tolist(), pos.tolist())
+        _, want = twin._apply(m, pos)
+        assert isinstance(last, list) and last == want.tolist()
+        kinds.add((int(tree.alive.sum()) > nodes_before, B > radix_module.SCALAR_BATCH))
+        for x, y in zip(tree._node_arrays() + [tree.alive, tree.owner], twin._node_arrays() + [twin.alive, twin.owner]):
+            assert torch.equal(x, y)
+        assert (tree.clock, tree.next_cid) == (twin.clock, twin.next_cid)
+        tree.lock(last)
+        twin.lock(want)
+        assert torch.equal(tree.lock_ref, twin.lock_ref)
+        assert (int(tree.evictable_size), int(tree.protected_size)) == (int(twin.evictable_size),
+                                                                          int(twin.protected_size))
+        tree.unlock(want)
+    assert {(False, False), (True, False), (True, True)} <= kinds
+
+
 @pytest.mark.parametrize("p", [P1, P2, 2**30 + 3])
 def test_mod_host_is_exact(p):
     """`_mod_host` (float reciprocal, one correction each way) equals `%` over its whole range:
