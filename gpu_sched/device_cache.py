@@ -49,11 +49,11 @@ class DeviceRadixCache:
 
     @property
     def evictable_size(self) -> int:
-        return 0 if self.disable else int(self.tree.evictable_size)
+        return 0 if self.disable else self.tree.host_int("evictable_size")
 
     @property
     def protected_size(self) -> int:
-        return 0 if self.disable else int(self.tree.protected_size)
+        return 0 if self.disable else self.tree.host_int("protected_size")
 
     def _tokens(self, key) -> torch.Tensor:
         return torch.as_tensor(np.array(key, dtype=np.int32), device=self.device)

@@ -166,6 +166,7 @@ class FlatRadixTree:
         self.chunk_pages = int(chunk_pages) if chunk_pages else max(1, 16 // self.P)
         self.C = self.P * self.chunk_pages
         self.device = torch.device(device)
+        self._on_cpu = self.device.type == "cpu"
         self.max_probe = int(max_probe)
         rng = np.random.default_rng(seed)
         self.B1 = int(rng.integers(1 << 20, P1 - 1))
@@ -210,6 +211,31 @@ class FlatRadixTree:
         self.top = 0  # bump pointer of the token pool
         self._free_nodes: List[int] = list(range(N - 1, 0, -1))
         self._hwm = 1  # node_bound()
+        self._host_arrays: Dict[str, Tuple[torch.Tensor, np.ndarray]] = {}  # `_np`'s views
+
+    def host_int(self, name: str) -> int:
+        """The 0-d array `name` (`evictable_size` or `protected_size`) as an int [tokens]: on
+        the CPU a read of its numpy view (`_np`), elsewhere `.item()` (a device sync)."""
+        return int(self._np(name)) if self._on_cpu else int(getattr(self, name))
+
+    def __getstate__(self):
+        # numpy views are not copied with the tree (a deep copy would copy their data apart
+        # from the copied tensors): the copy makes its own on first use
+        state = self.__dict__.copy()
+        state["_host_arrays"] = {}
+        return state
+
+    def _np(self, name: str) -> np.ndarray:
+        """A numpy view of this CPU tree's array `name` (a node, token-pool or hash-table array,
+        or the 0-d `evictable_size` / `protected_size`), made once per tensor: the arrays are
+        written in place, and `.numpy()` costs 5-15 us per call on a cold cache against a dict
+        read here. Made anew when the attribute holds another tensor (the hash table after
+        `_rehash`). Raises TypeError for a tree off the CPU, as `.numpy()` does."""
+        t = getattr(self, name)
+        e = self._host_arrays.get(name)
+        if e is None or e[0] is not t:
+            e = self._host_arrays[name] = (t, t.numpy())
+        return e[1]
 
     # ---- backends --------------------------------------------------------------------------
     @staticmethod
@@ -415,7 +441,7 @@ class FlatRadixTree:
         """`_probe`'s torch form on host arrays (a CPU table's view), window for window: the
         same home slots, windows and stops, in numpy calls of 1-3 us instead of torch CPU ops
         of 5-15 us. Returns int64 [n]."""
-        keys = self.hkeys.numpy()
+        keys = self._np("hkeys")
         H = keys.size
         if h.size <= PROBE_SCALAR_MAX:
             return np.array(self._probe_scalar(keys, h.tolist()), dtype=np.int64)
@@ -468,8 +494,8 @@ class FlatRadixTree:
 
     def _lookup_scalar(self, hs: List[int]) -> List[int]:
         """`lookup` of a few hashes on a CPU table, in Python: their values, -1 if absent."""
-        vals = self.hvals.numpy()
-        return [int(vals[s]) if s >= 0 else -1 for s in self._probe_scalar(self.hkeys.numpy(), hs)]
+        vals = self._np("hvals")
+        return [int(vals[s]) if s >= 0 else -1 for s in self._probe_scalar(self._np("hkeys"), hs)]
 
     def lookup(self, h: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
         """Pool position stored for each prefix hash, -1 if absent."""
@@ -483,7 +509,7 @@ class FlatRadixTree:
     def _lookup_host(self, h: np.ndarray) -> np.ndarray:
         """`lookup` on host arrays (a CPU table's views). Returns int64 [n]."""
         slot = self._probe_host(h)
-        return np.where(slot >= 0, self.hvals.numpy()[np.maximum(slot, 0)], -1)
+        return np.where(slot >= 0, self._np("hvals")[np.maximum(slot, 0)], -1)
 
     def _table_insert(self, h: torch.Tensor, v: torch.Tensor, be: str = "torch") -> None:
         """Insert absent keys. Round by round every pending key claims its slot if free; of
@@ -535,7 +561,7 @@ class FlatRadixTree:
         """`_table_insert`'s torch rounds on host arrays (a CPU table's views), round for round:
         the same claims and winners (so the same table), in numpy calls of 1-3 us instead of
         torch CPU ops of 5-15 us. Raises RuntimeError at the probe limit."""
-        keys, vals = self.hkeys.numpy(), self.hvals.numpy()
+        keys, vals = self._np("hkeys"), self._np("hvals")
         H, n = keys.size, h.size
         idx = np.arange(n, dtype=np.int64)
         pos = home_slot(h, H)
@@ -569,6 +595,8 @@ class FlatRadixTree:
             H *= 2
         self.hkeys = torch.full((H,), EMPTY, dtype=torch.int64, device=self.device)
         self.hvals = torch.full((H,), -1, dtype=torch.int64, device=self.device)
+        self._host_arrays.pop("hkeys", None)  # `_np` would re-make them; this frees the old table now
+        self._host_arrays.pop("hvals", None)
         self._h_used = 0
         self._table_insert(keys, vals, be)
 
@@ -815,7 +843,7 @@ class FlatRadixTree:
         """`_search` of one row on a CPU table as a binary search of scalar probes: the largest
         j in [0, hi] whose hash hs[j - 1] is present (presence is monotone in j, so any search
         finds the same point) and its stored value (-1 for 0). hs: a sequence of int hashes."""
-        keys, vals = self.hkeys.numpy(), self.hvals.numpy()
+        keys, vals = self._np("hkeys"), self._np("hvals")
         a, pos = 0, -1
         while a < hi:
             mid = (a + hi + 1) // 2
@@ -1038,8 +1066,8 @@ class FlatRadixTree:
         what locking the capped match reads (`gpu_sched.admission.lock_drops`). On CPU tensors
         (`policy._host`) the same steps run as numpy calls, climbing only the rows that need it."""
         if _host(m):
-            out = _path_position_host(self.owner.numpy(), self.key_off.numpy(), self.key_len.numpy(),
-                                      self.parent.numpy(), m.numpy(), pos.numpy(), d.numpy())
+            out = _path_position_host(self._np("owner"), self._np("key_off"), self._np("key_len"),
+                                      self._np("parent"), m.numpy(), pos.numpy(), d.numpy())
             out = tuple(torch.from_numpy(x) for x in out)
             return out if nodes else out[0]
         has = m > 0
@@ -1163,7 +1191,7 @@ class FlatRadixTree:
         """The nodes holding a few matches' last tokens (`_match_ends`; 0 where m is 0) and
         their stamp walks (`_stamp_walks`), in Python on numpy views. None, having changed
         nothing, when a match ends inside its node (a split: the batched form does those)."""
-        owner, key_off, key_len = self.owner.numpy(), self.key_off.numpy(), self.key_len.numpy()
+        owner, key_off, key_len = self._np("owner"), self._np("key_off"), self._np("key_len")
         last = []
         for mi, p in zip(m, pos):
             if mi <= 0:
@@ -1173,7 +1201,7 @@ class FlatRadixTree:
             if p - key_off[x] + 1 < key_len[x]:
                 return None
             last.append(x)
-        _stamp_walks(self.parent.numpy(), self.last_access.numpy(), last, stamps)
+        _stamp_walks(self._np("parent"), self._np("last_access"), last, stamps)
         return last
 
     def _apply_list(self, m: List[int], pos: List[int]) -> List[int]:
@@ -1200,8 +1228,8 @@ class FlatRadixTree:
         cheaper per call than torch's), else as torch ops."""
         if _host(m) if host is None else host:
             pn = pos.numpy()
-            has, X = _match_nodes_host(self.owner.numpy(), m.numpy(), pn)
-            interior = has & (pn - self.key_off.numpy().take(X, mode="clip") + 1 < self.key_len.numpy().take(X, mode="clip"))
+            has, X = _match_nodes_host(self._np("owner"), m.numpy(), pn)
+            interior = has & (pn - self._np("key_off").take(X, mode="clip") + 1 < self._np("key_len").take(X, mode="clip"))
             return torch.from_numpy(X), torch.from_numpy(np.flatnonzero(interior))
         has = m > 0
         X = torch.where(has, gather(self.owner, pos.clamp(min=0)), torch.zeros_like(m))
@@ -1272,10 +1300,10 @@ class FlatRadixTree:
             return
         if _host(nodes):
             if nodes.numel() <= SCALAR_BATCH:
-                _stamp_walks(self.parent.numpy(), self.last_access.numpy(), nodes.tolist(), stamp.tolist())
+                _stamp_walks(self._np("parent"), self._np("last_access"), nodes.tolist(), stamp.tolist())
                 return
             b = self.node_bound()  # every live id is below it
-            _stamp_paths_host(self.parent[:b].numpy(), self.last_access[:b].numpy(), nodes.numpy(), stamp.numpy())
+            _stamp_paths_host(self._np("parent")[:b], self._np("last_access")[:b], nodes.numpy(), stamp.numpy())
             return
         self._stamp_paths_walk(nodes, stamp)
 
@@ -1434,20 +1462,20 @@ class FlatRadixTree:
         off = self._alloc_tokens(n_new)
         node = int(self._alloc_nodes(1)[0])
         dst = slice(off, off + n_new)
-        self.tok.numpy()[dst] = tok.numpy()[0, m:L]
-        self.val.numpy()[dst] = val.numpy()[0, m:L]
-        self.hsh.numpy()[dst] = full_h.numpy()[0, m:L]
-        self.owner.numpy()[dst] = node
-        for a, v in ((self.parent, par), (self.key_off, off), (self.key_len, n_new), (self.start, m),
-                     (self.lock_ref, 0), (self.last_access, stamp), (self.cid, cid), (self.order, order),
-                     (self.ns, ns), (self.nchild, 0), (self.alive, True)):
-            a.numpy()[node] = v
-        self.nchild.numpy()[par] += 1
+        self._np("tok")[dst] = tok.numpy()[0, m:L]
+        self._np("val")[dst] = val.numpy()[0, m:L]
+        self._np("hsh")[dst] = full_h.numpy()[0, m:L]
+        self._np("owner")[dst] = node
+        for a, v in (("parent", par), ("key_off", off), ("key_len", n_new), ("start", m), ("lock_ref", 0),
+                     ("last_access", stamp), ("cid", cid), ("order", order), ("ns", ns), ("nchild", 0),
+                     ("alive", True)):
+            self._np(a)[node] = v
+        self._np("nchild")[par] += 1
         page_ends = torch.arange(off + P - 1, off + n_new, P)  # m is page-aligned: every P-th new token
         h = self.hsh[page_ends]
         self._table_insert(h, page_ends)
         self._log_change(h)
-        self.evictable_size += n_new
+        self._np("evictable_size")[()] += n_new
 
     def _live_tokens(self) -> int:
         b = self._hwm
@@ -1477,7 +1505,7 @@ class FlatRadixTree:
             u = torch.nonzero(cnt).flatten()
             return u, cnt[u]
         if _host(nodes) if host is None else host:  # numpy calls on views of the arrays
-            u, c = _path_nodes_host(self.parent.numpy(), nodes.numpy(), self.node_bound())
+            u, c = _path_nodes_host(self._np("parent"), nodes.numpy(), self.node_bound())
             return torch.from_numpy(u), torch.from_numpy(c)
         cur = nodes[nodes > 0]
         single = cur.numel() == 1  # one lock holder (the common call): its path has distinct nodes
@@ -1496,7 +1524,7 @@ class FlatRadixTree:
         """`lock` (sign 1) or `unlock` (sign -1) of a few nodes on the CPU in Python: the
         path counts by walks, then the same updates. False, with nothing changed, for an
         unlock below zero."""
-        parent, lock_ref, key_len = self.parent.numpy(), self.lock_ref.numpy(), self.key_len.numpy()
+        parent, lock_ref, key_len = self._np("parent"), self._np("lock_ref"), self._np("key_len")
         cnt = {}
         for v in nodes:
             while v > 0:
@@ -1511,8 +1539,7 @@ class FlatRadixTree:
                 delta += int(key_len[u])
             lock_ref[u] = ref + sign * c
         if delta:
-            self.evictable_size -= sign * delta
-            self.protected_size += sign * delta
+            self._move_host_sizes(sign * delta)
         return True
 
     def _lock_host(self, nodes: np.ndarray, sign: int) -> bool:
@@ -1520,31 +1547,42 @@ class FlatRadixTree:
         paths' distinct nodes and counts (`_path_nodes_host`), then one gather and one write of
         their lock counts; the sizes move by the tokens of the nodes whose count leaves or
         reaches 0. False, having changed nothing, for an unlock below zero."""
-        u, c = _path_nodes_host(self.parent.numpy(), nodes, self.node_bound())
+        u, c = _path_nodes_host(self._np("parent"), nodes, self.node_bound())
         if u.size == 0:
             return True
-        lock_ref = self.lock_ref.numpy()
+        lock_ref = self._np("lock_ref")
         ref = lock_ref[u]
         if sign < 0 and bool((ref < c).any()):
             return False
-        delta = int(self.key_len.numpy()[u][ref == (0 if sign > 0 else c)].sum())
+        delta = int(self._np("key_len")[u][ref == (0 if sign > 0 else c)].sum())
         if delta:
-            self.evictable_size -= sign * delta
-            self.protected_size += sign * delta
+            self._move_host_sizes(sign * delta)
         lock_ref[u] = ref + sign * c
         return True
+
+    def _move_host_sizes(self, d: int) -> None:
+        """evictable_size -= d, protected_size += d [tokens] on a CPU tree's 0-d views (a
+        torch in-place op on a 0-d tensor costs tens of us on a cold cache)."""
+        self._np("evictable_size")[()] -= d
+        self._np("protected_size")[()] += d
+
+    def _lock_on_host(self, nodes: Union[torch.Tensor, List[int]], sign: int, backend: Optional[str]) -> Optional[bool]:
+        """`lock` / `unlock` (sign 1 / -1) on a CPU tree with the torch backend: Python walks for
+        up to `SCALAR_BATCH` nodes (`_lock_scalar`), numpy past it (`_lock_host`); False for an
+        unlock below zero (nothing changed). None elsewhere: the caller runs the torch form."""
+        if not (self._be(backend) == "torch" and _host(self.lock_ref)):
+            return None
+        listed = isinstance(nodes, list)
+        if (len(nodes) if listed else nodes.numel()) <= SCALAR_BATCH:
+            return self._lock_scalar(nodes if listed else nodes.tolist(), sign)
+        return self._lock_host(np.asarray(nodes, dtype=np.int64) if listed else nodes.to(torch.int64).numpy(), sign)
 
     def lock(self, nodes: Union[torch.Tensor, List[int]], *, backend: Optional[str] = None) -> None:
         """inc_lock_ref for each node (batched; node 0 = root is a no-op). nodes: int64 [B] or
         a list of node ids (the host paths' form: no tensor is made for a few)."""
-        listed = isinstance(nodes, list)
-        if self._be(backend) == "torch" and _host(self.lock_ref):
-            if len(nodes) <= SCALAR_BATCH:
-                self._lock_scalar(nodes if listed else nodes.tolist(), 1)
-            else:
-                self._lock_host(np.asarray(nodes, dtype=np.int64) if listed else nodes.to(torch.int64).numpy(), 1)
+        if self._lock_on_host(nodes, 1, backend) is not None:
             return
-        if listed:
+        if isinstance(nodes, list):
             nodes = torch.tensor(nodes, dtype=torch.int64)
         u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))
         if u.numel() == 0:
@@ -1555,14 +1593,16 @@ class FlatRadixTree:
         self.protected_size += delta
         self.lock_ref[u] = ref + c
 
-    def unlock(self, nodes: torch.Tensor, *, backend: Optional[str] = None) -> None:
-        """dec_lock_ref for each node (batched). Raises RuntimeError on a negative lock_ref."""
-        if self._be(backend) == "torch" and _host(self.lock_ref):
-            ok = (self._lock_scalar(nodes.tolist(), -1) if nodes.numel() <= SCALAR_BATCH
-                  else self._lock_host(nodes.to(torch.int64).numpy(), -1))
+    def unlock(self, nodes: Union[torch.Tensor, List[int]], *, backend: Optional[str] = None) -> None:
+        """dec_lock_ref for each node (batched; nodes as for `lock`). Raises RuntimeError on a
+        negative lock_ref (nothing changed)."""
+        ok = self._lock_on_host(nodes, -1, backend)
+        if ok is not None:
             if not ok:
                 raise RuntimeError("unlock below zero: lock_ref would become negative")
             return
+        if isinstance(nodes, list):
+            nodes = torch.tensor(nodes, dtype=torch.int64)
         u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))
         if u.numel() == 0:
             return

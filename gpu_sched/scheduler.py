@@ -1156,7 +1156,7 @@ class GpuScheduler(ReferenceScheduler):
         checked by its two lookups (`check_matches`' test, `_probe_scalar`), the lock drops
         are `admission._lock_drops_walk`; rows with no match to trust or that fail the check
         are searched (`_find_rows_scalar`, as `_checked_find` does). Returns (m list, drops
-        list, evictable, (m, pos) lists: `_admit_run` applies those without a tensor), or None
+        list, evictable [tokens], (m, pos) lists: `_admit_run` applies those without a tensor), or None
         when more than `FIND_SCALAR_MAX` rows need a search or the cache is disabled."""
         from .admission import _lock_drops_walk
 
@@ -1165,7 +1165,7 @@ class GpuScheduler(ReferenceScheduler):
         tree = self.cache.tree
         P = self.config.page_size
         ver = tree.version
-        owner, key_off, key_len, parent = (a.numpy() for a in (tree.owner, tree.key_off, tree.key_len, tree.parent))
+        owner, key_off, key_len, parent = map(tree._np, ("owner", "key_off", "key_len", "parent"))
         ms, ps, nodes, covers = [], [], [], []
         search = []  # window indices of rows whose match must be searched for
         cols = self._rt[rows[:, None], _SCALAR_COLS].tolist()
@@ -1203,9 +1203,9 @@ class GpuScheduler(ReferenceScheduler):
             if ms[j] > 0 and not covers[j]:  # a checked or searched match: its node holds pos
                 X = int(owner[pos])
                 nodes[j], covers[j] = X, pos - int(key_off[X]) + 1
-        drops = _lock_drops_walk(parent, key_len, tree.lock_ref.numpy(), tree.alive.numpy(), nodes, covers,
+        drops = _lock_drops_walk(parent, key_len, tree._np("lock_ref"), tree._np("alive"), nodes, covers,
                                  [v > 0 for v in ms])
-        return ms, drops, tree.evictable_size, (ms, ps)
+        return ms, drops, tree.host_int("evictable_size"), (ms, ps)
 
     def _rematch(self, r: ReqState) -> None:
         hint = self._match_hint  # `_scalar_admission`'s window match, else a match on the tree

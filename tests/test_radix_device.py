@@ -560,6 +560,33 @@ def test_batched_lock_unlock_forms_agree(n):
     assert torch.equal(end[0], start[0]) and end[1:] == start[1:]  # back where it started
 
 
+def test_host_views_follow_the_tensors():
+    """`FlatRadixTree._np`'s numpy views (made once per tensor) are views of the tree's current
+    tensors: after `_rehash` makes a new hash table, and in a deep copy (its views are of its
+    own tensors: a write through them changes the copy only); `host_int` reads the sizes."""
+    tree = FlatRadixTree(1, max_nodes=64, token_capacity=256)
+    seq = torch.arange(40, dtype=torch.int32)
+    tree.insert(seq, torch.arange(40), 0)
+    old = tree._np("hkeys")
+    assert np.shares_memory(old, tree.hkeys.numpy())
+    tree._rehash(extra=4 * tree.hkeys.numel())
+    new = tree._np("hkeys")
+    assert new.size == tree.hkeys.numel() > old.size and np.shares_memory(new, tree.hkeys.numpy())
+    t, lens = pad([seq.tolist()])
+    assert int(tree.match(t, lens, torch.tensor([0]))[0][0]) == 40  # lookups read the new table
+    node = int(tree.owner[39])
+    tree.lock([node])
+    assert tree.host_int("evictable_size") == int(tree.evictable_size) == 0
+    assert tree.host_int("protected_size") == int(tree.protected_size) == 40
+    twin = copy.deepcopy(tree)
+    for name in ("lock_ref", "evictable_size", "hkeys"):
+        assert np.shares_memory(twin._np(name), getattr(twin, name).numpy())
+        assert not np.shares_memory(twin._np(name), getattr(tree, name).numpy())
+    twin.unlock([node])
+    assert (int(twin.lock_ref[node]), twin.host_int("evictable_size")) == (0, 40)
+    assert (int(tree.lock_ref[node]), tree.host_int("evictable_size")) == (1, 0)
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_apply_list_equals_apply(page_size):
     """`_apply_list` (a small admission window's matches as Python lists: Python walks, or
