@@ -912,7 +912,7 @@ class GpuScheduler(ReferenceScheduler):
         from .admission import STOP_NAMES, STOP_NO_TOKEN, STOP_OTHER, STOP_PREEMPT, STOP_QUEUE_END, StepConfig
 
         running_bs = len(self.running)  # SGLang reads the batch size once, before the loop
-        scfg = StepConfig.from_config(self.config)
+        scfg = None  # made for the first window `_static_admission` decides
         pending = self._take_pending(queue, adder)
         i, n = 0, len(queue)
         start, lead = len(adder.can_run), 0  # queue[:lead] admitted, in order, after `start` entries
@@ -942,6 +942,8 @@ class GpuScheduler(ReferenceScheduler):
                 if self._scalar_window(rest):
                     vals, matched = self._scalar_admission(rest, adder, running_bs, wrows)
                 else:
+                    if scfg is None:
+                        scfg = StepConfig.from_config(self.config)
                     res, matched = self._static_admission(rest, adder, running_bs, scfg, wrows)
                     vals = [res.stop, res.stop_index, res.chunk_index, int(res.batch_full), res.I, res.cur_off,
                             res.rem_input, res.rem_chunk, res.hit_tokens, res.input_tokens, int(res.decided),
@@ -1132,10 +1134,11 @@ class GpuScheduler(ReferenceScheduler):
         # `_rematch` reads the hint; j is the request's lock handle (with the cache disabled
         # every drop is 0 and the node is the root, as the reference's match returns it)
         root = self.cache.root if self.cache.disable else None
+        reqs = rest.window(0, Q)[0] if isinstance(rest, RowQueue) else rest  # one lookup, not one per item
         try:
             for j in range(Q):
                 self._match_hint = (ms[j], j if root is None else root)
-                reason = self._admit_one(rest[j], sub, running_bs)
+                reason = self._admit_one(reqs[j], sub, running_bs)
                 if reason is not None:
                     stop, k = reason, j
                     break
@@ -1156,8 +1159,9 @@ class GpuScheduler(ReferenceScheduler):
         checked by its two lookups (`check_matches`' test, `_probe_scalar`), the lock drops
         are `admission._lock_drops_walk`; rows with no match to trust or that fail the check
         are searched (`_find_rows_scalar`, as `_checked_find` does). Returns (m list, drops
-        list, evictable [tokens], (m, pos) lists: `_admit_run` applies those without a tensor), or None
-        when more than `FIND_SCALAR_MAX` rows need a search or the cache is disabled."""
+        list, evictable [tokens], (m, pos) lists, which `_admit_run` applies without a
+        tensor), or None when more than `FIND_SCALAR_MAX` rows need a search or the cache is
+        disabled."""
         from .admission import _lock_drops_walk
 
         if self.cache.disable:
