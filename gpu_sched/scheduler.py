@@ -42,6 +42,9 @@ from .reference.scheduler import ReferenceScheduler
 from .reference.state import ReqState
 from .row_queue import LazyList, RowQueue, rid_list
 from . import policy as dpolicy
+from .admission import (STOP_CODES, STOP_NAMES, STOP_NO_TOKEN, STOP_OTHER, STOP_PREEMPT, STOP_QUEUE_END, HeldCols,
+                        QueueCols, StepConfig, StepState, _lock_drops_walk, admit_step, admit_step_host, lock_drops,
+                        preempt_select, read_step_result)
 
 BACKENDS = ("torch", "triton")
 #: columns of GpuScheduler's row table: fill length, output length, prompt length,
@@ -909,8 +912,6 @@ class GpuScheduler(ReferenceScheduler):
         that finds the batch full with priority preemption on (`STOP_PREEMPT`) goes through
         `_admit_preempting` (device victim choice, host release), after which the rest of the
         queue is decided again."""
-        from .admission import STOP_NAMES, STOP_NO_TOKEN, STOP_OTHER, STOP_PREEMPT, STOP_QUEUE_END, StepConfig
-
         running_bs = len(self.running)  # SGLang reads the batch size once, before the loop
         scfg = None  # made for the first window `_static_admission` decides
         pending = self._take_pending(queue, adder)
@@ -1000,8 +1001,6 @@ class GpuScheduler(ReferenceScheduler):
         """R-ADM-7: victims chosen by `gpu_sched.admission.preempt_select` (sorted on the device,
         cumulative reservations, cut), read back once; the host then releases them in
         running-batch order exactly as `PrefillAdder.preempt_for` does."""
-        from .admission import preempt_select
-
         cfg = self.config
         run = self.running
         R = len(run)
@@ -1034,8 +1033,6 @@ class GpuScheduler(ReferenceScheduler):
         """Columns of the ordered queue's window `rest` (table rows `rows`, looked up when
         None) and the adder's budgets as device tensors, then `admit_step` (no host read
         inside; backend "triton" runs its per-request kernels)."""
-        from .admission import HeldCols, QueueCols, StepState, admit_step, admit_step_host, read_step_result
-
         dev = self.device
         Q = len(rest)
         if rows is None:
@@ -1072,8 +1069,6 @@ class GpuScheduler(ReferenceScheduler):
         theirs (`admission.lock_drops`, R-RC-6): (m, drop, evictable, matched), m and drop int64
         device tensors [Q], evictable the tree's (a device scalar), matched = (m, pos) or None
         with the cache disabled (all zero)."""
-        from .admission import lock_drops
-
         dev = self.device
         if self.cache.disable:
             m = torch.zeros(Q, dtype=torch.int64, device=dev)
@@ -1113,8 +1108,6 @@ class GpuScheduler(ReferenceScheduler):
         would do, since the loop locks exactly the window's requests before it. Nothing on the
         tree changes here: `_admission_scan` applies the outcome (`_admit_run`) as it applies
         `admit_step`'s. Returns (vals, matched) in `_static_admission`'s read-back layout."""
-        from .admission import STOP_CODES
-
         Q = len(rest)
         if rows is None:
             rows = self._rows_of(rest)
@@ -1162,8 +1155,6 @@ class GpuScheduler(ReferenceScheduler):
         list, evictable [tokens], (m, pos) lists, which `_admit_run` applies without a
         tensor), or None when more than `FIND_SCALAR_MAX` rows need a search or the cache is
         disabled."""
-        from .admission import _lock_drops_walk
-
         if self.cache.disable:
             return None
         tree = self.cache.tree
