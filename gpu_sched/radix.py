@@ -477,12 +477,13 @@ class FlatRadixTree:
         exact product agrees with int64's wrapped one in the bits the slot reads) and the same
         max_probe slots in order, stopping at the key or an empty slot (tombstones are passed)."""
         mask = keys.size - 1
+        key_at = keys.item  # a Python int: cheaper to compare than a numpy scalar
         out = []
         for h in hs:
             pos = ((h * HASH_MIX) >> 32) & mask
             slot = -1
             for _ in range(self.max_probe):
-                k = keys[pos]
+                k = key_at(pos)
                 if k == h:
                     slot = pos
                     break
