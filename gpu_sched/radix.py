@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from .kernels._utils import gather
-from .policy import _host, host_device
+from .policy import _host, host_ok
 
 P1, P2 = 2**31 - 1, 2147483629
 EMPTY, TOMB = -1, -2
@@ -1211,7 +1211,7 @@ class FlatRadixTree:
         the last nodes as a list. A few matches on a CPU tree with the torch backend that split
         nothing take `_apply_walks` and no tensor is made; the others go through `_apply`."""
         B = len(m)
-        if B <= SCALAR_BATCH and self.backend == "torch" and host_device(self.device):
+        if B <= SCALAR_BATCH and self.backend == "torch" and self._on_cpu and host_ok():
             last = self._apply_walks(m, pos, range(self.clock + 1, self.clock + 1 + B))
             if last is not None:
                 self.clock += B
@@ -1272,7 +1272,7 @@ class FlatRadixTree:
         self.nchild[head] = 1
         self.alive[head] = True
         total = int(cover.sum())
-        if self.device.type == "cpu" and total >= 64 * piece.numel():
+        if self._on_cpu and total >= 64 * piece.numel():
             # long heads: one slice fill each beats building `total`-long index arrays
             for o, c, hd in zip(self.key_off[piece].tolist(), cover.tolist(), head.tolist()):
                 self.owner[o : o + c] = hd
@@ -1571,7 +1571,7 @@ class FlatRadixTree:
         """`lock` / `unlock` (sign 1 / -1) on a CPU tree with the torch backend: Python walks for
         up to `SCALAR_BATCH` nodes (`_lock_scalar`), numpy past it (`_lock_host`); False for an
         unlock below zero (nothing changed). None elsewhere: the caller runs the torch form."""
-        if not (self._be(backend) == "torch" and _host(self.lock_ref)):
+        if not (self._be(backend) == "torch" and self._on_cpu and host_ok()):
             return None
         listed = isinstance(nodes, list)
         if (len(nodes) if listed else nodes.numel()) <= SCALAR_BATCH:

@@ -209,7 +209,8 @@ class GpuScheduler(ReferenceScheduler):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
         self.device = torch.device(device)
-        if backend == "triton" and self.device.type == "cpu":
+        self._on_cpu = self.device.type == "cpu"  # kept: `device.type` is slow on a cold cache
+        if backend == "triton" and self._on_cpu:
             # Triton kernels on CPU tensors run only in the interpreter; it must be chosen
             # before triton is first imported (the kernel modules import it lazily)
             os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -1286,7 +1287,7 @@ class GpuScheduler(ReferenceScheduler):
         """Whether this scheduler's passes take their host forms: the torch backend on the CPU
         outside `torch.compile` (`policy.host_device`), where numpy on the tensors' views
         stands in for torch ops and the Python walks for a few rows are allowed."""
-        return self.backend == "torch" and dpolicy.host_device(self.device)
+        return self.backend == "torch" and self._on_cpu and dpolicy.host_ok()
 
     def _scalar_find(self, n: int) -> bool:
         """Whether n rows' matches are searched on the host one by one (`_find_rows_scalar`)
