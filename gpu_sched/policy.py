@@ -115,20 +115,17 @@ def torch_forms():
         HOST_PATHS = old
 
 
-def host_device(device: torch.device) -> bool:
-    """True for the CPU outside `torch.compile` (and `HOST_PATHS` on): the host paths (numpy on
-    views of the tensors) may read values, as there is no device to sync with."""
-    return HOST_PATHS and device.type == "cpu" and not torch.compiler.is_compiling()
-
-
 def host_ok() -> bool:
-    """`host_device` for a caller that knows its device is the CPU (a flag kept at
-    construction): `device.type` builds a string per call, some 30 us on a cold cache."""
+    """Whether the host paths (numpy on views of CPU tensors, which may read values: there is
+    no device to sync with) may run now: `HOST_PATHS` on and not inside `torch.compile`. For a
+    caller that knows its tensors are on the CPU (a flag kept at construction: a
+    `torch.device`'s `.type` builds a string per call, some 30 us on a cold cache)."""
     return HOST_PATHS and not torch.compiler.is_compiling()
 
 
 def _host(t: torch.Tensor) -> bool:
-    """`host_device` of t's device (`t.is_cpu`: cheaper than `t.device.type` on a cold cache)."""
+    """Whether t may take the host paths: `host_ok()` and t on the CPU (`t.is_cpu`: cheaper
+    than `t.device.type` on a cold cache)."""
     return HOST_PATHS and t.is_cpu and not torch.compiler.is_compiling()
 
 

@@ -1094,7 +1094,7 @@ class GpuScheduler(ReferenceScheduler):
 
     def _scalar_window(self, rest) -> bool:
         """Whether `_scalar_admission` decides this window: a few requests (at most
-        `SCALAR_WINDOW`), the torch backend on the host paths' CPU (`policy.host_device`: not
+        `SCALAR_WINDOW`), the torch backend on the host paths' CPU (`policy.host_ok`: not
         inside `torch_forms()`), no priority preemption (its victims' release changes the tree
         mid-loop)."""
         return (len(rest) <= self.SCALAR_WINDOW and self._host_paths()
@@ -1285,7 +1285,7 @@ class GpuScheduler(ReferenceScheduler):
 
     def _host_paths(self) -> bool:
         """Whether this scheduler's passes take their host forms: the torch backend on the CPU
-        outside `torch.compile` (`policy.host_device`), where numpy on the tensors' views
+        outside `torch.compile` (`policy.host_ok`), where numpy on the tensors' views
         stands in for torch ops and the Python walks for a few rows are allowed."""
         return self.backend == "torch" and self._on_cpu and dpolicy.host_ok()
 
