@@ -225,6 +225,11 @@ class FlatRadixTree:
         state["_host_arrays"] = {}
         return state
 
+    def _host_form(self, backend: Optional[str] = None) -> bool:
+        """Whether a call with this backend takes its host form: the torch backend on a CPU tree
+        (`_on_cpu`, kept at construction) with `policy.host_ok()`."""
+        return self._be(backend) == "torch" and self._on_cpu and host_ok()
+
     def _np(self, name: str) -> np.ndarray:
         """A numpy view of this CPU tree's array `name` (a node, token-pool or hash-table array,
         or the 0-d `evictable_size` / `protected_size`), made once per tensor: the arrays are
@@ -1211,7 +1216,7 @@ class FlatRadixTree:
         the last nodes as a list. A few matches on a CPU tree with the torch backend that split
         nothing take `_apply_walks` and no tensor is made; the others go through `_apply`."""
         B = len(m)
-        if B <= SCALAR_BATCH and self.backend == "torch" and self._on_cpu and host_ok():
+        if B <= SCALAR_BATCH and self._host_form():
             last = self._apply_walks(m, pos, range(self.clock + 1, self.clock + 1 + B))
             if last is not None:
                 self.clock += B
@@ -1571,7 +1576,7 @@ class FlatRadixTree:
         """`lock` / `unlock` (sign 1 / -1) on a CPU tree with the torch backend: Python walks for
         up to `SCALAR_BATCH` nodes (`_lock_scalar`), numpy past it (`_lock_host`); False for an
         unlock below zero (nothing changed). None elsewhere: the caller runs the torch form."""
-        if not (self._be(backend) == "torch" and self._on_cpu and host_ok()):
+        if not self._host_form(backend):
             return None
         listed = isinstance(nodes, list)
         if (len(nodes) if listed else nodes.numel()) <= SCALAR_BATCH:

@@ -866,12 +866,12 @@ class GpuScheduler(ReferenceScheduler):
         t = self.cache.tree
         b = t.node_bound()  # every live id is below it
         if self._host_paths():  # the same steps in numpy
-            ids = np.flatnonzero(t.alive[:b].numpy())  # root (0) first
+            ids = np.flatnonzero(t._np("alive")[:b])  # root (0) first
             remap = np.full(b, -1, dtype=np.int64)
             remap[ids] = np.arange(ids.size)
-            p = t.parent.numpy()[ids]
+            p = t._np("parent")[ids]
             parent = np.where(p >= 0, remap[np.maximum(p, 0)], -1)
-            idx = np.lexsort((t.order.numpy()[ids], parent))  # by parent, then child order (stable)
+            idx = np.lexsort((t._np("order")[ids], parent))  # by parent, then child order (stable)
             ps = parent[idx]
             first = np.ones(ids.size, dtype=bool)
             first[1:] = ps[1:] != ps[:-1]
