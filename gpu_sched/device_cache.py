@@ -87,11 +87,11 @@ class DeviceRadixCache:
 
     def inc_lock_ref(self, node) -> None:
         if not self.disable and node is not None and node != ROOT:
-            self.tree.lock(torch.tensor([node], device=self.device))
+            self.tree.lock([node])  # a list: the host walk on a CPU tree, no tensor
 
     def dec_lock_ref(self, node) -> None:
         if not self.disable and node is not None and node != ROOT:
-            self.tree.unlock(torch.tensor([node], device=self.device))
+            self.tree.unlock([node])
 
     def evict(self, num_tokens: int) -> List[int]:
         """R-RC-7; frees the evicted slots into the pool; returns evicted node ids in order."""

@@ -94,20 +94,10 @@ def home_slot(h: torch.Tensor, H: int) -> torch.Tensor:
     return ((h * HASH_MIX) >> 32) & (H - 1)
 
 
-def _mod_host(x: np.ndarray, p: int) -> np.ndarray:
-    """x mod p, exactly, for int64 x in [0, 2^63) and 2^30 < p < 2^31, without integer division
-    (numpy's and torch's int64 `%` divide element by element: ~20 ns each on a CPU). The
-    float64 quotient x * (1/p) is off from x / p by under 2^-18 (three roundings of relative
-    size 2^-53 on a quotient below 2^33), so its truncation is floor(x / p) or one off; r =
-    x - q * p (wrapping int64 arithmetic, exact since the true value lies in [-p, 2p)) is then
-    brought into [0, p) by one correction either way. Below 4096 elements numpy's `%` is
-    cheaper (the float form's seven calls cost ~20 us at any size) and is used instead."""
-    if x.size < 4096:
-        return x % p
-    r = x - (x.astype(np.float64) * (1.0 / p)).astype(np.int64) * p
-    r += (r < 0) * p
-    r -= (r >= p) * p
-    return r
+#: the two moduli as an int64 [2, 1] column: both hashes' sums reduced in one array. numpy's int64
+#: `%` by a scalar or a broadcast column divides by multiply and shift (libdivide), ~2 ns an
+#: element on this CPU: 2-5x cheaper than a float64-reciprocal quotient with corrections
+_PP = np.array([[P1], [P2]], dtype=np.int64)
 
 
 def _pow_table(base: int, p: int, n: int) -> torch.Tensor:
@@ -271,6 +261,16 @@ class FlatRadixTree:
         self.ipw1 = _pow_table(inv1, P1, n).to(dev)
         self.ipw2 = _pow_table(inv2, P2, n).to(dev)
         self._pow_len = n
+        self._pow_stacks = None  # `_pow_host`'s, made again on first use
+
+    def _pow_host(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(B^i, B^-i) mod p for both moduli as int64 [2, n + 1] host arrays (row k: modulus k),
+        stacked once per table size, for the host hashes that reduce both moduli in one array
+        (`_PP`). CPU trees only."""
+        if self._pow_stacks is None:
+            self._pow_stacks = (np.stack([self.pw1.numpy(), self.pw2.numpy()]),
+                                np.stack([self.ipw1.numpy(), self.ipw2.numpy()]))
+        return self._pow_stacks
 
     @staticmethod
     def _seed(ns, p: int):
@@ -285,7 +285,7 @@ class FlatRadixTree:
         """Prefix hashes of padded queries at depths every, 2*every, ... [B, L // every] int64.
 
         Entries at depths beyond a query's length are garbage (callers mask by length). On CPU
-        tensors the same sums run in numpy with `_mod_host` for every reduction."""
+        tensors the same sums run in numpy (`%` for every reduction, `_PP`)."""
         B, L = tokens.shape
         K = L // every
         if K == 0:
@@ -315,14 +315,21 @@ class FlatRadixTree:
         """The packed hashes at depths d (1-based, ascending, <= W) inside token windows x
         (int64 token ids + 1 [B, W]) that continue from per-row bases (bases[k]: int64 [B], the
         hash mod P1 / P2 so far, below p): per modulus (base + sum_{t<d} x_t B^-(t+1)) B^d mod p,
-        every reduction by `_mod_host` (terms below 2^62, sums of under 2^32 terms below 2^63,
+        every reduction by `%` (terms below 2^62, sums of under 2^32 terms below 2^63,
         base + sum below 2^32 times a power below 2^31). int64 [B, len(d)]."""
         W = x.shape[1]
-        out = []
-        for (p, pw, ipw), base in zip(((P1, self.pw1, self.ipw1), (P2, self.pw2, self.ipw2)), bases):
-            cs = _mod_host(np.cumsum(_mod_host(x * ipw.numpy()[1 : W + 1], p), axis=1)[:, d - 1], p)
-            out.append(_mod_host((base[:, None] + cs) * pw.numpy()[d], p))
-        return (out[0] << 31) | out[1]
+        pw, ipw = self._pow_host()
+        pp = _PP[:, :, None]  # both moduli at once: [2, B, W] arrays
+        cs = np.cumsum(x[None] * ipw[:, None, 1 : W + 1] % pp, axis=2)
+        if d.size == W:  # d is 1..W: every depth, slices instead of gathers
+            pwd = pw[:, None, 1 : W + 1]
+        else:
+            cs, pwd = cs[:, :, d - 1], pw[:, None, d]
+        cs %= pp
+        cs += np.array([bases[0], bases[1]], dtype=np.int64).reshape(2, -1, 1)
+        cs *= pwd
+        cs %= pp
+        return (cs[0] << 31) | cs[1]
 
     def chunk_hashes_flat(self, tokens: torch.Tensor, lengths: np.ndarray, ns: np.ndarray,
                           every: int) -> torch.Tensor:
@@ -376,18 +383,19 @@ class FlatRadixTree:
 
     def _chunk_hashes_flat_host(self, tokens: np.ndarray, lengths: np.ndarray, starts: np.ndarray,
                                 cnt: np.ndarray, ns, every: int) -> np.ndarray:
-        """`chunk_hashes_flat`'s sums on host arrays (a CPU tree), reduced by `_mod_host`: the
+        """`chunk_hashes_flat`'s sums on host arrays (a CPU tree), reduced by numpy's `%` (`_PP`): the
         same values in numpy calls of a few us instead of torch CPU ops of 10-30 us (one
         2k-token prompt: ~300 us in torch). int64 [sum(cnt)]."""
         T = tokens.size
         t = tokens.astype(np.int64) + 1
-        if lengths.size == 1:  # one sequence (a new request's fill): slices instead of index arrays
+        if lengths.size == 1:  # one sequence (a new request's fill): slices, both moduli in one array
             depth = np.arange(every, int(cnt[0]) * every + 1, every)
-            out = []
-            for p, pw, ipw in ((P1, self.pw1, self.ipw1), (P2, self.pw2, self.ipw2)):
-                run = _mod_host(np.cumsum(_mod_host(t * ipw.numpy()[1 : T + 1], p))[depth - 1], p)
-                out.append(_mod_host((self._seed(int(ns[0]), p) + run) * pw.numpy()[depth], p))
-            return (out[0] << 31) | out[1]
+            pw, ipw = self._pow_host()
+            run = np.cumsum(t[None] * ipw[:, 1 : T + 1] % _PP, axis=1)[:, depth - 1] % _PP
+            run += self._seed(int(ns[0]), _PP)
+            run *= pw[:, depth]
+            run %= _PP
+            return (run[0] << 31) | run[1]
         widx = np.arange(1, T + 1, dtype=np.int64) - np.repeat(starts, lengths)
         seq = np.repeat(np.arange(lengths.size), cnt)
         depth = (np.arange(seq.size, dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt) + 1) * every
@@ -397,9 +405,9 @@ class FlatRadixTree:
         out = []
         cs0 = np.zeros(T + 1, dtype=np.int64)  # cs0[i]: the first i terms
         for p, pw, ipw in ((P1, self.pw1, self.ipw1), (P2, self.pw2, self.ipw2)):
-            np.cumsum(_mod_host(t * ipw.numpy()[widx], p), out=cs0[1:])
-            run = _mod_host(cs0[end] - cs0[before], p)
-            out.append(_mod_host((self._seed(nsq, p) + run) * pw.numpy()[depth], p))
+            np.cumsum(t * ipw.numpy()[widx] % p, out=cs0[1:])
+            run = (cs0[end] - cs0[before]) % p
+            out.append((self._seed(nsq, p) + run) * pw.numpy()[depth] % p)
         return (out[0] << 31) | out[1]
 
     # ---- hash table ------------------------------------------------------------------------
@@ -654,13 +662,17 @@ class FlatRadixTree:
         return out
 
     # ---- allocation ------------------------------------------------------------------------
-    def _alloc_nodes(self, n: int) -> torch.Tensor:
+    def _alloc_ids(self, n: int) -> List[int]:
+        """n free node ids (lowest first), as a list. Raises MemoryError past the capacity."""
         if n > len(self._free_nodes):
             raise MemoryError(f"radix tree node capacity {self.max_nodes} exhausted (need {n} more nodes)")
         ids = [self._free_nodes.pop() for _ in range(n)]
         if ids:
             self._hwm = max(self._hwm, max(ids) + 1)
-        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return ids
+
+    def _alloc_nodes(self, n: int) -> torch.Tensor:
+        return torch.tensor(self._alloc_ids(n), dtype=torch.int64, device=self.device)
 
     def node_bound(self) -> int:
         """One past the largest node id ever allocated: every live node has a smaller id, so
@@ -1153,7 +1165,7 @@ class FlatRadixTree:
             self.clock += B
             self.next_cid += B
         if B <= SCALAR_BATCH and host:
-            last = self._apply_scalar(m, pos, stamp)
+            last = self._apply_scalar(m, pos, stamp, cid)
             if last is not None:
                 return m, last
         X, idx = self._match_ends(m, pos)
@@ -1186,38 +1198,76 @@ class FlatRadixTree:
         self._stamp_paths(last, stamp, be)
         return m, last
 
-    def _apply_scalar(self, m: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor) -> Optional[torch.Tensor]:
-        """`_apply` for a few matches on the CPU when none ends inside its node (no split):
-        `_apply_walks` on the tensors' values. Returns the last nodes (int64 [B]), or None,
-        having changed nothing, when a match would split a node."""
-        last = self._apply_walks(m.tolist(), pos.tolist(), stamp.tolist())
+    def _apply_scalar(self, m: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor,
+                      cid: torch.Tensor) -> Optional[torch.Tensor]:
+        """`_apply` for a few matches on the CPU that split at most one node: `_apply_walks` on
+        the tensors' values. Returns the last nodes (int64 [B]), or None, having changed
+        nothing, when the matches would split more than one node."""
+        last = self._apply_walks(m.tolist(), pos.tolist(), stamp.tolist(), cid.tolist())
         return None if last is None else torch.tensor(last, dtype=torch.int64)
 
-    def _apply_walks(self, m: List[int], pos: List[int], stamps) -> Optional[List[int]]:
-        """The nodes holding a few matches' last tokens (`_match_ends`; 0 where m is 0) and
-        their stamp walks (`_stamp_walks`), in Python on numpy views. None, having changed
-        nothing, when a match ends inside its node (a split: the batched form does those)."""
+    def _apply_walks(self, m: List[int], pos: List[int], stamps, cids) -> Optional[List[int]]:
+        """`_apply` of a few matches in Python on numpy views: the nodes holding their last
+        tokens (`_match_ends`; 0 where m is 0), at most one split, then the stamp walks
+        (`_stamp_walks`). The split is `_apply`'s single round: the first row ending at the one
+        interior position cuts its node there (`_split_host`, that row's stamp and creation
+        id); later rows ending there find the cut made. None, having changed nothing, when the
+        rows end inside nodes at two or more positions (the batched form orders those splits'
+        node ids by rounds)."""
         owner, key_off, key_len = self._np("owner"), self._np("key_off"), self._np("key_len")
-        last = []
-        for mi, p in zip(m, pos):
+        last, cut = [], None
+        for i, (mi, p) in enumerate(zip(m, pos)):
             if mi <= 0:
                 last.append(0)
                 continue
             x = int(owner[p])
             if p - key_off[x] + 1 < key_len[x]:
-                return None
+                if cut is None:
+                    cut = (i, p, x)
+                elif cut[1] != p:
+                    return None
             last.append(x)
+        if cut is not None:
+            i, p, x = cut
+            head = self._split_host(x, p - int(key_off[x]) + 1, stamps[i], cids[i])
+            last = [head if (mi > 0 and q == p) else v for mi, q, v in zip(m, pos, last)]
         _stamp_walks(self._np("parent"), self._np("last_access"), last, stamps)
         return last
+
+    def _split_host(self, piece: int, cover: int, stamp: int, cid: int) -> int:
+        """`_split_writes` of one piece on a CPU tree, on numpy views: a new head node takes
+        the first `cover` tokens of node `piece` (stamp and creation id `cid`). Returns the
+        head's id."""
+        (head,) = self._alloc_ids(1)
+        v = self._np
+        for name in ("parent", "key_off", "start", "lock_ref", "order", "ns"):
+            a = v(name)
+            a[head] = a[piece]
+        v("key_len")[head] = cover
+        v("last_access")[head] = stamp
+        v("cid")[head] = cid
+        v("nchild")[head] = 1
+        v("alive")[head] = True
+        o = int(v("key_off")[piece])
+        v("owner")[o : o + cover] = head
+        v("key_off")[piece] += cover
+        v("key_len")[piece] -= cover
+        v("start")[piece] += cover
+        v("parent")[piece] = head
+        la = v("last_access")
+        la[piece] = max(int(la[piece]), stamp)
+        return head
 
     def _apply_list(self, m: List[int], pos: List[int]) -> List[int]:
         """`_apply` (splits and stamps, the next len(m) clock values and creation ids) of a
         batch given as Python lists of matched lengths [tokens] and last pool positions; returns
         the last nodes as a list. A few matches on a CPU tree with the torch backend that split
-        nothing take `_apply_walks` and no tensor is made; the others go through `_apply`."""
+        at most one node take `_apply_walks` and no tensor is made; the others go through
+        `_apply`."""
         B = len(m)
         if B <= SCALAR_BATCH and self._host_form():
-            last = self._apply_walks(m, pos, range(self.clock + 1, self.clock + 1 + B))
+            last = self._apply_walks(m, pos, range(self.clock + 1, self.clock + 1 + B),
+                                     range(self.next_cid, self.next_cid + B))
             if last is not None:
                 self.clock += B
                 self.next_cid += B
@@ -1360,6 +1410,15 @@ class FlatRadixTree:
         B = len(tokens)
         if B == 0:
             return []
+        if B == 1 and SCALAR_BATCH >= 1 and self._host_form(be) and tokens[0].is_cpu and values[0].is_cpu:
+            # one sequence on a CPU tree (a finished request's): hashed, searched and written in
+            # numpy and Python, no tensor op (the padded batch form costs ~15 small torch ops)
+            L = int(tokens[0].numel()) // P * P
+            t = tokens[0].numpy()[:L].astype(np.int32, copy=False)
+            self._ensure_pow(max(L, 1) + 1)
+            h = (self._prefix_hashes_host(t[None, :], np.array([int(ns[0])], dtype=np.int64), L, 1)[0] if L
+                 else np.zeros(0, dtype=np.int64))
+            return [self._insert_one_host(t, values[0].numpy()[:L], h, int(ns[0]))]
         lens = [int(t.numel()) // P * P for t in tokens]
         Lmax = max(lens + [1])
         tok = torch.zeros((B, Lmax), dtype=torch.int32, device=dev)
@@ -1385,19 +1444,16 @@ class FlatRadixTree:
 
     def _insert_wave(self, tok, val, lens, nsv, full_h, be: str) -> List[int]:
         """insert_many for W sequences with pairwise different first pages (disjoint subtrees)."""
-        self.version = next(_VERSIONS)
         dev, P = self.device, self.P
         W, Lmax = tok.shape
+        if W == 1 and SCALAR_BATCH >= 1 and self._host_form(be):  # off with the other walks when SCALAR_BATCH < 1
+            L = int(lens[0])
+            return [self._insert_one_host(tok.numpy()[0, :L], val.numpy()[0, :L], full_h.numpy()[0, :L], int(nsv[0]))]
+        self.version = next(_VERSIONS)
         npg = Lmax // P
         pe = full_h[:, P - 1 :: P][:, :npg].reshape(-1)  # page-end hashes, row-major [W * npg]
-        # one sequence on a CPU tree (off with the other walks when SCALAR_BATCH < 1): its search
-        # by ~log2(pages) scalar probes, its leaf written through numpy views
-        one = W == 1 and SCALAR_BATCH >= 1 and be == "torch" and _host(pe)
-        if one:
-            k, kpos = (torch.tensor([v]) for v in self._search_scalar(pe.numpy(), int(lens[0]) // P))
-        else:
-            arity = 255 if W == 1 else max(self._arity(W), 15)
-            k, kpos = self._search(lens // P, lambda rows, q: pe[rows * npg + q - 1], arity, be)
+        arity = 255 if W == 1 else max(self._arity(W), 15)
+        k, kpos = self._search(lens // P, lambda rows, q: pe[rows * npg + q - 1], arity, be)
         m = k * P
         new = lens - m
         leaf = new > 0
@@ -1421,10 +1477,6 @@ class FlatRadixTree:
         self.next_order += n_leaf
         _, last = self._apply(m, kpos, be, stamp, head_cid)
         if n_leaf == 0:
-            return m.tolist()
-        if one:
-            self._write_leaf_host(tok, val, full_h, int(m[0]), int(lens[0]), int(last[0]), int(stamp[0]),
-                                  int(head_cid[0]) + 1, order0, int(nsv[0]))
             return m.tolist()
         off = self._alloc_tokens(n_new)
         rows = torch.nonzero(leaf).flatten()
@@ -1458,30 +1510,48 @@ class FlatRadixTree:
         self.evictable_size += n_new
         return m.tolist()
 
-    def _write_leaf_host(self, tok, val, full_h, m: int, L: int, par: int, stamp: int, cid: int, order: int,
-                         ns: int) -> None:
-        """`_insert_wave`'s leaf for one sequence on a CPU tree, written through numpy views:
-        the same token-pool slice, node fields, child count, table entries of its page ends and
-        change log as the array writes (some 20 indexed tensor writes of ~10-20 us each), for
-        the new part [m, L) of row 0 of tok / val / full_h under parent node `par`."""
-        n_new, P = L - m, self.P
+    def _insert_one_host(self, tok: np.ndarray, val: np.ndarray, h: np.ndarray, ns: int) -> int:
+        """`_insert_wave` of one sequence on a CPU tree, in numpy and Python on the tree's views:
+        the same version, search (~log2(pages) scalar probes), counters, split and stamps
+        (`_apply_walks`), leaf, table entries and change log. tok int32 / val int64 / h int64
+        (`prefix_hashes` at every depth) [L], L a multiple of P. Returns the present length
+        [tokens]; raises MemoryError (before changing anything but the version) as the wave does."""
+        self.version = next(_VERSIONS)
+        P, L = self.P, tok.size
+        k, kpos = self._search_scalar(h[P - 1 :: P], L // P)
+        m = k * P
+        n_new = L - m
+        if n_new:
+            if len(self._free_nodes) < 2:
+                raise MemoryError(f"radix tree node capacity {self.max_nodes} exhausted")
+            if self.top + n_new > self.token_capacity and self._live_tokens() + n_new > self.token_capacity:
+                raise MemoryError(f"radix tree token capacity {self.token_capacity} exhausted")
+        stamp, cid = self.clock + 1, self.next_cid
+        self.clock += 1
+        self.next_cid += 1 + (n_new > 0)
+        order = self.next_order
+        self.next_order += n_new > 0
+        (par,) = self._apply_walks([m], [kpos], [stamp], [cid])
+        if n_new == 0:
+            return m
         off = self._alloc_tokens(n_new)
-        node = int(self._alloc_nodes(1)[0])
+        (node,) = self._alloc_ids(1)
         dst = slice(off, off + n_new)
-        self._np("tok")[dst] = tok.numpy()[0, m:L]
-        self._np("val")[dst] = val.numpy()[0, m:L]
-        self._np("hsh")[dst] = full_h.numpy()[0, m:L]
+        self._np("tok")[dst] = tok[m:]
+        self._np("val")[dst] = val[m:]
+        self._np("hsh")[dst] = h[m:]
         self._np("owner")[dst] = node
         for a, v in (("parent", par), ("key_off", off), ("key_len", n_new), ("start", m), ("lock_ref", 0),
-                     ("last_access", stamp), ("cid", cid), ("order", order), ("ns", ns), ("nchild", 0),
+                     ("last_access", stamp), ("cid", cid + 1), ("order", order), ("ns", ns), ("nchild", 0),
                      ("alive", True)):
             self._np(a)[node] = v
         self._np("nchild")[par] += 1
-        page_ends = torch.arange(off + P - 1, off + n_new, P)  # m is page-aligned: every P-th new token
-        h = self.hsh[page_ends]
-        self._table_insert(h, page_ends)
-        self._log_change(h)
+        pe = np.arange(off + P - 1, off + n_new, P, dtype=np.int64)  # m is page-aligned: every P-th new token
+        hp = torch.from_numpy(np.ascontiguousarray(h[m + P - 1 :: P]))
+        self._table_insert(hp, torch.from_numpy(pe))  # its host form, after the fill check
+        self._log_change(hp)
         self._np("evictable_size")[()] += n_new
+        return m
 
     def _live_tokens(self) -> int:
         b = self._hwm
