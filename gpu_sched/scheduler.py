@@ -29,7 +29,7 @@ import gc
 import operator
 import os
 import weakref
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -60,6 +60,9 @@ BACKENDS = ("torch", "triton")
 RT_COLS = 20
 #: the row-table columns `_window_drops_scalar` reads
 _SCALAR_COLS = np.array([RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2])
+#: the columns `_write_rows` writes, in its one-request order
+_WRITE_COLS = np.array([RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_PRIO, RT_TIME, RT_RKEY,
+                        RT_MVER, RT_HEADT, RT_STAMP, RT_TOFF])
 #: and those `_find_rows_scalar` reads
 _FIND_COLS = np.array([RT_TOFF, RT_COFF, RT_FILL, RT_CAP, RT_NS])
 _DEV_ROW = operator.attrgetter("dev_row")
@@ -199,8 +202,9 @@ class GpuScheduler(ReferenceScheduler):
     #: routing keys interned beyond 2x the row table's rows before unused ones are dropped
     #: (`_rk_compact`)
     ROUTING_KEY_SLACK = 1 << 12
-    #: smallest token pool of the per-request fills (chunk-hash pool: a sixteenth of it)
-    POOL_MIN_TOKENS = 1 << 16
+    #: smallest token pool of the per-request fills (chunk-hash pool: a sixteenth of it): 4 MB +
+    #: 0.5 MB, so a light load (few live fills) rebuilds it once per ~600 two-thousand-token fills
+    POOL_MIN_TOKENS = 1 << 20
 
     def __init__(self, config: SchedulerConfig, kv_pool_size: int,
                  shuffle: Optional[Callable[[int], Sequence[int]]] = None,
@@ -232,6 +236,7 @@ class GpuScheduler(ReferenceScheduler):
         self._new_row(None)  # allocates ROW_TABLE_MIN rows; row 0 stays unused
         self._qtok: Optional[torch.Tensor] = None
         self._qch: Optional[torch.Tensor] = None
+        self._qviews = None  # (pool tensor, numpy views of both pools) on the host paths
         self._qtop = [0, 0]
         self._graph = None  # StepGraph after capture()
         self._pending = None  # (StepOutput, ordered queue) of this step's recorded computation
@@ -239,6 +244,13 @@ class GpuScheduler(ReferenceScheduler):
         self._last_admitted = 0  # requests the previous admission loop admitted
 
     # ---- the waiting queue as table rows ---------------------------------------------------------
+    def __getstate__(self):
+        # the pools' numpy views are not copied with the scheduler (a deep copy would copy
+        # their data apart from the copied pools): the copy makes its own on first use
+        state = self.__dict__.copy()
+        state["_qviews"] = None
+        return state
+
     @property
     def queue(self) -> RowQueue:
         return self._queue
@@ -501,6 +513,15 @@ class GpuScheduler(ReferenceScheduler):
         if len(self._rk_names) > 2 * len(self._rt_owner) + self.ROUTING_KEY_SLACK:
             self._rk_compact()
         rt = self._rt
+        if len(reqs) == 1:  # one request (a serving loop's usual arrival): one indexed write
+            r = reqs[0]
+            self._stamp += 1
+            rt[r.dev_row, _WRITE_COLS] = [
+                r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.max_prefix_len(),
+                0 if self.cache.disable else self.cache.ns_id(r.req.extra_key), r.priority,
+                int(np.float64(r.enqueue_time).view(np.int64)), self._rk_intern(r.req.routing_key), -1, -1,
+                self._stamp, -1]
+            return
         rows = np.array([r.dev_row for r in reqs], dtype=np.int64)
         rt[rows, :RT_NS] = np.array([[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos),
                                       r.max_prefix_len()] for r in reqs], dtype=np.int64).reshape(len(reqs), RT_NS)
@@ -531,6 +552,7 @@ class GpuScheduler(ReferenceScheduler):
             todo = todo[np.concatenate(([True], todo[1:] != todo[:-1]))]
         tree = self.cache.tree
         C = tree.C
+        host = self._host_paths()
         lens_all = _rt_get(rt, todo, RT_FILL)
         # batch b holds the rows whose fills end within its share of the tokens (>= 1 row)
         ends = np.cumsum(lens_all)
@@ -540,21 +562,27 @@ class GpuScheduler(ReferenceScheduler):
             brow, lens = todo[i:j], lens_all[i:j]
             fills = [self._rt_owner[k].fill() for k in brow.tolist()]
             flat = np.concatenate(fills).astype(np.int32, copy=False)  # a copy: fills are read-only
-            toks = torch.from_numpy(flat).to(self.device)
-            ch = tree.chunk_hashes_flat(toks, lens, _rt_get(rt, brow, RT_NS), C)
             cnt = lens // C
-            t0, c0 = self._pool_append(toks, ch)
+            if host:  # the host sums on the arrays as they are (built here: no checks, no tensors)
+                tree._ensure_pow(int(lens.max()) + 1)
+                ch = tree._chunk_hashes_flat_host(flat, lens, np.cumsum(lens) - lens, cnt, _rt_get(rt, brow, RT_NS), C)
+                t0, c0 = self._pool_append(flat, ch)
+            else:
+                toks = torch.from_numpy(flat).to(self.device)
+                ch = tree.chunk_hashes_flat(toks, lens, _rt_get(rt, brow, RT_NS), C)
+                t0, c0 = self._pool_append(toks, ch)
             _rt_set(rt, brow, RT_TOFF, t0 + np.cumsum(lens) - lens)
             _rt_set(rt, brow, RT_COFF, c0 + np.cumsum(cnt) - cnt)
             self._stamp += 1
             _rt_set(rt, brow, RT_STAMP, self._stamp)  # offsets moved: device mirrors upload the row again
             i = j
 
-    def _pool_append(self, toks: torch.Tensor, ch: torch.Tensor):
+    def _pool_append(self, toks, ch):
         """Append fills to the CSR pools (grown by doubling). A rebuild keeps the fills of rows
         whose request is still held (offsets rewritten in place, row numbers kept) and frees
-        the other rows."""
-        nt, nc = toks.numel(), ch.numel()
+        the other rows. toks int32 [T] / ch int64 [K]: tensors on the device, or numpy arrays
+        on the host paths (written through the pools' numpy views)."""
+        nt, nc = toks.size if isinstance(toks, np.ndarray) else toks.numel(), ch.size if isinstance(ch, np.ndarray) else ch.numel()
         if self._qtok is None or self._qtop[0] + nt > self._qtok.numel() or self._qtop[1] + nc > self._qch.numel():
             rt = self._rt
             C = self.cache.tree.C
@@ -589,10 +617,22 @@ class GpuScheduler(ReferenceScheduler):
             self._qtok, self._qch, self._qtop = tok, chs, [t, c]
             self._stamp += 1
         t, c = self._qtop
-        self._qtok[t : t + nt] = toks
-        self._qch[c : c + nc] = ch
+        if isinstance(toks, np.ndarray):
+            qt, qc = self._pool_views()
+            qt[t : t + nt] = toks
+            qc[c : c + nc] = ch
+        else:
+            self._qtok[t : t + nt] = toks
+            self._qch[c : c + nc] = ch
         self._qtop = [t + nt, c + nc]
         return t, c
+
+    def _pool_views(self) -> Tuple[np.ndarray, np.ndarray]:
+        """numpy views of the whole CPU pools (`_qtok`, `_qch`), made once per pool tensor (a
+        rebuild makes new ones; a deep copy makes its own, see `__getstate__`)."""
+        if self._qviews is None or self._qviews[0] is not self._qtok:
+            self._qviews = (self._qtok, self._qtok.numpy(), self._qch.numpy())
+        return self._qviews[1], self._qviews[2]
 
     def _pools(self):
         """(tokens int32 [T], chunk hashes int64 [K]): the CSR pools' used parts."""
@@ -1301,7 +1341,8 @@ class GpuScheduler(ReferenceScheduler):
         (`_full_match`'s). int64 [4, n] (length, position, the hashes at the length and one
         page on); the callers keep them as they keep the array search's."""
         self._ensure_hashed(rows)
-        tok, ch = (x.numpy() for x in self._pools())
+        qt, qc = self._pool_views()
+        tok, ch = qt[: self._qtop[0]], qc[: self._qtop[1]]
         cols = self._rt[rows[:, None], _FIND_COLS].tolist()
         find = self.cache.tree._find_scalar
         return np.array([find(tok, ch, toff, coff, min(fill, cap) if capped else fill, ns)

@@ -16,7 +16,7 @@ import pytest
 from gpu_sched.config import SchedulerConfig
 from gpu_sched.reference import ReferenceScheduler
 from gpu_sched.request import Request
-from gpu_sched.scheduler import GpuScheduler
+from gpu_sched.scheduler import RT_STAMP, RT_TOFF, GpuScheduler
 
 from _scenarios import dev_triples, ref_triples
 
@@ -449,6 +449,83 @@ def test_child_ranks_host_form_equals_torch_form():
     for v, p in enumerate(parent):
         by_parent.setdefault(p, []).append(rank[v])
     assert all(sorted(r) == list(range(len(r))) for r in by_parent.values())  # ranks 0..k-1 per parent
+
+
+def test_fill_hashing_host_form_equals_torch_form_and_copies_keep_their_own_pools():
+    """`_ensure_hashed` on the host paths (the chunk sums on the fill arrays, written into the
+    CSR pools through their numpy views) leaves the same pools and row offsets as its torch
+    form (`chunk_hashes_flat`, tensor writes), one fill at a time and in batches, through pool
+    rebuilds; a deep copy's later fills go to the copy's pools only."""
+    import copy
+
+    import numpy as np
+
+    from gpu_sched import policy as P
+
+    rng = random.Random(11)
+    bases = [[rng.randrange(50) for _ in range(rng.randrange(5, 300))] for _ in range(6)]
+    scheds = [GpuScheduler(SchedulerConfig(schedule_policy="lpm", page_size=4), 100_000) for _ in range(2)]
+    for s in scheds:
+        s.POOL_MIN_TOKENS = 256  # rebuilds after a few fills
+    for i in range(40):
+        reqs = [make_request(rng, 100 * i + j, [bases[rng.randrange(6)]], 50, float(i)) for j in range(rng.choice([1, 1, 3]))]
+        for k, s in enumerate(scheds):
+            s.submit([copy.deepcopy(r) for r in reqs])
+            rows = s._queue_rows(s.queue)
+            if k:
+                with P.torch_forms():
+                    s._ensure_hashed(rows)
+            else:
+                s._ensure_hashed(rows)
+        if i % 7 == 6:
+            for s in scheds:
+                s.abort([r.rid for r in s.queue][:3])
+    (a, b) = scheds
+    assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a._pools(), b._pools()))
+    assert np.array_equal(a._rt[:, :], b._rt[:, :])
+    assert a._qviews is not None and a._qviews[0] is a._qtok  # the host path wrote through views
+    twin = copy.deepcopy(a)
+    before = [x.clone() for x in a._pools()]
+    r = make_request(rng, 9999, [bases[0]], 50, 99.0)
+    twin.submit([r])
+    row = int(twin._queue_rows(twin.queue)[-1])
+    twin._ensure_hashed(np.array([row]))
+    off, n = int(twin._rt[row, RT_TOFF]), len(r.prompt_ids)
+    assert twin._pools()[0].numpy()[off : off + n].tolist() == list(r.prompt_ids)  # landed in the copy's pool
+    assert all(torch_equal(x, y) for x, y in zip(a._pools(), before))
+    assert np.array_equal(twin._pools()[0].numpy()[: a._qtop[0]], before[0].numpy())
+
+
+def test_row_write_of_one_request_equals_the_batch_write():
+    """`_write_rows` of one request (one indexed write) leaves the row the batch form leaves:
+    priorities, enqueue times, namespaces, routing keys, ignore-EOS and max_prefix_len."""
+    import numpy as np
+
+    rng = random.Random(3)
+    bases = [[rng.randrange(50) for _ in range(20)]]
+    for disable in (False, True):
+        cfg = SchedulerConfig(schedule_policy="fcfs", disable_radix_cache=disable)
+        a, b = GpuScheduler(cfg, 10_000), GpuScheduler(cfg, 10_000)
+        reqs = [make_request(rng, i, bases, 50, rng.random() * 1e6) for i in range(40)]
+        a.submit(reqs)
+        b.submit([Request(**vars(r)) for r in reqs])
+        sa, sb = [a.reqs[r.rid] for r in reqs], [b.reqs[r.rid] for r in reqs]
+        for st in sa:
+            st.dev_row = a._new_row(st)
+            a._write_rows([st])
+        for st in sb:
+            st.dev_row = b._new_row(st)
+        b._write_rows(sb)
+        ra = a._rt[[st.dev_row for st in sa]]
+        rb = b._rt[[st.dev_row for st in sb]]
+        ra[:, RT_STAMP] = rb[:, RT_STAMP] = 0  # one stamp per write call
+        assert np.array_equal(ra, rb)
+
+
+def torch_equal(x, y):
+    import torch
+
+    return x.shape == y.shape and torch.equal(x, y)
 
 
 def test_step_pauses_the_garbage_collector_and_restores_it(monkeypatch):
