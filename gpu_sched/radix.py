@@ -596,6 +596,12 @@ class FlatRadixTree:
         raise RuntimeError("prefix hash table: probe limit reached (table too full)")
 
     def _table_delete(self, h: torch.Tensor, be: str = "torch") -> None:
+        if be == "torch" and _host(h):  # the probe and the tombstones on the table's views
+            slot = self._probe_host(h.numpy())
+            if (slot < 0).any():
+                raise RuntimeError("prefix hash table: deleting an absent entry")
+            self._np("hkeys")[slot] = TOMB
+            return
         slot = self._probe(h, be)
         if bool((slot < 0).any()):
             raise RuntimeError("prefix hash table: deleting an absent entry")
@@ -1118,6 +1124,18 @@ class FlatRadixTree:
             (matched int64 [B] [tokens, multiples of P], last_node int64 [B]).
         """
         be = self._be(backend)
+        if (tokens.shape[0] == 1 and chunk_hashes is None and SCALAR_BATCH >= 1 and self._host_form(be)
+                and tokens.is_cpu and lengths.is_cpu and ns.is_cpu):
+            # one query on a CPU tree (the engine's match_prefix): its chunk hashes by the host
+            # sums and its match by the scalar binary searches (`_find_scalar`), then `_apply`
+            # (its walks): no array search
+            L, q = int(lengths[0]), int(ns[0])
+            t = tokens.numpy()[0, :L]
+            self._ensure_pow(max(L, 1) + 1)
+            ch = self._chunk_hashes_flat_host(t, np.array([L]), np.zeros(1, dtype=np.int64),
+                                              np.array([L // self.C]), np.array([q]), self.C)
+            m, pos = self._find_scalar(t, ch, 0, 0, L, q)[:2]
+            return self._apply(torch.tensor([m]), torch.tensor([pos]), be)
         m, pos = self._find(tokens, lengths.to(torch.int64), ns.to(torch.int64), chunk_hashes, be)
         return self._apply(m, pos, be)
 
@@ -1742,6 +1760,8 @@ class FlatRadixTree:
         return u, cnt, lastpos
 
     def _remove(self, nodes: torch.Tensor, be: str = "torch") -> torch.Tensor:
+        if be == "torch" and _host(nodes) and self._on_cpu:
+            return torch.from_numpy(self._remove_host(nodes.numpy()))
         self.version = next(_VERSIONS)
         lens = self.key_len[nodes]
         total = int(lens.sum())
@@ -1756,6 +1776,28 @@ class FlatRadixTree:
         self.alive[nodes] = False
         self.parent[nodes] = -1
         self.evictable_size -= total
+        self._free_nodes.extend(nodes.tolist())
+        return vals
+
+    def _remove_host(self, nodes: np.ndarray) -> np.ndarray:
+        """`_remove` on a CPU tree, in numpy on its views (the same writes, table tombstones and
+        change log; some 25 torch ops of 5-15 us each otherwise). nodes int64 [k], leaves
+        being evicted. Returns their KV slots int64 [tokens]."""
+        self.version = next(_VERSIONS)
+        v, P = self._np, self.P
+        lens = v("key_len")[nodes]
+        total = int(lens.sum())
+        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+        rng = np.repeat(v("key_off")[nodes], lens) + within
+        vals = v("val")[rng]
+        h = torch.from_numpy(v("hsh")[rng[within % P == P - 1]])
+        self._table_delete(h)
+        self._log_change(h)
+        v("owner")[rng] = -1
+        np.add.at(v("nchild"), v("parent")[nodes], -1)
+        v("alive")[nodes] = False
+        v("parent")[nodes] = -1
+        v("evictable_size")[()] -= total
         self._free_nodes.extend(nodes.tolist())
         return vals
 

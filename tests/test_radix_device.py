@@ -715,3 +715,45 @@ def _check_chunk_hashes_flat(every):
     big = torch.zeros(1, dtype=torch.int32).expand(2**32)  # no storage behind the 2^32 tokens
     with pytest.raises(ValueError, match="2\\^32"):
         tree.chunk_hashes_flat(big, np.array([2**32]), np.array([0]), every)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_host_match_and_eviction_equal_torch_forms(page_size):
+    """On a CPU tree, a single query's `match` (host chunk sums and scalar searches, then the
+    walks) and `evict` (leaves removed in numpy: `_remove_host`, table tombstones by the host
+    probe) leave every array, the hash table, the sizes, the change log's hashes and the free
+    list as their torch forms do, and return the same results: queries that split nodes,
+    repeat, miss, or are shorter than a page, in two namespaces; evictions of part and all."""
+    P = page_size
+    rng = np.random.default_rng(40 + P)
+    trees = [FlatRadixTree(P, max_nodes=512, token_capacity=200 * P, seed=5) for _ in range(2)]
+    bases = [rng.integers(0, 5, int(rng.integers(1, 14)) * P).astype(np.int32) for _ in range(6)]
+    kinds = set()
+    for step in range(150):
+        b = bases[int(rng.integers(len(bases)))]
+        seq = np.concatenate([b[: int(rng.integers(len(b) + 1))], rng.integers(0, 5, int(rng.integers(0, 2 * P)))])
+        op = "evict" if rng.integers(4) == 0 or int(trees[0].evictable_size) > 120 * P else ("match", "insert", "insert")[int(rng.integers(3))]
+        amount = int(rng.integers(1, 3)) * int(trees[0].evictable_size) // 2 + 1
+        outs = []
+        for k, tree in enumerate(trees):
+            with PM.torch_forms() if k else contextlib.nullcontext():
+                if op == "evict":
+                    res = tree.evict(amount)
+                    outs.append((res.nodes.tolist(), res.values.tolist(), res.num_tokens))
+                elif op == "match":
+                    t = torch.from_numpy(seq.astype(np.int32))[None]
+                    outs.append(tuple(x.tolist() for x in tree.match(t, torch.tensor([len(seq)]), torch.tensor([step % 2]))))
+                else:
+                    outs.append(tree.insert(torch.from_numpy(seq.astype(np.int32)), torch.arange(len(seq)) + step * 100,
+                                            step % 2))
+        assert outs[0] == outs[1], (step, op, outs)
+        kinds.add((op, outs[0][0][0] > 0 if op == "match" else len(outs[0][0]) > 1 if op == "evict" else None))
+        a, b2 = trees
+        for x, y in zip(a._node_arrays() + [a.alive, a.tok, a.val, a.hsh, a.owner, a.hkeys, a.hvals,
+                                            a.evictable_size, a.protected_size],
+                        b2._node_arrays() + [b2.alive, b2.tok, b2.val, b2.hsh, b2.owner, b2.hkeys, b2.hvals,
+                                             b2.evictable_size, b2.protected_size]):
+            assert torch.equal(x, y), step
+        assert [h.tolist() for _, h in a._log] == [h.tolist() for _, h in b2._log]
+        assert a._free_nodes == b2._free_nodes and (a.clock, a.next_cid) == (b2.clock, b2.next_cid)
+    assert {("match", True), ("match", False), ("evict", True)} <= kinds
