@@ -364,6 +364,19 @@ def test_insert_finds_every_present_length(page_size, walks, monkeypatch):
         tree.check_integrity()
 
 
+def assert_same_tree(a: FlatRadixTree, b: FlatRadixTree, step) -> None:
+    """Every array of two trees (token pool, node fields, hash table, sizes), their counters,
+    free lists and change logs' hashes are equal."""
+    for x, y in zip(a._node_arrays() + [a.alive, a.tok, a.val, a.hsh, a.owner, a.hkeys, a.hvals,
+                                        a.evictable_size, a.protected_size],
+                    b._node_arrays() + [b.alive, b.tok, b.val, b.hsh, b.owner, b.hkeys, b.hvals,
+                                        b.evictable_size, b.protected_size]):
+        assert torch.equal(x, y), step
+    assert (a.top, a.clock, a.next_cid, a.next_order, a._free_nodes) == \
+        (b.top, b.clock, b.next_cid, b.next_order, b._free_nodes), step
+    assert [h.tolist() for _, h in a._log] == [h.tolist() for _, h in b._log], step
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_single_insert_walk_writes_what_the_array_form_writes(page_size, monkeypatch):
     """A single insert's host path (scalar search, leaf written through numpy views) leaves
@@ -393,16 +406,8 @@ def test_single_insert_walk_writes_what_the_array_form_writes(page_size, monkeyp
                     outs.append(tree.insert(torch.from_numpy(seq.astype(np.int32)), torch.arange(len(seq)) + step * 100,
                                             int(step % 2)))
         assert outs[0] == outs[1], (step, outs)
-        a, b2 = trees
-        for x, y in zip(a._node_arrays() + [a.alive, a.tok, a.val, a.hsh, a.owner, a.hkeys, a.hvals,
-                                            a.evictable_size, a.protected_size],
-                        b2._node_arrays() + [b2.alive, b2.tok, b2.val, b2.hsh, b2.owner, b2.hkeys, b2.hvals,
-                                             b2.evictable_size, b2.protected_size]):
-            assert torch.equal(x, y), step
-        assert (a.top, a.clock, a.next_cid, a.next_order, a._free_nodes) == \
-            (b2.top, b2.clock, b2.next_cid, b2.next_order, b2._free_nodes), step
-        assert [h.tolist() for _, h in a._log] == [h.tolist() for _, h in b2._log], step
-    a.check_integrity()
+        assert_same_tree(*trees, step)
+    trees[0].check_integrity()
 
 
 def test_batched_match_splits_like_sequential():
@@ -748,12 +753,5 @@ def test_host_match_and_eviction_equal_torch_forms(page_size):
                                             step % 2))
         assert outs[0] == outs[1], (step, op, outs)
         kinds.add((op, outs[0][0][0] > 0 if op == "match" else len(outs[0][0]) > 1 if op == "evict" else None))
-        a, b2 = trees
-        for x, y in zip(a._node_arrays() + [a.alive, a.tok, a.val, a.hsh, a.owner, a.hkeys, a.hvals,
-                                            a.evictable_size, a.protected_size],
-                        b2._node_arrays() + [b2.alive, b2.tok, b2.val, b2.hsh, b2.owner, b2.hkeys, b2.hvals,
-                                             b2.evictable_size, b2.protected_size]):
-            assert torch.equal(x, y), step
-        assert [h.tolist() for _, h in a._log] == [h.tolist() for _, h in b2._log]
-        assert a._free_nodes == b2._free_nodes and (a.clock, a.next_cid) == (b2.clock, b2.next_cid)
+        assert_same_tree(*trees, step)
     assert {("match", True), ("match", False), ("evict", True)} <= kinds
