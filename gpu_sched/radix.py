@@ -1428,10 +1428,11 @@ class FlatRadixTree:
         B = len(tokens)
         if B == 0:
             return []
-        if B == 1 and SCALAR_BATCH >= 1 and self._host_form(be) and tokens[0].is_cpu and values[0].is_cpu:
+        L = int(tokens[0].numel()) // P * P
+        if (B == 1 and SCALAR_BATCH >= 1 and self._host_form(be) and tokens[0].is_cpu and values[0].is_cpu
+                and values[0].numel() >= L):
             # one sequence on a CPU tree (a finished request's): hashed, searched and written in
             # numpy and Python, no tensor op (the padded batch form costs ~15 small torch ops)
-            L = int(tokens[0].numel()) // P * P
             t = tokens[0].numpy()[:L].astype(np.int32, copy=False)
             self._ensure_pow(max(L, 1) + 1)
             h = (self._prefix_hashes_host(t[None, :], np.array([int(ns[0])], dtype=np.int64), L, 1)[0] if L

@@ -582,7 +582,7 @@ class GpuScheduler(ReferenceScheduler):
         whose request is still held (offsets rewritten in place, row numbers kept) and frees
         the other rows. toks int32 [T] / ch int64 [K]: tensors on the device, or numpy arrays
         on the host paths (written through the pools' numpy views)."""
-        nt, nc = toks.size if isinstance(toks, np.ndarray) else toks.numel(), ch.size if isinstance(ch, np.ndarray) else ch.numel()
+        nt, nc = len(toks), len(ch)  # 1-D arrays or tensors
         if self._qtok is None or self._qtop[0] + nt > self._qtok.numel() or self._qtop[1] + nc > self._qch.numel():
             rt = self._rt
             C = self.cache.tree.C
