@@ -641,7 +641,10 @@ class FlatRadixTree:
         it is present now iff it was at `v`; pool positions have not moved since `v` either."""
         if v < self._log_floor or v > self.version:
             return None
-        parts = [h for w, h in self._log if w > v]
+        i = len(self._log)  # versions never decrease along the log: the entries after v are a suffix
+        while i and self._log[i - 1][0] > v:
+            i -= 1
+        parts = [h for _, h in self._log[i:]]
         if not parts:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
         return torch.sort(torch.cat(parts)).values
