@@ -755,3 +755,22 @@ def test_host_match_and_eviction_equal_torch_forms(page_size):
         kinds.add((op, outs[0][0][0] > 0 if op == "match" else len(outs[0][0]) > 1 if op == "evict" else None))
         assert_same_tree(*trees, step)
     assert {("match", True), ("match", False), ("evict", True)} <= kinds
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda t, v: t.nchild.__setitem__(v, t.nchild[v] + 1), "nchild mismatch"),
+    (lambda t, v: t.alive.__setitem__(t.node_bound(), True), "at or above node_bound"),
+    (lambda t, v: t.last_access.__setitem__(v, t.last_access[0] + 1), "stamp above parent's"),
+    (lambda t, v: t.hkeys.__setitem__(int(torch.nonzero(t.hkeys >= 0)[0]), -1), "hash entries"),
+])
+def test_check_integrity_catches_corruption(corrupt, message):
+    """`check_integrity` (over the live ids below `node_bound()`, the whole table counted)
+    passes on a sound tree and names what is wrong after one field is corrupted."""
+    tree = FlatRadixTree(1, max_nodes=64, token_capacity=256)
+    for seq in ([1, 2, 3, 4], [1, 2, 5, 6], [7, 8]):
+        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(len(seq)), 0)
+    tree.check_integrity()
+    leaf = int(torch.nonzero(tree.alive[: tree.node_bound()] & (tree.nchild[: tree.node_bound()] == 0)).flatten()[-1])
+    corrupt(tree, leaf)
+    with pytest.raises(AssertionError, match=message):
+        tree.check_integrity()
