@@ -1727,6 +1727,8 @@ class FlatRadixTree:
         if num_tokens <= 0:
             e = torch.zeros(0, dtype=torch.int64, device=dev)
             return EvictResult(e, e.clone(), 0)
+        if be == "torch" and self._host_form(be):
+            return self._evict_host(num_tokens)
         # the unlocked leaves, found once; later rounds add the parents that became leaves
         b = self._hwm
         cand = torch.nonzero(self.alive[:b] & (self.nchild[:b] == 0) & (self.lock_ref[:b] == 0)).flatten()
@@ -1750,6 +1752,43 @@ class FlatRadixTree:
         nodes = torch.cat(order_out) if order_out else torch.zeros(0, dtype=torch.int64, device=dev)
         vals = torch.cat(vals_out) if vals_out else torch.zeros(0, dtype=torch.int64, device=dev)
         return EvictResult(nodes, vals, freed)
+
+    def _evict_host(self, num_tokens: int) -> EvictResult:
+        """`evict`'s rounds on a CPU tree, in numpy on its views: the same stable sorts (stamp,
+        then creation id), cut, distinct parents (`_evict_rank`'s counts and last positions,
+        by a stable sort instead of `unique`) and removals (`_remove_host`)."""
+        v = self._np
+        alive, nchild, lock_ref = v("alive"), v("nchild"), v("lock_ref")
+        cid, stamp, key_len, parent = v("cid"), v("last_access"), v("key_len"), v("parent")
+        b = self._hwm
+        cand = np.flatnonzero(alive[:b] & (nchild[:b] == 0) & (lock_ref[:b] == 0))
+        cand = cand[cand != ROOT]
+        order_out, vals_out, freed = [], [], 0
+        while freed < num_tokens and cand.size:
+            cand = cand[np.argsort(cid[cand], kind="stable")]
+            cand = cand[np.argsort(stamp[cand], kind="stable")]
+            cum = np.cumsum(key_len[cand])
+            reach = np.flatnonzero(cum >= num_tokens - freed)
+            k = int(reach[0]) if reach.size else cand.size - 1
+            o = np.argsort(parent[cand], kind="stable")
+            ps = parent[cand][o]
+            first = np.ones(ps.size, dtype=bool)
+            first[1:] = ps[1:] != ps[:-1]
+            par, grp = ps[first], np.cumsum(first) - 1
+            cnt = np.bincount(grp, minlength=par.size)
+            lastpos = np.full(par.size, -1, dtype=np.int64)
+            np.maximum.at(lastpos, grp, o)
+            becomes = (cnt == nchild[par]) & (cnt > 0) & (lock_ref[par] == 0) & (par != ROOT)
+            if becomes.any():
+                k = min(k, int(lastpos[becomes].min()))
+            take = cand[: k + 1]
+            order_out.append(take)
+            freed += int(cum[k])
+            vals_out.append(self._remove_host(take))
+            # a parent whose last candidate child was taken is now an unlocked leaf
+            cand = np.concatenate([cand[k + 1 :], par[becomes & (lastpos <= k)]])
+        cat = lambda xs: torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))  # noqa: E731
+        return EvictResult(cat(order_out), cat(vals_out), freed)
 
     def _evict_rank(self, par: torch.Tensor, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The distinct parents of the sorted candidates (`par` = their parents in order), how
