@@ -126,7 +126,7 @@ def host_ok() -> bool:
 def _host(t: torch.Tensor) -> bool:
     """Whether t may take the host paths: `host_ok()` and t on the CPU (`t.is_cpu`: cheaper
     than `t.device.type` on a cold cache)."""
-    return HOST_PATHS and t.is_cpu and not torch.compiler.is_compiling()
+    return t.is_cpu and host_ok()
 
 
 def _stable_perm(key: torch.Tensor, descending: bool = False) -> torch.Tensor:

@@ -362,7 +362,7 @@ class FlatRadixTree:
         starts = np.cumsum(lengths) - lengths
         self._ensure_pow(int(lengths.max()) + 1)
         if _host(tokens):
-            return torch.from_numpy(self._chunk_hashes_flat_host(tokens.numpy(), lengths, starts, cnt, ns, every))
+            return torch.from_numpy(self._chunk_hashes_flat_host(tokens.numpy(), lengths, ns, every))
         # per token its power index (position in its sequence + 1); per chunk end its token
         # index, its sequence's start and its depth
         widx = torch.from_numpy(np.arange(1, T + 1, dtype=np.int64) - np.repeat(starts, lengths)).to(dev)
@@ -381,12 +381,16 @@ class FlatRadixTree:
             out.append((self._seed(nsq, p) + run) * pw.index_select(0, d) % p)  # < 2^63, as above
         return (out[0] << 31) | out[1]
 
-    def _chunk_hashes_flat_host(self, tokens: np.ndarray, lengths: np.ndarray, starts: np.ndarray,
-                                cnt: np.ndarray, ns, every: int) -> np.ndarray:
+    def _chunk_hashes_flat_host(self, tokens: np.ndarray, lengths: np.ndarray, ns, every: int) -> np.ndarray:
         """`chunk_hashes_flat`'s sums on host arrays (a CPU tree), reduced by numpy's `%` (`_PP`): the
         same values in numpy calls of a few us instead of torch CPU ops of 10-30 us (one
-        2k-token prompt: ~300 us in torch). int64 [sum(cnt)]."""
+        2k-token prompt: ~300 us in torch). Unchecked: for callers whose tokens (int [T]),
+        lengths (int64 numpy [B], summing to T) and namespaces ([B]) are built consistent
+        (the checked entry is `chunk_hashes_flat`). int64 [sum(lengths // every)]."""
         T = tokens.size
+        cnt = lengths // every
+        starts = np.cumsum(lengths) - lengths
+        self._ensure_pow(int(lengths.max(initial=0)) + 1)
         t = tokens.astype(np.int64) + 1
         if lengths.size == 1:  # one sequence (a new request's fill): slices, both moduli in one array
             depth = np.arange(every, int(cnt[0]) * every + 1, every)
@@ -596,7 +600,7 @@ class FlatRadixTree:
         raise RuntimeError("prefix hash table: probe limit reached (table too full)")
 
     def _table_delete(self, h: torch.Tensor, be: str = "torch") -> None:
-        if be == "torch" and _host(h):  # the probe and the tombstones on the table's views
+        if self._host_form(be):  # the probe and the tombstones on the table's views
             slot = self._probe_host(h.numpy())
             if (slot < 0).any():
                 raise RuntimeError("prefix hash table: deleting an absent entry")
@@ -1134,9 +1138,7 @@ class FlatRadixTree:
             # (its walks): no array search
             L, q = int(lengths[0]), int(ns[0])
             t = tokens.numpy()[0, :L]
-            self._ensure_pow(max(L, 1) + 1)
-            ch = self._chunk_hashes_flat_host(t, np.array([L]), np.zeros(1, dtype=np.int64),
-                                              np.array([L // self.C]), np.array([q]), self.C)
+            ch = self._chunk_hashes_flat_host(t, np.array([L]), np.array([q]), self.C)
             m, pos = self._find_scalar(t, ch, 0, 0, L, q)[:2]
             return self._apply(torch.tensor([m]), torch.tensor([pos]), be)
         m, pos = self._find(tokens, lengths.to(torch.int64), ns.to(torch.int64), chunk_hashes, be)
@@ -1727,7 +1729,7 @@ class FlatRadixTree:
         if num_tokens <= 0:
             e = torch.zeros(0, dtype=torch.int64, device=dev)
             return EvictResult(e, e.clone(), 0)
-        if be == "torch" and self._host_form(be):
+        if self._host_form(be):
             return self._evict_host(num_tokens)
         # the unlocked leaves, found once; later rounds add the parents that became leaves
         b = self._hwm
@@ -1803,7 +1805,7 @@ class FlatRadixTree:
         return u, cnt, lastpos
 
     def _remove(self, nodes: torch.Tensor, be: str = "torch") -> torch.Tensor:
-        if be == "torch" and _host(nodes) and self._on_cpu:
+        if self._host_form(be):
             return torch.from_numpy(self._remove_host(nodes.numpy()))
         self.version = next(_VERSIONS)
         lens = self.key_len[nodes]

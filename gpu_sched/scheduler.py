@@ -60,7 +60,7 @@ BACKENDS = ("torch", "triton")
 RT_COLS = 20
 #: the row-table columns `_window_drops_scalar` reads
 _SCALAR_COLS = np.array([RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2])
-#: the columns `_write_rows` writes, in its one-request order
+#: the columns `_write_rows` writes, in its order
 _WRITE_COLS = np.array([RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_PRIO, RT_TIME, RT_RKEY,
                         RT_MVER, RT_HEADT, RT_STAMP, RT_TOFF])
 #: and those `_find_rows_scalar` reads
@@ -512,28 +512,17 @@ class GpuScheduler(ReferenceScheduler):
         tokens and chunk hashes enter the pools when a match first needs them."""
         if len(self._rk_names) > 2 * len(self._rt_owner) + self.ROUTING_KEY_SLACK:
             self._rk_compact()
-        rt = self._rt
-        if len(reqs) == 1:  # one request (a serving loop's usual arrival): one indexed write
-            r = reqs[0]
-            self._stamp += 1
-            rt[r.dev_row, _WRITE_COLS] = [
-                r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.max_prefix_len(),
-                0 if self.cache.disable else self.cache.ns_id(r.req.extra_key), r.priority,
-                int(np.float64(r.enqueue_time).view(np.int64)), self._rk_intern(r.req.routing_key), -1, -1,
-                self._stamp, -1]
-            return
-        rows = np.array([r.dev_row for r in reqs], dtype=np.int64)
-        rt[rows, :RT_NS] = np.array([[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos),
-                                      r.max_prefix_len()] for r in reqs], dtype=np.int64).reshape(len(reqs), RT_NS)
-        rt[rows, RT_NS] = [self.cache.ns_id(r.req.extra_key) for r in reqs] if not self.cache.disable else 0
-        rt[rows, RT_PRIO] = [r.priority for r in reqs]
-        rt[rows, RT_TIME] = np.array([r.enqueue_time for r in reqs], dtype=np.float64).view(np.int64)
-        rt[rows, RT_RKEY] = [self._rk_intern(r.req.routing_key) for r in reqs]
-        rt[rows, RT_MVER] = -1  # no match known for this fill
-        rt[rows, RT_HEADT] = -1  # no head hash either
+        # the columns of `_WRITE_COLS`: no match known for this fill (MVER -1), no head hash
+        # either (HEADT -1), one stamp for the call, not in the pools yet (TOFF -1: a rebuild
+        # skips these rows); one indexed write for the whole batch
+        n = len(reqs)
         self._stamp += 1
-        rt[rows, RT_STAMP] = self._stamp
-        rt[rows, RT_TOFF] = -1  # not in the pools yet (a rebuild skips these rows)
+        ns = (lambda r: 0) if self.cache.disable else (lambda r: self.cache.ns_id(r.req.extra_key))
+        vals = np.array([[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.max_prefix_len(),
+                          ns(r), r.priority, 0, self._rk_intern(r.req.routing_key), -1, -1, self._stamp, -1]
+                         for r in reqs], dtype=np.int64).reshape(n, len(_WRITE_COLS))
+        vals[:, 8] = np.array([r.enqueue_time for r in reqs], dtype=np.float64).view(np.int64)  # RT_TIME
+        self._rt[np.fromiter(map(_DEV_ROW, reqs), np.int64, n)[:, None], _WRITE_COLS] = vals
 
     def _ensure_hashed(self, rows: np.ndarray, max_batch_tokens: int = 1 << 24) -> None:
         """With the cache on: the fills of table rows `rows` not yet in the pools are hashed
@@ -564,9 +553,7 @@ class GpuScheduler(ReferenceScheduler):
             flat = np.concatenate(fills).astype(np.int32, copy=False)  # a copy: fills are read-only
             cnt = lens // C
             if host:  # the host sums on the arrays as they are (built here: no checks, no tensors)
-                tree._ensure_pow(int(lens.max()) + 1)
-                ch = tree._chunk_hashes_flat_host(flat, lens, np.cumsum(lens) - lens, cnt, _rt_get(rt, brow, RT_NS), C)
-                t0, c0 = self._pool_append(flat, ch)
+                t0, c0 = self._pool_append(flat, tree._chunk_hashes_flat_host(flat, lens, _rt_get(rt, brow, RT_NS), C))
             else:
                 toks = torch.from_numpy(flat).to(self.device)
                 ch = tree.chunk_hashes_flat(toks, lens, _rt_get(rt, brow, RT_NS), C)

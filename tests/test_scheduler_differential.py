@@ -459,6 +459,7 @@ def test_fill_hashing_host_form_equals_torch_form_and_copies_keep_their_own_pool
     import copy
 
     import numpy as np
+    import torch
 
     from gpu_sched import policy as P
 
@@ -492,7 +493,7 @@ def test_fill_hashing_host_form_equals_torch_form_and_copies_keep_their_own_pool
     twin._ensure_hashed(np.array([row]))
     off, n = int(twin._rt[row, RT_TOFF]), len(r.prompt_ids)
     assert twin._pools()[0].numpy()[off : off + n].tolist() == list(r.prompt_ids)  # landed in the copy's pool
-    assert all(torch_equal(x, y) for x, y in zip(a._pools(), before))
+    assert all(torch.equal(x, y) for x, y in zip(a._pools(), before))
     assert np.array_equal(twin._pools()[0].numpy()[: a._qtop[0]], before[0].numpy())
 
 
@@ -520,12 +521,6 @@ def test_row_write_of_one_request_equals_the_batch_write():
         rb = b._rt[[st.dev_row for st in sb]]
         ra[:, RT_STAMP] = rb[:, RT_STAMP] = 0  # one stamp per write call
         assert np.array_equal(ra, rb)
-
-
-def torch_equal(x, y):
-    import torch
-
-    return x.shape == y.shape and torch.equal(x, y)
 
 
 def test_step_pauses_the_garbage_collector_and_restores_it(monkeypatch):
