@@ -467,8 +467,12 @@ HEADER = (f"{'policy':11} {'stage':12} {'n':>8} {'backend':9} {'dev':5} {'median
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--queue", choices=("mooncake", "synthetic"), default="mooncake")
+    ap = argparse.ArgumentParser(description=(
+        "Large-queue benchmark: one scheduling step (and its ordering and admission stages) of the "
+        "reference scheduler against GpuScheduler, per policy, stage and queue length; rows as JSON. "
+        "See benchmarks/README.md."))
+    ap.add_argument("--queue", choices=("mooncake", "synthetic"), default="mooncake",
+                    help="queue prompts from the Mooncake trace, or synthetic shared-prefix groups")
     ap.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace")
     ap.add_argument("--warm", type=int, default=2000, help="leading trace requests whose prompts seed the cache")
     ap.add_argument("--max-prompt-len", type=int, default=None, help="cap prompts [tokens] (default: real)")
@@ -476,8 +480,8 @@ def main(argv=None):
                     help="distinct queue prompts before cycling (0: every trace row after the warm ones; "
                          "synthetic: 8192)")
     ap.add_argument("--synthetic-groups", type=int, default=16, help="shared system prompts (synthetic queue)")
-    ap.add_argument("--min-exp", type=int, default=7)
-    ap.add_argument("--max-exp", type=int, default=20)
+    ap.add_argument("--min-exp", type=int, default=7, help="smallest queue length 2^k")
+    ap.add_argument("--max-exp", type=int, default=20, help="largest queue length 2^k")
     ap.add_argument("--sizes", default=None,
                     help="queue lengths N, comma-separated (e.g. 1000,10000,100000), instead of "
                          "2^min_exp .. 2^max_exp; the --*-max-exp limits still apply as 2^k")
@@ -486,23 +490,24 @@ def main(argv=None):
                     help="largest 2^k GpuScheduler's eager stages (order, admit, step) run at "
                          "(default: no limit; the recorded stages run at every size)")
     ap.add_argument("--max-seconds", type=float, default=60.0, help="stop a backend/policy past this per call")
-    ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--stages", default=",".join(STAGES))
-    ap.add_argument("--backends", default=default_backends())
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, from: " + ", ".join(POLICIES))
+    ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated, from: " + ", ".join(STAGES))
+    ap.add_argument("--backends", default=default_backends(),
+                    help="comma-separated: reference, torch-cpu, torch-cuda, triton-cuda (default: the ones this machine runs)")
     ap.add_argument("--reps", type=int, default=3, help="timed calls per row at least")
-    ap.add_argument("--max-reps", type=int, default=15)
+    ap.add_argument("--max-reps", type=int, default=15, help="timed calls per row at most")
     ap.add_argument("--budget-s", type=float, default=1.0,
                     help="a row's timed calls: this over the faster of its warm-up and first call, "
                          "within --reps..--max-reps")
     ap.add_argument("--slow-s", type=float, default=2.0, help="a warm-up call over this gets --slow-reps calls")
-    ap.add_argument("--slow-reps", type=int, default=2)
+    ap.add_argument("--slow-reps", type=int, default=2, help="timed calls of a row whose warm-up took over --slow-s")
     ap.add_argument("--running", type=int, default=64, help="running-batch size")
-    ap.add_argument("--routing-keys", type=int, default=32)
+    ap.add_argument("--routing-keys", type=int, default=32, help="distinct routing keys among the requests")
     ap.add_argument("--kv-headroom", type=int, default=1_000_000,
                     help="KV pool = warm-cache tokens + this (free slots; nothing is evicted)")
     ap.add_argument("--check-max-exp", type=int, default=9, help="compare plans with the reference up to 2^k")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the workload draws (priorities, routing keys)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no new row after this many seconds from launch (rows so far are kept)")
     ap.add_argument("--out", default=None, help="append rows to this JSON list (saved after every n)")

@@ -20,15 +20,18 @@ INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 
 
-def _check_int(name: str, value, *, lo: Optional[int] = None, optional: bool = False) -> None:
+def _check_int(name: str, value, *, lo: Optional[int] = None, none_means: Optional[str] = None) -> None:
+    """TypeError/ValueError naming the field unless value is an int >= lo; None passes where
+    `none_means` says what None does (the message says it too)."""
+    alt = f" or None ({none_means})" if none_means else ""
     if value is None:
-        if optional:
+        if none_means:
             return
         raise TypeError(f"{name} must be an int, got None")
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an int{alt}, got {type(value).__name__} {value!r}")
     if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
+        raise ValueError(f"{name} must be >= {lo}{alt}, got {value}")
 
 
 def _check_bool(name: str, value) -> None:
@@ -92,8 +95,8 @@ class SchedulerConfig:
             )
         _check_int("page_size", self.page_size, lo=1)
         _check_int("max_prefill_tokens", self.max_prefill_tokens, lo=1)
-        _check_int("chunked_prefill_size", self.chunked_prefill_size, lo=1, optional=True)
-        _check_int("max_running_requests", self.max_running_requests, lo=1, optional=True)
+        _check_int("chunked_prefill_size", self.chunked_prefill_size, lo=1, none_means="chunked prefill off")
+        _check_int("max_running_requests", self.max_running_requests, lo=1, none_means="no cap")
         for name in (
             "enable_priority_scheduling",
             "schedule_low_priority_values_first",
@@ -110,9 +113,9 @@ class SchedulerConfig:
             self.in_batch_prefix_caching_deprioritize_threshold,
             lo=0,
         )
-        _check_int("lpm_fallback_queue_len", self.lpm_fallback_queue_len, lo=0, optional=True)
-        _check_int("prefill_max_requests", self.prefill_max_requests, lo=1, optional=True)
-        _check_int("truncation_align_size", self.truncation_align_size, lo=1, optional=True)
+        _check_int("lpm_fallback_queue_len", self.lpm_fallback_queue_len, lo=0, none_means="never")
+        _check_int("prefill_max_requests", self.prefill_max_requests, lo=1, none_means="no cap")
+        _check_int("truncation_align_size", self.truncation_align_size, lo=1, none_means="off")
         _check_int("random_seed", self.random_seed, lo=0)
         if self.random_seed >= 2**64:  # numpy's and torch's generators take seeds in [0, 2^64)
             raise ValueError(f"random_seed must be < 2^64, got {self.random_seed}")

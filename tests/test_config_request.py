@@ -282,7 +282,7 @@ def test_submit_bad_request_leaves_state_unchanged(loaded, kind):
 
 def test_submit_duplicate_rid_within_one_call(loaded):
     before = _snapshot(loaded)
-    with pytest.raises(ValueError, match="'dup'"):
+    with pytest.raises(ValueError, match="submit: rid 'dup' is given twice in this call"):
         loaded.submit([Request("dup", [5], 2), Request("x", [6], 2), Request("dup", [7], 2)])
     assert _snapshot(loaded) == before
 
@@ -357,6 +357,8 @@ def test_complete_prefill_bad_tokens_change_nothing(serving, tokens, exc, words)
     ({"a": 5, "b": -7, "ab": 1}, ValueError, "tokens['b'] = -7 is outside"),
     ({"a": 2**40, "b": 1, "ab": 1}, ValueError, "tokens['a'] = 1099511627776 is outside"),
     ({"a": 5, "b": 1}, ValueError, "missing for running requests ['ab']"),
+    ({"a": 5, "b": 1, "zz": 1}, ValueError, "['zz'] are not running (and no token for running requests ['ab'])"),
+    ({"a": 5, "b": 1, 7: 1}, ValueError, "[7] are not running (and no token"),
 ])
 def test_decode_bad_tokens_change_nothing(serving, tokens, exc, words):
     """A decode with one bad token used to append the others' tokens and take KV slots for
@@ -394,6 +396,25 @@ def test_finish_and_abort_bad_rids_change_nothing(serving, call, exc, words):
     serving.finish(["ab"])
     assert [r.rid for r in serving.running] == ["a", "b"]
     serving.check_integrity()
+
+
+def test_finish_during_prefill_says_so(serving):
+    """finish() of an admitted request before complete_prefill() names the state, not just
+    "not running", and changes nothing."""
+    before = _engine_state(serving)
+    with pytest.raises(ValueError, match="finish: request 'a' is in the prefill being run: call complete_prefill"):
+        serving.finish(["a"])
+    assert _engine_state(serving) == before
+    with pytest.raises(ValueError, match="finish: request 'zz' is not running"):
+        serving.finish(["zz"])
+
+
+@pytest.mark.parametrize("field, meaning", [("chunked_prefill_size", "chunked prefill off"),
+                                            ("max_running_requests", "no cap"), ("truncation_align_size", "off")])
+def test_config_optional_field_error_says_none(field, meaning):
+    """An optional int field's error says what None means (the CLI's 0 = off is not the API's)."""
+    with pytest.raises(ValueError, match=rf"{field} must be >= 1 or None \({meaning}\), got 0"):
+        SchedulerConfig(**{field: 0})
 
 
 @pytest.mark.parametrize("kind", ["reference", "torch"])

@@ -127,7 +127,9 @@ class ReferenceScheduler:
             if not isinstance(r, Request):
                 raise TypeError(f"submit takes Request objects, got {type(r).__name__}")
             r.validate()
-            if r.rid in self.reqs or r.rid in seen:
+            if r.rid in seen:
+                raise ValueError(f"submit: rid {r.rid!r} is given twice in this call")
+            if r.rid in self.reqs:
                 raise ValueError(f"rid {r.rid!r} is already known to the scheduler")
             seen.add(r.rid)
         return requests
@@ -424,12 +426,13 @@ class ReferenceScheduler:
         if not isinstance(tokens, Mapping):
             raise TypeError(f"decode takes a mapping rid -> token, got {type(tokens).__name__}")
         missing = [r.rid for r in self.running if r.rid not in tokens]
-        if missing:
-            raise ValueError(f"decode tokens missing for running requests {missing[:5]}")
-        if len(tokens) != len(self.running):  # every running rid is there: the rest are not running
+        if missing or len(tokens) != len(self.running):  # else every key is a running rid
             running = {r.rid for r in self.running}
             extra = [rid for rid in tokens if rid not in running]
-            raise ValueError(f"decode: requests {extra[:5]} are not running")
+            if extra:  # named first: a wrong rid usually explains the missing one
+                more = f" (and no token for running requests {missing[:5]})" if missing else ""
+                raise ValueError(f"decode: requests {extra[:5]} are not running{more}")
+            raise ValueError(f"decode tokens missing for running requests {missing[:5]}")
         tokens = {rid: check_token_id(f"decode tokens[{rid!r}]", t) for rid, t in tokens.items()}
         n = len(self.running)
         evictable = self.cache.evictable_size  # a device read on a device cache: once
@@ -453,7 +456,9 @@ class ReferenceScheduler:
         index = {r.rid: r for r in self.running}
         for rid in rids:
             if rid not in index:
-                raise ValueError(f"finish: request {rid!r} is not running")
+                where = ("is in the prefill being run: call complete_prefill() first"
+                         if any(r.rid == rid for r in self.prefilling) else "is not running")
+                raise ValueError(f"finish: request {rid!r} {where}")
         for rid in rids:
             r = index[rid]
             if self.cache.disable:
