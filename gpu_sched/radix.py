@@ -638,16 +638,21 @@ class FlatRadixTree:
             self._log_n -= x.numel()
             self._log_floor = v
 
-    def changed_since(self, v: int) -> Optional[torch.Tensor]:
+    def changed_since(self, v: int, limit: Optional[int] = None) -> Optional[torch.Tensor]:
         """Sorted int64 page-end hashes entered into or removed from the table after version
         `v` (a `version` value this tree had; duplicates possible), or None when the log does
-        not reach back that far (`v` older than its floor, or another tree's). A hash not in
-        it is present now iff it was at `v`; pool positions have not moved since `v` either."""
+        not reach back that far (`v` older than its floor, or another tree's) or holds more
+        than `limit` hashes since `v` (a caller with few queries then looks their hashes up
+        instead of sorting the log). A hash not in it is present now iff it was at `v`; pool
+        positions have not moved since `v` either."""
         if v < self._log_floor or v > self.version:
             return None
-        i = len(self._log)  # versions never decrease along the log: the entries after v are a suffix
+        i, n = len(self._log), 0  # versions never decrease along the log: the entries after v are a suffix
         while i and self._log[i - 1][0] > v:
             i -= 1
+            n += self._log[i][1].numel()
+            if limit is not None and n > limit:
+                return None
         parts = [h for _, h in self._log[i:]]
         if not parts:
             return torch.zeros(0, dtype=torch.int64, device=self.device)

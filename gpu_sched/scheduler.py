@@ -182,6 +182,11 @@ class GpuScheduler(ReferenceScheduler):
     #: first searches of up to this many rows at once run as scalar binary searches on the
     #: host (`FlatRadixTree._find_scalar`, ~10 lookups a row) instead of probe rounds
     FIND_SCALAR_MAX = 8
+    #: kept full matches are re-validated through the tree's change log while it holds at most
+    #: this many hashes per row to re-validate (sorting and testing it costs ~0.1 us a hash);
+    #: past that, by two table lookups per row (`check_matches`, ~0.5 us a lookup on a CPU).
+    #: A Mooncake lpm replay's orderings saw ~12k logged hashes for ~80 rows: 1.2 ms a step
+    LOG_PER_ROW = 4
     _match_hint = None
     #: start instead with an eighth more than the previous loop's admissions, when it admitted
     #: any (steps admit similar counts: one window, not several doublings, and not a window
@@ -844,7 +849,10 @@ class GpuScheduler(ReferenceScheduler):
             # full matches verified on an earlier tree version the change log reaches: kept
             # where neither of their two hashes changed since, the rest checked by lookups
             logged = ver >= tree._log_floor  # versions are >= 1: no row without a match is logged
-            since = tree.changed_since(int(ver[logged].min())) if logged.any() else None
+            nl = int(np.count_nonzero(logged))
+            # a log of more hashes than LOG_PER_ROW per logged row costs more to sort and test
+            # than two lookups per row (`check_matches`, below): then the rows are looked up
+            since = tree.changed_since(int(ver[logged].min()), limit=self.LOG_PER_ROW * nl) if nl else None
             if since is not None and since.numel() == 0 and logged.all():
                 # the common step: nothing entered or removed since every row's match, so all
                 # are kept as they are (no hash columns read)

@@ -238,6 +238,9 @@ def test_change_log_keeps_exactly_the_unchanged_matches(page_size, chunk_pages, 
             assert tree._log_floor > v0  # the short log no longer reaches v0
             break
         assert torch.equal(since, torch.sort(since).values)
+        assert torch.equal(tree.changed_since(v0, limit=since.numel()), since)
+        if since.numel():  # one hash past the limit: the caller looks its rows up instead
+            assert tree.changed_since(v0, limit=since.numel() - 1) is None
         keep = tree.unchanged(since, h1, h2)
         m, pos = csr.find(tree)
         changed = (m != m0) | ((m > 0) & (pos != pos0))

@@ -311,6 +311,36 @@ def test_kept_capped_matches_checked_in_windows(name, monkeypatch):
     assert seen["ok"] > 20 and seen["refused"] > 0, seen
 
 
+@pytest.mark.parametrize("per_row", [0, 1 << 40])
+@pytest.mark.parametrize("name", ["lpm", "dfs-weight"])
+def test_kept_full_matches_by_log_or_by_lookups(name, per_row, monkeypatch):
+    """Kept full matches are re-validated by the change log (`unchanged`) or, past
+    `LOG_PER_ROW` logged hashes per row, by two lookups a row (`check_matches`): either way
+    every step of a 200-step run stays the reference's, and the path asked for is taken."""
+    from gpu_sched.radix import FlatRadixTree
+
+    seen = {"log": 0, "lookups": 0}
+    orig_un, orig_cm = FlatRadixTree.unchanged, FlatRadixTree.check_matches
+
+    def un(self, since, *a, **k):
+        seen["log"] += since.numel() > 0  # an empty log keeps every row without a test
+        return orig_un(self, since, *a, **k)
+
+    def cm(self, lengths, guess, *a, **k):
+        seen["lookups"] += int((guess >= 0).sum())
+        return orig_cm(self, lengths, guess, *a, **k)
+
+    monkeypatch.setattr(GpuScheduler, "LOG_PER_ROW", per_row)
+    monkeypatch.setattr(FlatRadixTree, "unchanged", un)
+    monkeypatch.setattr(FlatRadixTree, "check_matches", cm)
+    hits = run_long(name, seed=2)
+    assert hits["admitted"] > 60, hits
+    if per_row == 0:  # any logged hash at all sends the rows to lookups
+        assert seen["log"] == 0 and seen["lookups"] > 50, seen
+    else:
+        assert seen["log"] > 10, seen
+
+
 @pytest.mark.parametrize("name", ["lpm", "lpm-page4-mixed"])
 def test_head_group_table_restarts_keep_decisions(name, monkeypatch):
     """R-ORD-9 group ids are interned once per fill; when the intern table outgrows the row
