@@ -585,13 +585,14 @@ class FlatRadixTree:
         pos = home_slot(h, H)
         for _ in range(self.max_probe):
             cand = np.flatnonzero(keys[pos] < 0)  # pending keys at a free slot
-            cand = cand[np.argsort(pos[cand] * n + idx[cand])]  # by slot, then index (distinct)
-            cp = pos[cand]
-            last = np.ones(cp.size, dtype=bool)
-            last[:-1] = cp[1:] != cp[:-1]  # the last (largest index) of each slot wins
-            win = cand[last]
-            keys[pos[win]] = h[idx[win]]
-            vals[pos[win]] = v[idx[win]]
+            cp, claim = pos[cand], -3 - idx[cand]  # claims below EMPTY and TOMB
+            # each claimed slot keeps its smallest claim, the largest index's (a scatter-min with
+            # repeated slots: no sort); then every claimed slot gets its winner's key
+            np.minimum.at(keys, cp, claim)
+            won = keys[cp] == claim
+            win = cand[won]
+            keys[cp[won]] = h[idx[win]]
+            vals[cp[won]] = v[idx[win]]
             lose = np.ones(idx.size, dtype=bool)
             lose[win] = False
             idx, pos = idx[lose], (pos[lose] + 1) & (H - 1)
