@@ -7,7 +7,7 @@ unchanged on the device tree.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -84,6 +84,15 @@ class DeviceRadixCache:
             value = np.concatenate([np.zeros(m, np.int64), np.asarray(value(n - m), np.int64)])
         vals = torch.as_tensor(np.asarray(value[:n], dtype=np.int64), device=self.device)
         return self.tree.insert(self._tokens(key[:n]), vals, self.ns_id(ns))
+
+    def insert_and_match(self, key, value, ns=None) -> Tuple[int, int, int]:
+        """`insert(key, value, ns)` then `match_prefix(key, ns)` in one tree call
+        (`FlatRadixTree.insert_and_match`): (present length, matched length, node id)."""
+        if self.disable:
+            return 0, 0, ROOT
+        n = len(key) // self.page_size * self.page_size
+        vals = torch.as_tensor(np.asarray(value[:n], dtype=np.int64), device=self.device)
+        return self.tree.insert_and_match(self._tokens(key), vals, self.ns_id(ns))
 
     def inc_lock_ref(self, node) -> None:
         if not self.disable and node is not None and node != ROOT:

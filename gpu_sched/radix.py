@@ -1419,6 +1419,30 @@ class FlatRadixTree:
         """
         return self.insert_many([tokens], [values], [ns], backend=backend)[0]
 
+    def insert_and_match(self, tokens: torch.Tensor, values: torch.Tensor, ns: int = 0, *,
+                         backend: Optional[str] = None) -> Tuple[int, int, int]:
+        """`insert` of one sequence, then `match` of the same tokens (R-RC-5, then R-RC-4: a
+        chunked request's prefilled part cached and its lock moved, R-DEC-3), with the same
+        effects and results as the two calls. After the insert every page of the sequence is
+        present, so the match is floorP(L) tokens ending at a pool position the insert knows:
+        on a CPU tree the match skips its hashes and search and only applies (splits, stamps).
+        Returns (present length before the insert [tokens], matched length [tokens], last node id)."""
+        be = self._be(backend)
+        P, L = self.P, int(tokens.numel()) // self.P * self.P
+        if (SCALAR_BATCH >= 1 and self._host_form(be) and tokens.is_cpu and values.is_cpu
+                and values.numel() >= L):
+            t = tokens.numpy()[:L].astype(np.int32, copy=False)
+            self._ensure_pow(max(L, 1) + 1)
+            h = (self._prefix_hashes_host(t[None, :], np.array([int(ns)], dtype=np.int64), L, 1)[0] if L
+                 else np.zeros(0, dtype=np.int64))
+            present, end = self._insert_one_host(t, values.numpy()[:L], h, int(ns))
+            m, last = self._apply(torch.tensor([L]), torch.tensor([end]), be)
+            return present, int(m[0]), int(last[0])
+        present = self.insert(tokens[:L], values[:L], ns, backend=be)
+        m, last = self.match(tokens[None], torch.tensor([int(tokens.numel())], device=self.device),
+                             torch.tensor([int(ns)], device=self.device), backend=be)
+        return present, int(m[0]), int(last[0])
+
     def insert_many(self, tokens: Sequence[torch.Tensor], values: Sequence[torch.Tensor], ns: Sequence[int], *,
                     backend: Optional[str] = None) -> List[int]:
         """Insert several sequences, equal to inserting them one by one in order (R-RC-5).
@@ -1448,7 +1472,7 @@ class FlatRadixTree:
             self._ensure_pow(max(L, 1) + 1)
             h = (self._prefix_hashes_host(t[None, :], np.array([int(ns[0])], dtype=np.int64), L, 1)[0] if L
                  else np.zeros(0, dtype=np.int64))
-            return [self._insert_one_host(t, values[0].numpy()[:L], h, int(ns[0]))]
+            return [self._insert_one_host(t, values[0].numpy()[:L], h, int(ns[0]))[0]]
         lens = [int(t.numel()) // P * P for t in tokens]
         Lmax = max(lens + [1])
         tok = torch.zeros((B, Lmax), dtype=torch.int32, device=dev)
@@ -1540,12 +1564,13 @@ class FlatRadixTree:
         self.evictable_size += n_new
         return m.tolist()
 
-    def _insert_one_host(self, tok: np.ndarray, val: np.ndarray, h: np.ndarray, ns: int) -> int:
+    def _insert_one_host(self, tok: np.ndarray, val: np.ndarray, h: np.ndarray, ns: int) -> Tuple[int, int]:
         """`_insert_wave` of one sequence on a CPU tree, in numpy and Python on the tree's views:
         the same version, search (~log2(pages) scalar probes), counters, split and stamps
         (`_apply_walks`), leaf, table entries and change log. tok int32 / val int64 / h int64
-        (`prefix_hashes` at every depth) [L], L a multiple of P. Returns the present length
-        [tokens]; raises MemoryError (before changing anything but the version) as the wave does."""
+        (`prefix_hashes` at every depth) [L], L a multiple of P. Returns (the present length
+        [tokens], the pool position of the sequence's last token after the insert, -1 for L = 0);
+        raises MemoryError (before changing anything but the version) as the wave does."""
         self.version = next(_VERSIONS)
         P, L = self.P, tok.size
         k, kpos = self._search_scalar(h[P - 1 :: P], L // P)
@@ -1563,7 +1588,7 @@ class FlatRadixTree:
         self.next_order += n_new > 0
         (par,) = self._apply_walks([m], [kpos], [stamp], [cid])
         if n_new == 0:
-            return m
+            return m, kpos
         off = self._alloc_tokens(n_new)
         (node,) = self._alloc_ids(1)
         dst = slice(off, off + n_new)
@@ -1581,7 +1606,7 @@ class FlatRadixTree:
         self._table_insert(hp, torch.from_numpy(pe))  # its host form, after the fill check
         self._log_change(hp)
         self._np("evictable_size")[()] += n_new
-        return m
+        return m, off + n_new - 1
 
     def _live_tokens(self) -> int:
         b = self._hwm

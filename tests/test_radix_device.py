@@ -757,6 +757,40 @@ def test_host_match_and_eviction_equal_torch_forms(page_size):
     assert {("match", True), ("match", False), ("evict", True)} <= kinds
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_insert_and_match_equals_insert_then_match(page_size):
+    """`insert_and_match` (on a CPU tree: the match applied at the position the insert knows,
+    no hashes or search) leaves every array, the hash table, sizes, clock and change log as
+    `insert` followed by `match` of the same tokens does, in both forms, and returns the same
+    present length, matched length and node: sequences new, extending, fully cached (ending
+    inside a node: the insert splits it) or shorter than a page, in two namespaces, with
+    evictions between."""
+    P = page_size
+    rng = np.random.default_rng(60 + P)
+    trees = [FlatRadixTree(P, max_nodes=512, token_capacity=200 * P, seed=5) for _ in range(3)]
+    bases = [rng.integers(0, 5, int(rng.integers(1, 14)) * P).astype(np.int32) for _ in range(6)]
+    kinds = set()
+    for step in range(150):
+        b = bases[int(rng.integers(len(bases)))]
+        seq = np.concatenate([b[: int(rng.integers(len(b) + 1))], rng.integers(0, 5, int(rng.integers(0, 2 * P)))])
+        t, v, ns = torch.from_numpy(seq.astype(np.int32)), torch.arange(len(seq)) + step * 100, step % 2
+        if rng.integers(5) == 0:
+            for tree in trees:
+                tree.evict(int(tree.evictable_size) // 2 + 1)
+            continue
+        outs = [trees[0].insert_and_match(t, v, ns)]
+        with PM.torch_forms():
+            outs.append(trees[1].insert_and_match(t, v, ns))
+        present = trees[2].insert(t[: len(seq) // P * P], v[: len(seq) // P * P], ns)
+        m, last = trees[2].match(t[None], torch.tensor([len(seq)]), torch.tensor([ns]))
+        outs.append((present, int(m[0]), int(last[0])))
+        assert outs[0] == outs[1] == outs[2], (step, outs)
+        assert_same_tree(trees[0], trees[2], step)
+        assert_same_tree(trees[1], trees[2], step)
+        kinds.add((outs[0][1] > 0, outs[0][0] == outs[0][1]))
+    assert kinds == {(True, True), (True, False), (False, True)}, kinds
+
+
 @pytest.mark.parametrize("corrupt, message", [
     (lambda t, v: t.nchild.__setitem__(v, t.nchild[v] + 1), "nchild mismatch"),
     (lambda t, v: t.alive.__setitem__(t.node_bound(), True), "at or above node_bound"),

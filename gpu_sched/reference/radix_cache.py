@@ -176,6 +176,14 @@ class RadixCache:
         return matched, node
 
     # ---- R-RC-5 ----------------------------------------------------------------------------
+    def insert_and_match(self, key: np.ndarray, value, ns=None) -> Tuple[int, int, TreeNode]:
+        """`insert(key, value, ns)`, then `match_prefix(key, ns)` (a chunked request's prefilled
+        part cached and matched again, R-DEC-3): (present length, matched length, last node).
+        Device caches do both in one tree call."""
+        present = self.insert(key, value, ns)
+        m, node = self.match_prefix(key, ns)
+        return present, m, node
+
     def insert(self, key: np.ndarray, value, ns=None) -> int:
         """Insert `key` -> `value` (KV slots) in namespace `ns` (R-RC-5).
 

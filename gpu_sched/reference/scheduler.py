@@ -367,10 +367,9 @@ class ReferenceScheduler:
     def _cache_unfinished(self, r: ReqState) -> None:
         """R-DEC-3 for a chunk: insert the prefilled part, move the lock to the new last node."""
         fill = r.fill()[: r.kv_len]
-        present = self.cache.insert(fill, r.kv[: r.kv_len], r.req.extra_key)
+        present, m, node = self.cache.insert_and_match(fill, r.kv[: r.kv_len], r.req.extra_key)
         if present > r.cached_len:
             self.pool.free(r.kv[r.cached_len : present].copy())
-        m, node = self.cache.match_prefix(fill, r.req.extra_key)
         r.kv[:m] = self.cache.path_values(node)
         if r.lock_node is not None:
             self.cache.dec_lock_ref(r.lock_node)
