@@ -722,6 +722,23 @@ def _check_chunk_hashes_flat(every):
         tree.chunk_hashes_flat(big, np.array([2**32]), np.array([0]), every)
 
 
+def _trees_and_sequences(P: int, seed: int, n_trees: int, steps: int = 150):
+    """(twin trees, rng, iterator of (step, sequence)): sequences made of a prefix of one of
+    six page-aligned bases (tokens 0..4) plus up to 2P random tokens, so they extend, repeat
+    and end inside cached sequences or short of a page."""
+    rng = np.random.default_rng(seed + P)
+    trees = [FlatRadixTree(P, max_nodes=512, token_capacity=200 * P, seed=5) for _ in range(n_trees)]
+    bases = [rng.integers(0, 5, int(rng.integers(1, 14)) * P).astype(np.int32) for _ in range(6)]
+
+    def seqs():
+        for step in range(steps):
+            b = bases[int(rng.integers(len(bases)))]
+            yield step, np.concatenate([b[: int(rng.integers(len(b) + 1))],
+                                        rng.integers(0, 5, int(rng.integers(0, 2 * P)))])
+
+    return trees, rng, seqs()
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_host_match_and_eviction_equal_torch_forms(page_size):
     """On a CPU tree, a single query's `match` (host chunk sums and scalar searches, then the
@@ -730,13 +747,9 @@ def test_host_match_and_eviction_equal_torch_forms(page_size):
     list as their torch forms do, and return the same results: queries that split nodes,
     repeat, miss, or are shorter than a page, in two namespaces; evictions of part and all."""
     P = page_size
-    rng = np.random.default_rng(40 + P)
-    trees = [FlatRadixTree(P, max_nodes=512, token_capacity=200 * P, seed=5) for _ in range(2)]
-    bases = [rng.integers(0, 5, int(rng.integers(1, 14)) * P).astype(np.int32) for _ in range(6)]
+    trees, rng, seqs = _trees_and_sequences(P, 40, 2)
     kinds = set()
-    for step in range(150):
-        b = bases[int(rng.integers(len(bases)))]
-        seq = np.concatenate([b[: int(rng.integers(len(b) + 1))], rng.integers(0, 5, int(rng.integers(0, 2 * P)))])
+    for step, seq in seqs:
         op = "evict" if rng.integers(4) == 0 or int(trees[0].evictable_size) > 120 * P else ("match", "insert", "insert")[int(rng.integers(3))]
         amount = int(rng.integers(1, 3)) * int(trees[0].evictable_size) // 2 + 1
         outs = []
@@ -766,13 +779,9 @@ def test_insert_and_match_equals_insert_then_match(page_size):
     inside a node: the insert splits it) or shorter than a page, in two namespaces, with
     evictions between."""
     P = page_size
-    rng = np.random.default_rng(60 + P)
-    trees = [FlatRadixTree(P, max_nodes=512, token_capacity=200 * P, seed=5) for _ in range(3)]
-    bases = [rng.integers(0, 5, int(rng.integers(1, 14)) * P).astype(np.int32) for _ in range(6)]
+    trees, rng, seqs = _trees_and_sequences(P, 60, 3)
     kinds = set()
-    for step in range(150):
-        b = bases[int(rng.integers(len(bases)))]
-        seq = np.concatenate([b[: int(rng.integers(len(b) + 1))], rng.integers(0, 5, int(rng.integers(0, 2 * P)))])
+    for step, seq in seqs:
         t, v, ns = torch.from_numpy(seq.astype(np.int32)), torch.arange(len(seq)) + step * 100, step % 2
         if rng.integers(5) == 0:
             for tree in trees:
