@@ -74,8 +74,10 @@ class DeviceRadixCache:
                                torch.tensor([self.ns_id(ns)], device=self.device))
         return int(m[0])
 
-    def insert(self, key, value, ns=None) -> int:
-        """R-RC-5; `value` is an int64 slot array or a callable `alloc(n)` for the new tail."""
+    def insert(self, key, value, ns=None, known: int = 0, known_node=None) -> int:
+        """R-RC-5; `value` is an int64 slot array or a callable `alloc(n)` for the new tail.
+        `known`, `known_node`: the first `known` tokens are cached as the path to
+        `known_node` (`FlatRadixTree.insert`'s hint)."""
         if self.disable:
             return 0
         n = len(key) // self.page_size * self.page_size
@@ -83,16 +85,17 @@ class DeviceRadixCache:
             m = self.present_len(key[:n], ns)
             value = np.concatenate([np.zeros(m, np.int64), np.asarray(value(n - m), np.int64)])
         vals = torch.as_tensor(np.asarray(value[:n], dtype=np.int64), device=self.device)
-        return self.tree.insert(self._tokens(key[:n]), vals, self.ns_id(ns))
+        return self.tree.insert(self._tokens(key[:n]), vals, self.ns_id(ns), known=known, known_node=known_node)
 
-    def insert_and_match(self, key, value, ns=None) -> Tuple[int, int, int]:
+    def insert_and_match(self, key, value, ns=None, known: int = 0, known_node=None) -> Tuple[int, int, int]:
         """`insert(key, value, ns)` then `match_prefix(key, ns)` in one tree call
-        (`FlatRadixTree.insert_and_match`): (present length, matched length, node id)."""
+        (`FlatRadixTree.insert_and_match`, which takes the `known` cached prefix ending at
+        `known_node` as its hint): (present length, matched length, node id)."""
         if self.disable:
             return 0, 0, ROOT
         n = len(key) // self.page_size * self.page_size
         vals = torch.as_tensor(np.asarray(value[:n], dtype=np.int64), device=self.device)
-        return self.tree.insert_and_match(self._tokens(key), vals, self.ns_id(ns))
+        return self.tree.insert_and_match(self._tokens(key), vals, self.ns_id(ns), known=known, known_node=known_node)
 
     def inc_lock_ref(self, node) -> None:
         if not self.disable and node is not None and node != ROOT:

@@ -876,12 +876,14 @@ class FlatRadixTree:
 
         return m, pos, at(m), at(m + P)
 
-    def _search_scalar(self, hs, hi: int) -> Tuple[int, int]:
+    def _search_scalar(self, hs, hi: int, lo: int = 0, lo_pos: int = -1) -> Tuple[int, int]:
         """`_search` of one row on a CPU table as a binary search of scalar probes: the largest
         j in [0, hi] whose hash hs[j - 1] is present (presence is monotone in j, so any search
-        finds the same point) and its stored value (-1 for 0). hs: a sequence of int hashes."""
+        finds the same point) and its stored value (-1 for 0). hs: a sequence of int hashes.
+        A caller that knows j >= lo (value lo_pos there) searches above lo only: hs[:lo] is
+        not read."""
         keys, vals = self._np("hkeys"), self._np("hvals")
-        a, pos = 0, -1
+        a, pos = lo, lo_pos
         while a < hi:
             mid = (a + hi + 1) // 2
             slot = self._probe_scalar(keys, [int(hs[mid - 1])])[0]
@@ -1410,38 +1412,81 @@ class FlatRadixTree:
             cur, stamp = nxt[keep], stamp[keep]
 
     # ---- insert (R-RC-5) -------------------------------------------------------------------
-    def insert(self, tokens: torch.Tensor, values: torch.Tensor, ns: int = 0, *,
-               backend: Optional[str] = None) -> int:
+    def insert(self, tokens: torch.Tensor, values: torch.Tensor, ns: int = 0, *, known: int = 0,
+               known_node: Optional[int] = None, backend: Optional[str] = None) -> int:
         """Insert one sequence (int32 tokens [L], int64 KV slots [L]) in namespace `ns`.
 
         Returns the length already present [tokens] (R-RC-5); only floorP(L) tokens enter.
         Raises MemoryError when node or token capacity is exhausted (before changing anything).
+        `known`, `known_node`: the caller's word that the first `known` tokens are cached as the
+        path root..known_node (a finished request's locked prefix): on a CPU tree only the
+        tokens after it are hashed and searched. A hint whose node does not end at depth
+        `known` is ignored; the result and effects are the same either way.
         """
-        return self.insert_many([tokens], [values], [ns], backend=backend)[0]
+        be = self._be(backend)
+        if self._single_host(tokens, values, be):
+            return self._insert_single_host(tokens, values, ns, known, known_node)[0]
+        return self.insert_many([tokens], [values], [ns], backend=be)[0]
+
+    def _single_host(self, tokens: torch.Tensor, values: torch.Tensor, be: str) -> bool:
+        """Whether one sequence is inserted on the host (`_insert_single_host`): a CPU tree
+        with the torch backend outside `torch_forms()`, CPU tensors."""
+        L = int(tokens.numel()) // self.P * self.P
+        return (SCALAR_BATCH >= 1 and self._host_form(be) and tokens.is_cpu and values.is_cpu
+                and values.numel() >= L)
+
+    def _insert_single_host(self, tokens: torch.Tensor, values: torch.Tensor, ns: int, known: int = 0,
+                            known_node: Optional[int] = None) -> Tuple[int, int]:
+        """One sequence's insert without a tensor op (the padded batch form costs ~15 small
+        torch ops): its prefix hashes at every depth after the known cached prefix (continuing
+        from the hash stored at its end; from the namespace seed without one), then
+        `_insert_one_host`. Returns its (present length, end position)."""
+        P, L = self.P, int(tokens.numel()) // self.P * self.P
+        t = tokens.numpy()[:L].astype(np.int32, copy=False)
+        c, cpos = self._known_prefix(known, known_node, L)
+        self._ensure_pow(max(L - c, 1) + 1)
+        h = np.zeros(L, dtype=np.int64)  # h[:c] is not read
+        if L > c:
+            hsh = int(self._np("hsh")[cpos]) if c else 0
+            base = (hsh >> 31, hsh & (2**31 - 1)) if c else (self._seed(int(ns), P1), self._seed(int(ns), P2))
+            h[c:] = self._window_hashes_host(t[None, c:].astype(np.int64) + 1, np.arange(1, L - c + 1, dtype=np.int64),
+                                             [np.array([b], dtype=np.int64) for b in base])[0]
+        return self._insert_one_host(t, values.numpy()[:L], h, int(ns), c, cpos)
 
     def insert_and_match(self, tokens: torch.Tensor, values: torch.Tensor, ns: int = 0, *,
+                         known: int = 0, known_node: Optional[int] = None,
                          backend: Optional[str] = None) -> Tuple[int, int, int]:
         """`insert` of one sequence, then `match` of the same tokens (R-RC-5, then R-RC-4: a
         chunked request's prefilled part cached and its lock moved, R-DEC-3), with the same
         effects and results as the two calls. After the insert every page of the sequence is
         present, so the match is floorP(L) tokens ending at a pool position the insert knows:
         on a CPU tree the match skips its hashes and search and only applies (splits, stamps).
-        Returns (present length before the insert [tokens], matched length [tokens], last node id)."""
+        `known`, `known_node`: the caller's word that the first `known` tokens are cached as
+        the path root..known_node (a request's locked prefix, which cannot be evicted): on a
+        CPU tree only the tokens after it are hashed and searched (a long prompt's chunks would
+        otherwise hash their whole prefix again at every chunk). A hint whose node does not
+        end at depth `known` is ignored. Returns (present length before the insert [tokens],
+        matched length [tokens], last node id)."""
         be = self._be(backend)
-        P, L = self.P, int(tokens.numel()) // self.P * self.P
-        if (SCALAR_BATCH >= 1 and self._host_form(be) and tokens.is_cpu and values.is_cpu
-                and values.numel() >= L):
-            t = tokens.numpy()[:L].astype(np.int32, copy=False)
-            self._ensure_pow(max(L, 1) + 1)
-            h = (self._prefix_hashes_host(t[None, :], np.array([int(ns)], dtype=np.int64), L, 1)[0] if L
-                 else np.zeros(0, dtype=np.int64))
-            present, end = self._insert_one_host(t, values.numpy()[:L], h, int(ns))
+        L = int(tokens.numel()) // self.P * self.P
+        if self._single_host(tokens, values, be):
+            present, end = self._insert_single_host(tokens, values, ns, known, known_node)
             m, last = self._apply(torch.tensor([L]), torch.tensor([end]), be)
             return present, int(m[0]), int(last[0])
         present = self.insert(tokens[:L], values[:L], ns, backend=be)
         m, last = self.match(tokens[None], torch.tensor([int(tokens.numel())], device=self.device),
                              torch.tensor([int(ns)], device=self.device), backend=be)
         return present, int(m[0]), int(last[0])
+
+    def _known_prefix(self, known: int, node: Optional[int], L: int) -> Tuple[int, int]:
+        """(c, pool position of token c - 1) for a known cached prefix of c tokens ending at
+        node `node` (`insert_and_match`'s hint), or (0, -1) when there is none or the node is
+        not a live node ending at depth `known` (a multiple of P, at most L)."""
+        if not known or node is None or node <= ROOT or known % self.P or known > L:
+            return 0, -1
+        if not self._np("alive")[node] or int(self._np("start")[node]) + int(self._np("key_len")[node]) != known:
+            return 0, -1
+        return known, int(self._np("key_off")[node]) + int(self._np("key_len")[node]) - 1
 
     def insert_many(self, tokens: Sequence[torch.Tensor], values: Sequence[torch.Tensor], ns: Sequence[int], *,
                     backend: Optional[str] = None) -> List[int]:
@@ -1463,16 +1508,8 @@ class FlatRadixTree:
         B = len(tokens)
         if B == 0:
             return []
-        L = int(tokens[0].numel()) // P * P
-        if (B == 1 and SCALAR_BATCH >= 1 and self._host_form(be) and tokens[0].is_cpu and values[0].is_cpu
-                and values[0].numel() >= L):
-            # one sequence on a CPU tree (a finished request's): hashed, searched and written in
-            # numpy and Python, no tensor op (the padded batch form costs ~15 small torch ops)
-            t = tokens[0].numpy()[:L].astype(np.int32, copy=False)
-            self._ensure_pow(max(L, 1) + 1)
-            h = (self._prefix_hashes_host(t[None, :], np.array([int(ns[0])], dtype=np.int64), L, 1)[0] if L
-                 else np.zeros(0, dtype=np.int64))
-            return [self._insert_one_host(t, values[0].numpy()[:L], h, int(ns[0]))[0]]
+        if B == 1 and self._single_host(tokens[0], values[0], be):  # one sequence on a CPU tree
+            return [self._insert_single_host(tokens[0], values[0], ns[0])[0]]
         lens = [int(t.numel()) // P * P for t in tokens]
         Lmax = max(lens + [1])
         tok = torch.zeros((B, Lmax), dtype=torch.int32, device=dev)
@@ -1564,16 +1601,19 @@ class FlatRadixTree:
         self.evictable_size += n_new
         return m.tolist()
 
-    def _insert_one_host(self, tok: np.ndarray, val: np.ndarray, h: np.ndarray, ns: int) -> Tuple[int, int]:
+    def _insert_one_host(self, tok: np.ndarray, val: np.ndarray, h: np.ndarray, ns: int,
+                         known: int = 0, known_pos: int = -1) -> Tuple[int, int]:
         """`_insert_wave` of one sequence on a CPU tree, in numpy and Python on the tree's views:
         the same version, search (~log2(pages) scalar probes), counters, split and stamps
         (`_apply_walks`), leaf, table entries and change log. tok int32 / val int64 / h int64
-        (`prefix_hashes` at every depth) [L], L a multiple of P. Returns (the present length
-        [tokens], the pool position of the sequence's last token after the insert, -1 for L = 0);
-        raises MemoryError (before changing anything but the version) as the wave does."""
+        (`prefix_hashes` at every depth) [L], L a multiple of P. `known` (a multiple of P):
+        that many leading tokens are present, the last at pool position `known_pos`, so the
+        search starts there and h[:known] is not read. Returns (the present length [tokens], the
+        pool position of the sequence's last token after the insert, -1 for L = 0); raises
+        MemoryError (before changing anything but the version) as the wave does."""
         self.version = next(_VERSIONS)
         P, L = self.P, tok.size
-        k, kpos = self._search_scalar(h[P - 1 :: P], L // P)
+        k, kpos = self._search_scalar(h[P - 1 :: P], L // P, known // P, known_pos)
         m = k * P
         n_new = L - m
         if n_new:

@@ -777,7 +777,10 @@ def test_insert_and_match_equals_insert_then_match(page_size):
     `insert` followed by `match` of the same tokens does, in both forms, and returns the same
     present length, matched length and node: sequences new, extending, fully cached (ending
     inside a node: the insert splits it) or shorter than a page, in two namespaces, with
-    evictions between."""
+    evictions between. Half the calls carry the hint of a cached prefix (an earlier match of
+    the sequence, made on every tree), to `insert_and_match` and to `insert` alike: the host
+    path hashes and searches only after it, the torch form ignores it; a hint one page too
+    deep for its node is ignored."""
     P = page_size
     trees, rng, seqs = _trees_and_sequences(P, 60, 3)
     kinds = set()
@@ -787,17 +790,23 @@ def test_insert_and_match_equals_insert_then_match(page_size):
             for tree in trees:
                 tree.evict(int(tree.evictable_size) // 2 + 1)
             continue
-        outs = [trees[0].insert_and_match(t, v, ns)]
+        hint = {}
+        if rng.integers(2):
+            for tree in trees:  # the same match (stamps, splits) on every tree
+                m0, node0 = tree.match(t[None], torch.tensor([len(seq)]), torch.tensor([ns]))
+            hint = dict(known=int(m0[0]) + P * int(rng.integers(6) == 0), known_node=int(node0[0]))
+            kinds.add(("hint", hint["known"] > 0))
+        outs = [trees[0].insert_and_match(t, v, ns, **hint)]
         with PM.torch_forms():
-            outs.append(trees[1].insert_and_match(t, v, ns))
-        present = trees[2].insert(t[: len(seq) // P * P], v[: len(seq) // P * P], ns)
+            outs.append(trees[1].insert_and_match(t, v, ns, **hint))
+        present = trees[2].insert(t[: len(seq) // P * P], v[: len(seq) // P * P], ns, **hint)  # insert's hint too
         m, last = trees[2].match(t[None], torch.tensor([len(seq)]), torch.tensor([ns]))
         outs.append((present, int(m[0]), int(last[0])))
         assert outs[0] == outs[1] == outs[2], (step, outs)
         assert_same_tree(trees[0], trees[2], step)
         assert_same_tree(trees[1], trees[2], step)
         kinds.add((outs[0][1] > 0, outs[0][0] == outs[0][1]))
-    assert kinds == {(True, True), (True, False), (False, True)}, kinds
+    assert kinds == {(True, True), (True, False), (False, True), ("hint", True), ("hint", False)}, kinds
 
 
 @pytest.mark.parametrize("corrupt, message", [

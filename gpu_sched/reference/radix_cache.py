@@ -176,20 +176,24 @@ class RadixCache:
         return matched, node
 
     # ---- R-RC-5 ----------------------------------------------------------------------------
-    def insert_and_match(self, key: np.ndarray, value, ns=None) -> Tuple[int, int, TreeNode]:
+    def insert_and_match(self, key: np.ndarray, value, ns=None, known: int = 0,
+                         known_node=None) -> Tuple[int, int, TreeNode]:
         """`insert(key, value, ns)`, then `match_prefix(key, ns)` (a chunked request's prefilled
         part cached and matched again, R-DEC-3): (present length, matched length, last node).
-        Device caches do both in one tree call."""
-        present = self.insert(key, value, ns)
+        Device caches do both in one tree call and read the caller's hint that the first
+        `known` tokens are cached as the path to `known_node` (unused here)."""
+        present = self.insert(key, value, ns, known, known_node)
         m, node = self.match_prefix(key, ns)
         return present, m, node
 
-    def insert(self, key: np.ndarray, value, ns=None) -> int:
+    def insert(self, key: np.ndarray, value, ns=None, known: int = 0, known_node=None) -> int:
         """Insert `key` -> `value` (KV slots) in namespace `ns` (R-RC-5).
 
         Only floorP(len(key)) tokens are inserted. Returns the length already present
         [tokens]; the caller frees `value[:that]` slots that it does not own elsewhere.
         `value` may instead be a callable `value(n) -> slots` asked only for the new tail.
+        `known`, `known_node`: a device cache's hint that the first `known` tokens are cached
+        as the path to `known_node` (unused here).
         """
         if self.disable:
             return 0

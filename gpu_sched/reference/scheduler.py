@@ -367,7 +367,8 @@ class ReferenceScheduler:
     def _cache_unfinished(self, r: ReqState) -> None:
         """R-DEC-3 for a chunk: insert the prefilled part, move the lock to the new last node."""
         fill = r.fill()[: r.kv_len]
-        present, m, node = self.cache.insert_and_match(fill, r.kv[: r.kv_len], r.req.extra_key)
+        present, m, node = self.cache.insert_and_match(fill, r.kv[: r.kv_len], r.req.extra_key,
+                                                       r.cached_len, r.lock_node)  # the locked prefix
         if present > r.cached_len:
             self.pool.free(r.kv[r.cached_len : present].copy())
         r.kv[:m] = self.cache.path_values(node)
@@ -464,7 +465,8 @@ class ReferenceScheduler:
                 self.pool.free(r.kv[: r.kv_len].copy())
             else:
                 n = r.kv_len
-                present = self.cache.insert(r.fill()[:n], r.kv[:n], r.req.extra_key)
+                present = self.cache.insert(r.fill()[:n], r.kv[:n], r.req.extra_key,
+                                            r.cached_len, r.lock_node)  # the locked prefix
                 if present > r.cached_len:
                     self.pool.free(r.kv[r.cached_len : present].copy())
                 aligned = n // self.config.page_size * self.config.page_size
