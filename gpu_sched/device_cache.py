@@ -90,7 +90,8 @@ class DeviceRadixCache:
     def insert_and_match(self, key, value, ns=None, known: int = 0, known_node=None) -> Tuple[int, int, int]:
         """`insert(key, value, ns)` then `match_prefix(key, ns)` in one tree call
         (`FlatRadixTree.insert_and_match`, which takes the `known` cached prefix ending at
-        `known_node` as its hint): (present length, matched length, node id)."""
+        `known_node` as its hint), `value` an int64 slot array (not a callable):
+        (present length, matched length, node id)."""
         if self.disable:
             return 0, 0, ROOT
         n = len(key) // self.page_size * self.page_size

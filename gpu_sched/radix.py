@@ -1419,9 +1419,12 @@ class FlatRadixTree:
         Returns the length already present [tokens] (R-RC-5); only floorP(L) tokens enter.
         Raises MemoryError when node or token capacity is exhausted (before changing anything).
         `known`, `known_node`: the caller's word that the first `known` tokens are cached as the
-        path root..known_node (a finished request's locked prefix): on a CPU tree only the
-        tokens after it are hashed and searched. A hint whose node does not end at depth
-        `known` is ignored; the result and effects are the same either way.
+        path root..known_node in namespace `ns` (a finished request's locked prefix): on a CPU
+        tree only the tokens after it are hashed and searched (other paths ignore it). Only the
+        node's end depth is checked (`_known_prefix`): a hint that is not a live node ending at
+        depth `known`, a multiple of P within the sequence, is ignored; one naming another path
+        that ends at that depth gives wrong results. The result and effects are the same with a
+        hint or without.
         """
         be = self._be(backend)
         if self._single_host(tokens, values, be):
@@ -1461,12 +1464,10 @@ class FlatRadixTree:
         effects and results as the two calls. After the insert every page of the sequence is
         present, so the match is floorP(L) tokens ending at a pool position the insert knows:
         on a CPU tree the match skips its hashes and search and only applies (splits, stamps).
-        `known`, `known_node`: the caller's word that the first `known` tokens are cached as
-        the path root..known_node (a request's locked prefix, which cannot be evicted): on a
-        CPU tree only the tokens after it are hashed and searched (a long prompt's chunks would
-        otherwise hash their whole prefix again at every chunk). A hint whose node does not
-        end at depth `known` is ignored. Returns (present length before the insert [tokens],
-        matched length [tokens], last node id)."""
+        `known`, `known_node`: `insert`'s hint (a request's locked prefix, which cannot be
+        evicted): a long prompt's chunks would otherwise hash their whole prefix again at every
+        chunk. Returns (present length before the insert [tokens], matched length [tokens], last
+        node id)."""
         be = self._be(backend)
         L = int(tokens.numel()) // self.P * self.P
         if self._single_host(tokens, values, be):
@@ -1482,7 +1483,7 @@ class FlatRadixTree:
         """(c, pool position of token c - 1) for a known cached prefix of c tokens ending at
         node `node` (`insert_and_match`'s hint), or (0, -1) when there is none or the node is
         not a live node ending at depth `known` (a multiple of P, at most L)."""
-        if not known or node is None or node <= ROOT or known % self.P or known > L:
+        if not known or node is None or not ROOT < node < self.max_nodes or known % self.P or known > L:
             return 0, -1
         if not self._np("alive")[node] or int(self._np("start")[node]) + int(self._np("key_len")[node]) != known:
             return 0, -1

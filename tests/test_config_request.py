@@ -409,6 +409,21 @@ def test_finish_during_prefill_says_so(serving):
         serving.finish(["zz"])
 
 
+@pytest.mark.parametrize("kind", ["reference", "torch"])
+def test_finish_of_the_chunked_request_says_so(kind):
+    """Between its chunks a chunked request is neither running nor in the prefill being run:
+    finish() says it is the chunked request."""
+    from gpu_sched.scheduler import GpuScheduler
+
+    cls = ReferenceScheduler if kind == "reference" else GpuScheduler
+    s = cls(SchedulerConfig(chunked_prefill_size=4), 100)
+    s.submit([Request("long", list(range(1, 11)), 4)], now=0.0)
+    assert s.step(0.7).new_chunked_rid == "long"
+    s.complete_prefill({})
+    with pytest.raises(ValueError, match="finish: request 'long' is the chunked request"):
+        s.finish(["long"])
+
+
 @pytest.mark.parametrize("field, meaning", [("chunked_prefill_size", "chunked prefill off"),
                                             ("max_running_requests", "no cap"), ("truncation_align_size", "off")])
 def test_config_optional_field_error_says_none(field, meaning):

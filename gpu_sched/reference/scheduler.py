@@ -456,8 +456,12 @@ class ReferenceScheduler:
         index = {r.rid: r for r in self.running}
         for rid in rids:
             if rid not in index:
-                where = ("is in the prefill being run: call complete_prefill() first"
-                         if any(r.rid == rid for r in self.prefilling) else "is not running")
+                if any(r.rid == rid for r in self.prefilling):
+                    where = "is in the prefill being run: call complete_prefill() first"
+                elif self.chunked is not None and self.chunked.rid == rid:
+                    where = "is the chunked request: its prompt is still being prefilled, chunk by chunk"
+                else:
+                    where = "is not running"
                 raise ValueError(f"finish: request {rid!r} {where}")
         for rid in rids:
             r = index[rid]
