@@ -58,6 +58,10 @@ class DeviceRadixCache:
     def _tokens(self, key) -> torch.Tensor:
         return torch.as_tensor(np.array(key, dtype=np.int32), device=self.device)
 
+    def _slots(self, value, n: int) -> torch.Tensor:
+        """The first n KV slots of `value` as an int64 tensor on the tree's device."""
+        return torch.as_tensor(np.asarray(value[:n], dtype=np.int64), device=self.device)
+
     def match_prefix(self, key, ns=None):
         """R-RC-4 for one key: (matched length, node id)."""
         if self.disable:
@@ -84,8 +88,8 @@ class DeviceRadixCache:
         if callable(value):
             m = self.present_len(key[:n], ns)
             value = np.concatenate([np.zeros(m, np.int64), np.asarray(value(n - m), np.int64)])
-        vals = torch.as_tensor(np.asarray(value[:n], dtype=np.int64), device=self.device)
-        return self.tree.insert(self._tokens(key[:n]), vals, self.ns_id(ns), known=known, known_node=known_node)
+        return self.tree.insert(self._tokens(key[:n]), self._slots(value, n), self.ns_id(ns),
+                                known=known, known_node=known_node)
 
     def insert_and_match(self, key, value, ns=None, known: int = 0, known_node=None) -> Tuple[int, int, int]:
         """`insert(key, value, ns)` then `match_prefix(key, ns)` in one tree call
@@ -95,8 +99,8 @@ class DeviceRadixCache:
         if self.disable:
             return 0, 0, ROOT
         n = len(key) // self.page_size * self.page_size
-        vals = torch.as_tensor(np.asarray(value[:n], dtype=np.int64), device=self.device)
-        return self.tree.insert_and_match(self._tokens(key), vals, self.ns_id(ns), known=known, known_node=known_node)
+        return self.tree.insert_and_match(self._tokens(key), self._slots(value, n), self.ns_id(ns),
+                                          known=known, known_node=known_node)
 
     def inc_lock_ref(self, node) -> None:
         if not self.disable and node is not None and node != ROOT:

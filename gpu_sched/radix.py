@@ -64,13 +64,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from .kernels._utils import gather
-from .policy import _host, host_ok
+from .policy import HostViews, _host, host_ok
 
 P1, P2 = 2**31 - 1, 2147483629
 EMPTY, TOMB = -1, -2
@@ -201,19 +201,12 @@ class FlatRadixTree:
         self.top = 0  # bump pointer of the token pool
         self._free_nodes: List[int] = list(range(N - 1, 0, -1))
         self._hwm = 1  # node_bound()
-        self._host_arrays: Dict[str, Tuple[torch.Tensor, np.ndarray]] = {}  # `_np`'s views
+        self._host_arrays = HostViews()  # `_np`'s views
 
     def host_int(self, name: str) -> int:
         """The 0-d array `name` (`evictable_size` or `protected_size`) as an int [tokens]: on
         the CPU a read of its numpy view (`_np`), elsewhere `.item()` (a device sync)."""
         return int(self._np(name)) if self._on_cpu else int(getattr(self, name))
-
-    def __getstate__(self):
-        # numpy views are not copied with the tree (a deep copy would copy their data apart
-        # from the copied tensors): the copy makes its own on first use
-        state = self.__dict__.copy()
-        state["_host_arrays"] = {}
-        return state
 
     def _host_form(self, backend: Optional[str] = None) -> bool:
         """Whether a call with this backend takes its host form: the torch backend on a CPU tree
@@ -222,15 +215,10 @@ class FlatRadixTree:
 
     def _np(self, name: str) -> np.ndarray:
         """A numpy view of this CPU tree's array `name` (a node, token-pool or hash-table array,
-        or the 0-d `evictable_size` / `protected_size`), made once per tensor: the arrays are
-        written in place, and `.numpy()` costs 5-15 us per call on a cold cache against a dict
-        read here. Made anew when the attribute holds another tensor (the hash table after
-        `_rehash`). Raises TypeError for a tree off the CPU, as `.numpy()` does."""
-        t = getattr(self, name)
-        e = self._host_arrays.get(name)
-        if e is None or e[0] is not t:
-            e = self._host_arrays[name] = (t, t.numpy())
-        return e[1]
+        or the 0-d `evictable_size` / `protected_size`), kept by `policy.HostViews` (made anew
+        after `_rehash`; not copied with the tree). Raises TypeError for a tree off the CPU, as
+        `.numpy()` does."""
+        return self._host_arrays.get(self, name)
 
     # ---- backends --------------------------------------------------------------------------
     @staticmethod
@@ -620,8 +608,8 @@ class FlatRadixTree:
             H *= 2
         self.hkeys = torch.full((H,), EMPTY, dtype=torch.int64, device=self.device)
         self.hvals = torch.full((H,), -1, dtype=torch.int64, device=self.device)
-        self._host_arrays.pop("hkeys", None)  # `_np` would re-make them; this frees the old table now
-        self._host_arrays.pop("hvals", None)
+        self._host_arrays.drop("hkeys")  # `_np` would re-make them; this frees the old table now
+        self._host_arrays.drop("hvals")
         self._h_used = 0
         self._table_insert(keys, vals, be)
 

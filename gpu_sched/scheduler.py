@@ -63,6 +63,7 @@ _SCALAR_COLS = np.array([RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H
 #: the columns `_write_rows` writes, in its order
 _WRITE_COLS = np.array([RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_PRIO, RT_TIME, RT_RKEY,
                         RT_MVER, RT_HEADT, RT_STAMP, RT_TOFF])
+_WRITE_TIME = int(np.flatnonzero(_WRITE_COLS == RT_TIME)[0])  # where the float time's bits go
 #: and those `_find_rows_scalar` reads
 _FIND_COLS = np.array([RT_TOFF, RT_COFF, RT_FILL, RT_CAP, RT_NS])
 _DEV_ROW = operator.attrgetter("dev_row")
@@ -241,7 +242,7 @@ class GpuScheduler(ReferenceScheduler):
         self._new_row(None)  # allocates ROW_TABLE_MIN rows; row 0 stays unused
         self._qtok: Optional[torch.Tensor] = None
         self._qch: Optional[torch.Tensor] = None
-        self._qviews = None  # (pool tensor, numpy views of both pools) on the host paths
+        self._qviews = dpolicy.HostViews()  # the pools' numpy views on the host paths
         self._qtop = [0, 0]
         self._graph = None  # StepGraph after capture()
         self._pending = None  # (StepOutput, ordered queue) of this step's recorded computation
@@ -249,13 +250,6 @@ class GpuScheduler(ReferenceScheduler):
         self._last_admitted = 0  # requests the previous admission loop admitted
 
     # ---- the waiting queue as table rows ---------------------------------------------------------
-    def __getstate__(self):
-        # the pools' numpy views are not copied with the scheduler (a deep copy would copy
-        # their data apart from the copied pools): the copy makes its own on first use
-        state = self.__dict__.copy()
-        state["_qviews"] = None
-        return state
-
     @property
     def queue(self) -> RowQueue:
         return self._queue
@@ -526,7 +520,7 @@ class GpuScheduler(ReferenceScheduler):
         vals = np.array([[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.max_prefix_len(),
                           ns(r), r.priority, 0, self._rk_intern(r.req.routing_key), -1, -1, self._stamp, -1]
                          for r in reqs], dtype=np.int64).reshape(n, len(_WRITE_COLS))
-        vals[:, 8] = np.array([r.enqueue_time for r in reqs], dtype=np.float64).view(np.int64)  # RT_TIME
+        vals[:, _WRITE_TIME] = np.array([r.enqueue_time for r in reqs], dtype=np.float64).view(np.int64)
         self._rt[np.fromiter(map(_DEV_ROW, reqs), np.int64, n)[:, None], _WRITE_COLS] = vals
 
     def _ensure_hashed(self, rows: np.ndarray, max_batch_tokens: int = 1 << 24) -> None:
@@ -621,10 +615,8 @@ class GpuScheduler(ReferenceScheduler):
 
     def _pool_views(self) -> Tuple[np.ndarray, np.ndarray]:
         """numpy views of the whole CPU pools (`_qtok`, `_qch`), made once per pool tensor (a
-        rebuild makes new ones; a deep copy makes its own, see `__getstate__`)."""
-        if self._qviews is None or self._qviews[0] is not self._qtok:
-            self._qviews = (self._qtok, self._qtok.numpy(), self._qch.numpy())
-        return self._qviews[1], self._qviews[2]
+        rebuild makes new ones; a deep copy makes its own: `policy.HostViews`)."""
+        return self._qviews.get(self, "_qtok"), self._qviews.get(self, "_qch")
 
     def _pools(self):
         """(tokens int32 [T], chunk hashes int64 [K]): the CSR pools' used parts."""

@@ -514,7 +514,7 @@ def test_fill_hashing_host_form_equals_torch_form_and_copies_keep_their_own_pool
     (a, b) = scheds
     assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a._pools(), b._pools()))
     assert np.array_equal(a._rt[:, :], b._rt[:, :])
-    assert a._qviews is not None and a._qviews[0] is a._qtok  # the host path wrote through views
+    assert a._qviews.held(a, "_qtok")  # the host path wrote through views
     twin = copy.deepcopy(a)
     before = [x.clone() for x in a._pools()]
     r = make_request(rng, 9999, [bases[0]], 50, 99.0)
