@@ -781,13 +781,14 @@ def _sibling_offsets(parent: torch.Tensor, weight: torch.Tensor, skey: torch.Ten
 
 
 def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: np.ndarray,
-                         rounds: int) -> np.ndarray:
+                         rounds: int, tiebreak: Optional[np.ndarray] = None) -> np.ndarray:
     """`dfs_weight_order`'s torch form on numpy arrays (parent, child_rank int [N >= 1],
     last_node int [n]; arguments checked by the caller), step for step: subtree weights by
     `rounds` pointer-jumping rounds, sibling offsets by one stable sort and a segmented
-    prefix sum, starts by `rounds` more rounds, then the stable order of the request bases.
-    A round after every pointer has reached the root changes nothing, so the rounds stop
-    there (about log2 of the tree depth rounds instead of log2 N). int64 permutation [n]."""
+    prefix sum, starts by `rounds` more rounds, then the stable order of the request bases
+    (and `tiebreak`, when given). A round after every pointer has reached the root changes
+    nothing, so the rounds stop there (about log2 of the tree depth rounds instead of log2 N).
+    int64 permutation [n]."""
     N, n = parent.size, last_node.size
     p64 = parent.astype(np.int64, copy=False)
     ln = last_node.astype(np.int64, copy=False)
@@ -827,13 +828,17 @@ def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: 
         t = t + np.where(up, t[a], 0)
         anc = np.where(up, anc[a], -1)
     base = (t + weight - own)[ln]
+    if tiebreak is not None:
+        tb = tiebreak.astype(np.int64, copy=False)
+        perm = host_lex_perm(base, tb)
+        return perm if perm is not None else np.lexsort((tb, base))
     perm = host_perm(base)
     return perm if perm is not None else np.argsort(base, kind="stable")
 
 
 def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Optional[torch.Tensor],
                      last_node: torch.Tensor, *, max_depth: Optional[int] = None, backend: str = "torch",
-                     block: Optional[int] = None) -> torch.Tensor:
+                     block: Optional[int] = None, tiebreak: Optional[torch.Tensor] = None) -> torch.Tensor:
     """R-ORD-10: depth-first from the root, heavier children first (ties: child order), each
     node's own requests (queue order) after its descendants'. No recursion, no per-node loop.
 
@@ -847,6 +852,12 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
         max_depth: optional host bound on the tree depth: the passes take
             `max_depth.bit_length()` rounds instead of `(N - 1).bit_length()`. A bound below the
             true depth gives a wrong order (it is not checked: checking would sync).
+        tiebreak: optional int [n]: the requests of one node go in ascending tiebreak, ties in
+            queue order (by default queue order alone). The recorded step orders a match that
+            ends inside a node without splitting it (`StepGraph`): a split would make a chain
+            of single-child nodes above the node's rest, each emitted after the one below, so
+            such a match counts at the node itself and goes after the node's own requests,
+            deeper covers first (tiebreak 0 for whole covers, `C - cover` for partial ones).
     Returns: int64 permutation [n].
 
     weight = own requests in the subtree; start(v) = start(parent) + weights of the siblings
@@ -862,6 +873,8 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
         check_tensor(where, "depth", depth, INT_DTYPES, numel=N, device=dev, contiguous=False)
     check_tensor(where, "last_node", last_node, INT_DTYPES, device=dev, contiguous=False)
     n = last_node.numel()
+    if tiebreak is not None:
+        check_tensor(where, "tiebreak", tiebreak, INT_DTYPES, numel=n, device=dev, contiguous=False)
     if max_depth is None:
         rounds = (N - 1).bit_length()
     elif isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
@@ -870,7 +883,8 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
         rounds = max_depth.bit_length()
     k = _kernels(backend, "dfs_weight")
     if k is None and _host(parent):
-        return torch.from_numpy(dfs_weight_perm_host(parent.numpy(), child_rank.numpy(), last_node.numpy(), rounds))
+        return torch.from_numpy(dfs_weight_perm_host(parent.numpy(), child_rank.numpy(), last_node.numpy(), rounds,
+                                                     None if tiebreak is None else tiebreak.numpy()))
     # one packed sibling key (parent, -weight, child_rank) when it fits int64, else two sorts
     pack_rank = (N + 1) * (n + 1) * N <= INT64_MAX
     p64 = parent.to(torch.int64)
@@ -909,4 +923,4 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
         for _ in range(rounds):
             t, anc = k.start_round(t, anc, block=block)
         base = k.request_bases(ln, t, weight, own, block=block)
-    return _stable_perm(base)
+    return _stable_perm(base) if tiebreak is None else _lex_perm(base, tiebreak.to(torch.int64))

@@ -338,7 +338,7 @@ class GpuScheduler(ReferenceScheduler):
         it is recorded in a `torch.cuda.CUDAGraph` at the first step that uses it (after two
         warm-up runs that compile the kernels) and replayed by every later `step()`; recorded
         again only when a tensor it reads was reallocated. Steps that do not fit (policy
-        routing-key, random or dfs-weight; a queue over `queue_capacity`, a running batch over
+        routing-key or random; a queue over `queue_capacity`, a running batch over
         `running_capacity`) take the eager path; decisions are the same either way.
 
         Args:
@@ -395,7 +395,7 @@ class GpuScheduler(ReferenceScheduler):
         oq = RowQueue(self, orows)
         self._pending = (out, oq)
         policy = active_policy(cfg, n)
-        if policy != "lpm":
+        if policy not in ("lpm", "dfs-weight"):
             return OrderResult(policy, oq)
         if not n:
             return OrderResult(policy, oq, [], [])

@@ -9,7 +9,8 @@ padding) and computes, with static shapes and no host read:
      (`FlatRadixTree.find_static`: fixed binary-search rounds, fixed probe windows), at full
      length for ordering (R-ORD-8) and capped at max_prefix_len for admission (R-STEP-3.4);
   2. the policy's order (`gpu_sched.policy`: fcfs with or without priority, lof, lpm with
-     in-batch deprioritization R-ORD-9 and the R-ORD-2 fallback); padding sorts last;
+     in-batch deprioritization R-ORD-9 and the R-ORD-2 fallback, dfs-weight on the tree before
+     the ordering match's splits, `_dfs_weight_perm`); padding sorts last;
   3. the admission of the first W ordered entries (`gpu_sched.admission.admit_step`, with the
      in-flight chunked request R-ADM-5 and lock-aware evictable drops `lock_drops`; W = the
      `admit_window` given to `capture()`, by default as many as one step's prefill token budget
@@ -25,8 +26,8 @@ scheduler's token pools rebuilt): `signature()` names them by address.
 What stays on the host: the queue's slot numbers in a device row store (each request's row is
 written once, when first seen), the budgets, and after the read-back the tree's splits and
 stamps, locks and the per-request bookkeeping
-(`GpuScheduler` applies them exactly as its eager path does). Policies routing-key, random and
-dfs-weight are not recorded (`supports` says False and the scheduler takes its eager path).
+(`GpuScheduler` applies them exactly as its eager path does). Policies routing-key and random
+are not recorded (`supports` says False and the scheduler takes its eager path).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .scheduler import (RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_O
                         RT_STAMP, RT_TIME, RT_TOFF, _RowCols)
 
 #: policies the recorded step computes (others: the scheduler's eager path)
-GRAPH_POLICIES = ("fcfs", "lof", "lpm")
+GRAPH_POLICIES = ("fcfs", "lof", "lpm", "dfs-weight")
 #: output head: stop, stop_index, chunk_index, batch_full, I, cur_off, rem_input, rem_chunk,
 #: hit_tokens, input_tokens, decided, admitted count, inflight_end, inflight_left
 HEAD = 14
@@ -61,8 +62,8 @@ class StepOutput(NamedTuple):
     head: List[int]  # HEAD values, see the module constant
     order: List[int]  # [n] queue positions in policy order
     extend_end: List[int]  # [min(n, window)] extend end of the ordered queue's entries (admitted ones)
-    prefix_len: List[int]  # [n] full-length match, queue order (lpm only; else zeros)
-    deprioritized: List[bool]  # [n] R-ORD-9 flags, queue order (lpm only)
+    prefix_len: List[int]  # [n] full-length match, queue order (lpm, dfs-weight; else zeros)
+    deprioritized: List[bool]  # [n] R-ORD-9 flags, queue order (lpm, dfs-weight)
     window: int  # ordered entries the admission scanned: a stop at queue_end with window < n
     #              means the host goes on from there (`GpuScheduler._admission_loop`)
 
@@ -226,7 +227,7 @@ class StepGraph:
         # ---- ordering (R-ORD) ----
         dep = torch.zeros(Q, dtype=torch.bool, device=dev)
         m_full, pos_full = zeros, zeros - 1
-        if policy == "lpm":
+        if policy in ("lpm", "dfs-weight"):
             m_full, pos_full = tree.find_static(tok, toff, torch.where(valid, fill, 0), ns, ch, coff, self.max_len,
                                                 backend=be)
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
@@ -238,9 +239,12 @@ class StepGraph:
                 hh = zeros
             dep = dpolicy.in_batch_deprioritize(m_full, fill, ns, hh, cfg.in_batch_prefix_caching_check_threshold,
                                                 T, backend=be) & valid
-            perm = dpolicy.lpm_order(torch.minimum(m_full, cap), dep | ~valid, backend=be)
-            if cfg.lpm_fallback_queue_len is not None:  # R-ORD-2: above the limit, queue order
-                perm = torch.where(n > cfg.lpm_fallback_queue_len, ar, perm)
+            if policy == "lpm":
+                perm = dpolicy.lpm_order(torch.minimum(m_full, cap), dep | ~valid, backend=be)
+                if cfg.lpm_fallback_queue_len is not None:  # R-ORD-2: above the limit, queue order
+                    perm = torch.where(n > cfg.lpm_fallback_queue_len, ar, perm)
+            else:  # padding matches nothing: the root's requests, last of all and after the real ones
+                perm = self._dfs_weight_perm(m_full, pos_full)
         else:
             if policy == "lof":
                 perm = dpolicy.lof_order(maxn, prio if cfg.enable_priority_scheduling else None, cfg.priority_sign,
@@ -300,6 +304,34 @@ class StepGraph:
         self.out.copy_(torch.cat([head, perm, ends, m_full, dep.to(i64)]))
         self.m_full.copy_(m_full)
         self.pos_full.copy_(pos_full)
+
+    def _dfs_weight_perm(self, m_full: torch.Tensor, pos_full: torch.Tensor) -> torch.Tensor:
+        """R-ORD-10 on the tree as it is, before the full matches' splits (the host applies those
+        after the read-back): every node slot below `_node_span()` takes part, dead ones
+        detached (parent -1, no requests); siblings ranked by child order (the static form of
+        `GpuScheduler._child_ranks`: two stable sorts, no compaction). A match ending inside a
+        node, which sequential matching would split, is the node's request with tiebreak
+        `max_len + 1 - cover` (`dfs_weight_order`): after the node's own requests, deeper
+        covers first, as the chain of split heads would emit them (a head takes its node's
+        place in the child order)."""
+        tree = self.s.cache.tree
+        dev = self.device
+        b = self._node_span()
+        parent = torch.where(tree.alive[:b], tree.parent[:b], -1)
+        idx = torch.sort(tree.order[:b], stable=True).indices
+        idx = idx[torch.sort(parent[idx], stable=True).indices]  # by parent, then child order
+        ps = parent[idx]
+        first = torch.ones(b, dtype=torch.bool, device=dev)
+        first[1:] = ps[1:] != ps[:-1]
+        ar = torch.arange(b, device=dev)
+        rank = torch.empty_like(ar).scatter_(0, idx, ar - torch.cummax(torch.where(first, ar, 0), 0).values)
+        has = m_full > 0
+        p = torch.where(has, pos_full, 0)
+        node = torch.where(has, tree.owner[p], 0)
+        cover = p - tree.key_off[node] + 1
+        tb = torch.where(has & (cover < tree.key_len[node]), self.max_len + 1 - cover, 0)
+        return dpolicy.dfs_weight_order(parent, rank, None, node, max_depth=min(self.max_len // self.s.config.page_size, b),
+                                        backend=self.s.backend, tiebreak=tb)
 
     def _node_span(self) -> int:
         """Node ids the admission scans: every live id is below `node_bound()`; rounded up to a

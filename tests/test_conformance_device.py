@@ -1,6 +1,7 @@
 """The conformance scenarios (../shared/conformance) through the device scheduler: every
 scenario with the torch backend, a spread sample with the Triton backend (interpreter on CPU)."""
 
+import collections
 import itertools
 import os
 from pathlib import Path
@@ -23,6 +24,26 @@ def test_torch_backend_passes_every_scenario():
                               echo=lines.append)
     assert failed == 0, "\n".join(lines[:10])
     assert passed == 515
+
+
+def test_recorded_step_passes_every_scenario():
+    """`GpuScheduler.capture()`: the recorded step decides every step that fits its capacities
+    (fcfs, lof, lpm, dfs-weight; the others and larger queues take the eager path)."""
+    lines, graphs = [], []
+
+    def make(c, k, s):
+        sched = GpuScheduler(c, k, shuffle=s, backend="torch", device=DEVICE)
+        graphs.append((c.effective_policy, sched.capture(queue_capacity=64, running_capacity=64)))
+        return sched
+
+    passed, failed = run_file(SCENARIOS, make, echo=lines.append)
+    assert failed == 0, "\n".join(lines[:10])
+    assert passed == 515
+    runs = collections.Counter()
+    for sched_policy, g in graphs:
+        runs[sched_policy] += g.runs
+    # steps it decided per policy (fcfs 105, lof 70, lpm 97, dfs-weight 67 when written)
+    assert min(runs[p] for p in ("fcfs", "lof", "lpm", "dfs-weight")) > 40, runs
 
 
 def test_triton_backend_passes_a_sample():

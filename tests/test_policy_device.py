@@ -762,6 +762,65 @@ def test_dfs_weight_100k_chain():
     assert_perm_equal(got, want, "chain vs reference")
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_dfs_weight_tiebreak_equals_split_chains(seed):
+    """`tiebreak` orders matches that end inside a node as if the node were split (the recorded
+    step's form, `StepGraph._dfs_weight_perm`): on random trees, with random whole and partial
+    covers, the order equals the plain order on the tree with each node's distinct partial
+    covers cut into a chain of single-child heads above its rest (a head takes the node's place
+    in the child order), the requests at the head of their cover."""
+    rng = random.Random(seed)
+    N = rng.randrange(2, 60)
+    parent = [-1] + [rng.randrange(i) for i in range(1, N)]
+    key_len = [0] + [rng.randrange(1, 9) for _ in range(1, N)]
+    kids = {}
+    for v in range(1, N):
+        kids.setdefault(parent[v], []).append(v)
+    rank = [0] * N
+    for vs in kids.values():
+        for r, v in enumerate(rng.sample(vs, len(vs))):
+            rank[v] = r
+    n = rng.randrange(0, 80)
+    node = [rng.randrange(N) if rng.random() < 0.9 else 0 for _ in range(n)]
+    cover = [rng.randrange(1, key_len[v] + 1) if v else 0 for v in node]
+    C = 100  # above every cover
+    tb = [C - c if v and c < key_len[v] else 0 for v, c in zip(node, cover)]
+    # the split tree: chain heads appended as new nodes
+    sp_parent, sp_rank, head = list(parent), list(rank), {}
+    for v in range(1, N):
+        cuts = sorted({c for u, c in zip(node, cover) if u == v and c < key_len[v]})
+        above, r = parent[v], rank[v]
+        for c in cuts:
+            head[(v, c)] = len(sp_parent)
+            sp_parent.append(above)
+            sp_rank.append(r)
+            above, r = head[(v, c)], 0
+        sp_parent[v], sp_rank[v] = above, r
+    sp_last = [head.get((v, c), v) for v, c in zip(node, cover)]
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    want = P.dfs_weight_order(t(sp_parent), t(sp_rank), None, t(sp_last)).tolist()
+    for backend in ["torch"] + (["triton"] if HAVE_TRITON else []):
+        got = P.dfs_weight_order(t(parent), t(rank), None, t(node), tiebreak=t(tb), **kw(backend))
+        assert_perm_equal(got, want, f"dfs tiebreak {backend} seed {seed}")
+    got = _torch_forms(P.dfs_weight_order, t(parent), t(rank), None, t(node), tiebreak=t(tb))
+    assert_perm_equal(got, want, f"dfs tiebreak torch form seed {seed}")
+
+
+def test_dfs_weight_tiebreak_by_hand():
+    """root -> X (8 tokens) -> Y: requests C (X to 2 tokens), B (X to 4), A (all of X), D (X to
+    4), E (nothing), F (Y). Split, X would be a chain [0, 2) -> [2, 4) -> [4, 8) -> Y: post-order
+    F, A, then B and D (queue order), C, E. Without the tiebreak all of X's go in queue order."""
+    parent, rank = torch.tensor([-1, 0, 1]), torch.zeros(3, dtype=torch.int64)
+    node = torch.tensor([1, 1, 1, 1, 0, 2])
+    tb = torch.tensor([9 - 2, 9 - 4, 0, 9 - 4, 0, 0])
+    for backend in ["torch"] + (["triton"] if HAVE_TRITON else []):
+        assert P.dfs_weight_order(parent, rank, None, node, tiebreak=tb, **kw(backend)).tolist() == [5, 2, 1, 3, 0, 4]
+        assert P.dfs_weight_order(parent, rank, None, node, **kw(backend)).tolist() == [5, 0, 1, 2, 3, 4]
+    assert _torch_forms(P.dfs_weight_order, parent, rank, None, node, tiebreak=tb).tolist() == [5, 2, 1, 3, 0, 4]
+    with pytest.raises(ValueError, match="tiebreak"):
+        P.dfs_weight_order(parent, rank, None, node, tiebreak=tb[:3])
+
+
 def test_dfs_weight_edge_cases():
     root_only = torch.tensor([-1])
     for backend in ["torch"] + (["triton"] if HAVE_TRITON else []):

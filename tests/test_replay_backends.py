@@ -45,7 +45,7 @@ def test_triton_backend_digest_equals_reference():
     assert a == b
 
 
-@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+@pytest.mark.parametrize("policy", ["lpm", "fcfs", "dfs-weight"])
 def test_recorded_step_digest_equals_reference(policy):
     """`gpu-sched replay --capture N`: the recorded step (a CUDA graph on CUDA) decides like the
     reference over a real trace slice."""

@@ -3,8 +3,9 @@
 * `find_static` (fixed search rounds and probe windows) equals the data-dependent search on
   random trees, page sizes 1/4/16, lengths up to the bound;
 * multi-step runs with the recorded step equal the reference scheduler (plans, queue, sizes,
-  cache contents), for every policy the step records, with capacities small enough that some
-  steps overflow them and take the eager path;
+  cache contents), for every policy the step records (fcfs, lof, lpm, dfs-weight), with
+  capacities small enough that some steps overflow them and take the eager path; shorter runs
+  with the triton backend (Triton's interpreter on a CPU);
 * no host read inside the step: `StepGraph.compute` runs under a dispatch mode that raises on
   every op that reads tensor data back to the host or has a data-dependent shape;
 * on CUDA: the same runs replay a CUDA graph (recorded at the first step, again only when a
@@ -83,6 +84,14 @@ def test_recorded_step_runs_match_reference(name):
     hits = run_long(name, seed=1, capture=dict(queue_capacity=32, running_capacity=24))
     assert hits["recorded"] > 10, hits  # the recorded step decided many steps
     assert hits["admitted"] > 60, hits
+
+
+@cpu_runs
+@pytest.mark.parametrize("name", ["lpm-page4-mixed", "dfs-weight"])
+def test_recorded_step_runs_triton(name):
+    """The recorded step's triton kernels (the interpreter on a CPU) over 40 steps."""
+    hits = run_long(name, seed=4, steps=40, backend="triton", capture=dict(queue_capacity=32, running_capacity=24))
+    assert hits["recorded"] > 10, hits
 
 
 @cpu_runs
@@ -183,7 +192,7 @@ def _loaded_graph(cfg: SchedulerConfig, seed: int):
 
 
 @pytest.mark.parametrize("policy,extra", [("lpm", {}), ("fcfs", {"enable_priority_scheduling": True}),
-                                          ("lof", {}), ("lpm", {"disable_radix_cache": True})])
+                                          ("lof", {}), ("lpm", {"disable_radix_cache": True}), ("dfs-weight", {})])
 def test_step_has_no_host_read(policy, extra):
     cfg = SchedulerConfig(schedule_policy=policy, chunked_prefill_size=64, max_prefill_tokens=256,
                           in_batch_prefix_caching_deprioritize_threshold=8, **extra)
@@ -208,7 +217,7 @@ def test_capture_arguments_checked():
 
 
 def test_unsupported_policy_takes_eager_path():
-    s = GpuScheduler(SchedulerConfig(schedule_policy="dfs-weight"), 1000)
+    s = GpuScheduler(SchedulerConfig(schedule_policy="routing-key"), 1000)
     g = s.capture(8, 8)
     s.submit([Request(rid="a", prompt_ids=[1, 2, 3], max_new_tokens=4)], now=0.0)
     plan = s.step(0.5)
@@ -220,7 +229,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @needs_cuda
 @pytest.mark.parametrize("name,backend", [("lpm-page4-mixed", "torch"), ("fcfs-priority-preempt", "torch"),
-                                          ("lpm", "triton"), ("nocache-ignore-eos", "triton")])
+                                          ("lpm", "triton"), ("nocache-ignore-eos", "triton"),
+                                          ("dfs-weight", "triton")])
 def test_cuda_graph_replay_matches_reference(name, backend):
     """200 steps with the step recorded in a CUDA graph and replayed, equal to the reference
     scheduler after every call; at least 30 steps replayed (the others had nothing to decide or
