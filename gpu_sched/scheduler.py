@@ -237,6 +237,7 @@ class GpuScheduler(ReferenceScheduler):
         self._rt_free: List[int] = []
         self._rk_id: dict = {}  # routing key -> interned id (RT_RKEY)
         self._rk_names: List[str] = []
+        self._rk_rank = (None, 0)  # (ranks of the interned keys' strings, len(_rk_names) then)
         self._hg_id: dict = {}  # (namespace, R-ORD-9 head hash) -> interned group id (RT_HEAD)
         self._stamp = 0  # the latest row stamp
         self._new_row(None)  # allocates ROW_TABLE_MIN rows; row 0 stays unused
@@ -309,6 +310,7 @@ class GpuScheduler(ReferenceScheduler):
         _rt_set(self._rt, rows, RT_RKEY, np.where(held, remap[np.where(held, old, 0)], -1))
         self._rk_names = [self._rk_names[i] for i in keep.tolist()]
         self._rk_id = {name: i for i, name in enumerate(self._rk_names)}
+        self._rk_rank = (None, 0)
 
     def _rk_intern(self, key) -> int:
         """Interned id of a routing key; -1 for none or "" (neither counts, R-ORD-7)."""
@@ -319,6 +321,28 @@ class GpuScheduler(ReferenceScheduler):
             k = self._rk_id[key] = len(self._rk_names)
             self._rk_names.append(key)
         return k
+
+    def _rk_ranks(self) -> np.ndarray:
+        """Rank of each interned routing key's string in lexicographic order (int64 [K], ids
+        as `RT_RKEY`; distinct strings, distinct ranks), for the recorded step's R-ORD-7 key.
+        Kept until a key is interned or the keys are compacted (ids only grow in between, and
+        the sort covers them all)."""
+        ranks, k = self._rk_rank
+        names = self._rk_names
+        if ranks is None or k != len(names):
+            ranks = np.empty(len(names), dtype=np.int64)
+            ranks[sorted(range(len(names)), key=names.__getitem__)] = np.arange(len(names))
+            self._rk_rank = (ranks, len(names))
+        return ranks
+
+    def _running_key_ids(self) -> List[int]:
+        """The running batch's routing keys as interned ids (-1: none or "", not counted by
+        R-ORD-7); a key compaction dropped is interned again."""
+        get = self._rk_id.get
+        ids = [get(r.req.routing_key, -2) for r in self.running]
+        if -2 in ids:  # no key or '' (-1 from _rk_intern), or a key to intern anew
+            ids = [k if k != -2 else self._rk_intern(r.req.routing_key) for k, r in zip(ids, self.running)]
+        return ids
 
     def _pin_views(self, freed: List[int]) -> None:
         """Before rows `freed` are reused: views holding any of them keep their values."""
@@ -338,8 +362,8 @@ class GpuScheduler(ReferenceScheduler):
         it is recorded in a `torch.cuda.CUDAGraph` at the first step that uses it (after two
         warm-up runs that compile the kernels) and replayed by every later `step()`; recorded
         again only when a tensor it reads was reallocated. Steps that do not fit (policy
-        routing-key or random; a queue over `queue_capacity`, a running batch over
-        `running_capacity`) take the eager path; decisions are the same either way.
+        random; a queue over `queue_capacity`, a running batch over `running_capacity`) take
+        the eager path; decisions are the same either way.
 
         Args:
             queue_capacity, running_capacity: the buffers' capacities [requests].
@@ -740,11 +764,7 @@ class GpuScheduler(ReferenceScheduler):
             if host:
                 perm = self._routing_perm_host(qk)
                 return OrderResult(policy, q if perm is None else RowQueue(self, rows.take(perm, mode="clip")))
-            get = self._rk_id.get  # running keys are interned already, unless compaction dropped them
-            run_ids = [get(r.req.routing_key, -2) for r in self.running]
-            if -2 in run_ids:  # no key or '' (-1 from _rk_intern), or a key to intern anew
-                run_ids = [k if k != -2 else self._rk_intern(r.req.routing_key) for k, r in zip(run_ids, self.running)]
-            run_ids = np.array(run_ids, dtype=np.int64)
+            run_ids = np.array(self._running_key_ids(), dtype=np.int64)
             present = np.zeros(len(self._rk_names) + 1, dtype=bool)  # slot -1 (last): absent
             present[qk] = True
             present[run_ids] = True

@@ -8,9 +8,9 @@ padding) and computes, with static shapes and no host read:
   1. prefix match of every queued request against the device radix tree
      (`FlatRadixTree.find_static`: fixed binary-search rounds, fixed probe windows), at full
      length for ordering (R-ORD-8) and capped at max_prefix_len for admission (R-STEP-3.4);
-  2. the policy's order (`gpu_sched.policy`: fcfs with or without priority, lof, lpm with
-     in-batch deprioritization R-ORD-9 and the R-ORD-2 fallback, dfs-weight on the tree before
-     the ordering match's splits, `_dfs_weight_perm`); padding sorts last;
+  2. the policy's order (`gpu_sched.policy`: fcfs with or without priority, lof, routing-key,
+     lpm with in-batch deprioritization R-ORD-9 and the R-ORD-2 fallback, dfs-weight on the
+     tree before the ordering match's splits, `_dfs_weight_perm`); padding sorts last;
   3. the admission of the first W ordered entries (`gpu_sched.admission.admit_step`, with the
      in-flight chunked request R-ADM-5 and lock-aware evictable drops `lock_drops`; W = the
      `admit_window` given to `capture()`, by default as many as one step's prefill token budget
@@ -26,8 +26,8 @@ scheduler's token pools rebuilt): `signature()` names them by address.
 What stays on the host: the queue's slot numbers in a device row store (each request's row is
 written once, when first seen), the budgets, and after the read-back the tree's splits and
 stamps, locks and the per-request bookkeeping
-(`GpuScheduler` applies them exactly as its eager path does). Policies routing-key and random
-are not recorded (`supports` says False and the scheduler takes its eager path).
+(`GpuScheduler` applies them exactly as its eager path does). Policy random is not recorded
+(`supports` says False and the scheduler takes its eager path).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import torch
 from . import policy as dpolicy
 from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, lock_drops
 from .scheduler import (RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
-                        RT_STAMP, RT_TIME, RT_TOFF, _RowCols)
+                        RT_RKEY, RT_STAMP, RT_TIME, RT_TOFF, _RowCols)
 
 #: policies the recorded step computes (others: the scheduler's eager path)
-GRAPH_POLICIES = ("fcfs", "lof", "lpm", "dfs-weight")
+GRAPH_POLICIES = ("fcfs", "lof", "routing-key", "lpm", "dfs-weight")
 #: output head: stop, stop_index, chunk_index, batch_full, I, cur_off, rem_input, rem_chunk,
 #: hit_tokens, input_tokens, decided, admitted count, inflight_end, inflight_left
 HEAD = 14
@@ -114,6 +114,12 @@ class StepGraph:
         self._grow(max(2 * self.Q, self.MIN_STORE, sched._rt.shape[0]))
         self.qt = torch.zeros(self.Q, dtype=torch.float64, device=dev)
         self.hi = torch.zeros((4, self.R), dtype=torch.int64, device=dev)
+        # routing-key (R-ORD-7): the queue's interned key ids, the running batch's (-1 past
+        # it: not counted) and each id's string rank, uploaded when a key is interned
+        self.qk = torch.full((self.Q,), -1, dtype=torch.int64, device=dev)
+        self.rk_run = torch.full((self.R,), -1, dtype=torch.int64, device=dev)
+        self.rk_rank = torch.zeros(16, dtype=torch.int64, device=dev)
+        self._rk_loaded = None  # the rank array last uploaded
         self.sc = torch.zeros(_S_LEN, dtype=torch.int64, device=dev)
         self.ratio = torch.zeros((), dtype=torch.float64, device=dev)
         self.out = torch.zeros(HEAD + 4 * self.Q, dtype=torch.int64, device=dev)
@@ -173,6 +179,8 @@ class StepGraph:
             qt = np.zeros(self.Q, dtype=np.float64)
             qt[:n] = sel[:, RT_TIME].view(np.float64)
             self.qt.copy_(torch.from_numpy(qt))
+        if s.config.effective_policy == "routing-key":
+            self._load_routing(sel[:, RT_RKEY])
         run = self.s.running
         hi = np.zeros((4, self.R), dtype=np.int64)
         if run:
@@ -187,6 +195,28 @@ class StepGraph:
         self.hi.copy_(torch.from_numpy(hi))
         self.sc.copy_(torch.from_numpy(sc))
         self.ratio.fill_(float(adder.ratio))
+
+    def _load_routing(self, key_ids: np.ndarray) -> None:
+        """R-ORD-7's inputs: the queue's key ids [n], the running batch's, and the string ranks
+        when they changed (a larger buffer when the keys outgrew it: the graph is recorded
+        again). Unused rank slots rank above every key; no id points at them."""
+        s = self.s
+        run = s._running_key_ids()  # may intern a key: before the ranks
+        ranks = s._rk_ranks()
+        if ranks is not self._rk_loaded:
+            K = ranks.size
+            if K > self.rk_rank.numel():
+                self.rk_rank = torch.zeros(max(2 * K, 16), dtype=torch.int64, device=self.device)
+            full = np.arange(self.rk_rank.numel(), dtype=np.int64)
+            full[:K] = ranks
+            self.rk_rank.copy_(torch.from_numpy(full))
+            self._rk_loaded = ranks
+        qk = np.full(self.Q, -1, dtype=np.int64)
+        qk[: key_ids.size] = key_ids
+        self.qk.copy_(torch.from_numpy(qk))
+        rk = np.full(self.R, -1, dtype=np.int64)
+        rk[: len(run)] = run
+        self.rk_run.copy_(torch.from_numpy(rk))
 
     def _grow(self, cap: int) -> None:
         """A row store of `cap` slots (a new tensor: the graph is recorded again); every row is
@@ -246,7 +276,9 @@ class StepGraph:
             else:  # padding matches nothing: the root's requests, last of all and after the real ones
                 perm = self._dfs_weight_perm(m_full, pos_full)
         else:
-            if policy == "lof":
+            if policy == "routing-key":
+                perm = dpolicy.routing_key_order(self.qk, self.rk_rank, self.rk_run, backend=be)
+            elif policy == "lof":
                 perm = dpolicy.lof_order(maxn, prio if cfg.enable_priority_scheduling else None, cfg.priority_sign,
                                          backend=be)
             elif cfg.enable_priority_scheduling:
@@ -345,7 +377,7 @@ class StepGraph:
         node span: a change means the recorded graph would read stale memory or shapes."""
         tree = self.s.cache.tree
         ts = [v for v in vars(tree).values() if isinstance(v, torch.Tensor)]
-        ts += [t for t in (self.s._qtok, self.s._qch, self.store) if t is not None]
+        ts += [t for t in (self.s._qtok, self.s._qch, self.store, self.rk_rank) if t is not None]
         return tuple((t.data_ptr(), t.numel()) for t in ts) + (self._node_span(),)
 
     def run(self) -> StepOutput:

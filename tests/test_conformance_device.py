@@ -28,7 +28,7 @@ def test_torch_backend_passes_every_scenario():
 
 def test_recorded_step_passes_every_scenario():
     """`GpuScheduler.capture()`: the recorded step decides every step that fits its capacities
-    (fcfs, lof, lpm, dfs-weight; the others and larger queues take the eager path)."""
+    (every policy but random; random and larger queues take the eager path)."""
     lines, graphs = [], []
 
     def make(c, k, s):
@@ -42,8 +42,8 @@ def test_recorded_step_passes_every_scenario():
     runs = collections.Counter()
     for sched_policy, g in graphs:
         runs[sched_policy] += g.runs
-    # steps it decided per policy (fcfs 105, lof 70, lpm 97, dfs-weight 67 when written)
-    assert min(runs[p] for p in ("fcfs", "lof", "lpm", "dfs-weight")) > 40, runs
+    # steps it decided per policy (fcfs 105, lof 70, routing-key 65, lpm 97, dfs-weight 67 when written)
+    assert min(runs[p] for p in ("fcfs", "lof", "routing-key", "lpm", "dfs-weight")) > 40, runs
 
 
 def test_triton_backend_passes_a_sample():

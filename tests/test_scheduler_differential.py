@@ -366,14 +366,17 @@ def test_head_group_table_restarts_keep_decisions(name, monkeypatch):
     assert len(restarts) > 3, restarts
 
 
-def test_routing_key_table_stays_bounded_with_per_session_keys(monkeypatch):
+@pytest.mark.parametrize("recorded", [False, True])
+def test_routing_key_table_stays_bounded_with_per_session_keys(monkeypatch, recorded):
     """Routing keys are often per session: every request here has its own (plus a few shared
     ones). Keys no row holds are dropped (`_rk_compact`) once the table outgrows the row
-    table; decisions stay the reference's and the table stays bounded."""
+    table; decisions stay the reference's and the table stays bounded. `recorded`: through
+    the recorded step, whose key ranks are uploaded again after every new key and compaction."""
     monkeypatch.setattr(GpuScheduler, "ROUTING_KEY_SLACK", -(2 * 1024) + 16)  # past 16 keys (1024 rows)
     rng = random.Random(5)
     cfg = SchedulerConfig(schedule_policy="routing-key", max_prefill_tokens=256, max_running_requests=16)
     ref, dev = ReferenceScheduler(cfg, 4000), GpuScheduler(cfg, 4000)
+    graph = dev.capture(queue_capacity=1024, running_capacity=16) if recorded else None
     bases = [[rng.randrange(8) for _ in range(40)] for _ in range(3)]
     sizes, next_id = [], 0
     for t in range(150):
@@ -399,6 +402,8 @@ def test_routing_key_table_stays_bounded_with_per_session_keys(monkeypatch):
         assert len(dev._rk_names) <= len(dev.reqs) + 16 + 5, (t, len(dev._rk_names), len(dev.reqs))
     assert len(dev._rt_owner) == 1024 and next_id > 300
     assert sum(b < a for a, b in zip(sizes, sizes[1:])) > 5  # compacted again and again
+    if recorded:
+        assert graph.runs > 100, graph.runs
 
 
 @pytest.mark.parametrize("low_first", [False, True])

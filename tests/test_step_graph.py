@@ -3,7 +3,7 @@
 * `find_static` (fixed search rounds and probe windows) equals the data-dependent search on
   random trees, page sizes 1/4/16, lengths up to the bound;
 * multi-step runs with the recorded step equal the reference scheduler (plans, queue, sizes,
-  cache contents), for every policy the step records (fcfs, lof, lpm, dfs-weight), with
+  cache contents), for every policy the step records (all but random), with
   capacities small enough that some steps overflow them and take the eager path; shorter runs
   with the triton backend (Triton's interpreter on a CPU);
 * no host read inside the step: `StepGraph.compute` runs under a dispatch mode that raises on
@@ -87,7 +87,7 @@ def test_recorded_step_runs_match_reference(name):
 
 
 @cpu_runs
-@pytest.mark.parametrize("name", ["lpm-page4-mixed", "dfs-weight"])
+@pytest.mark.parametrize("name", ["lpm-page4-mixed", "dfs-weight", "routing-key"])
 def test_recorded_step_runs_triton(name):
     """The recorded step's triton kernels (the interpreter on a CPU) over 40 steps."""
     hits = run_long(name, seed=4, steps=40, backend="triton", capture=dict(queue_capacity=32, running_capacity=24))
@@ -192,7 +192,8 @@ def _loaded_graph(cfg: SchedulerConfig, seed: int):
 
 
 @pytest.mark.parametrize("policy,extra", [("lpm", {}), ("fcfs", {"enable_priority_scheduling": True}),
-                                          ("lof", {}), ("lpm", {"disable_radix_cache": True}), ("dfs-weight", {})])
+                                          ("lof", {}), ("lpm", {"disable_radix_cache": True}), ("dfs-weight", {}),
+                                          ("routing-key", {})])
 def test_step_has_no_host_read(policy, extra):
     cfg = SchedulerConfig(schedule_policy=policy, chunked_prefill_size=64, max_prefill_tokens=256,
                           in_batch_prefix_caching_deprioritize_threshold=8, **extra)
@@ -217,7 +218,7 @@ def test_capture_arguments_checked():
 
 
 def test_unsupported_policy_takes_eager_path():
-    s = GpuScheduler(SchedulerConfig(schedule_policy="routing-key"), 1000)
+    s = GpuScheduler(SchedulerConfig(schedule_policy="random"), 1000)
     g = s.capture(8, 8)
     s.submit([Request(rid="a", prompt_ids=[1, 2, 3], max_new_tokens=4)], now=0.0)
     plan = s.step(0.5)
@@ -230,7 +231,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @needs_cuda
 @pytest.mark.parametrize("name,backend", [("lpm-page4-mixed", "torch"), ("fcfs-priority-preempt", "torch"),
                                           ("lpm", "triton"), ("nocache-ignore-eos", "triton"),
-                                          ("dfs-weight", "triton")])
+                                          ("dfs-weight", "triton"), ("routing-key", "triton")])
 def test_cuda_graph_replay_matches_reference(name, backend):
     """200 steps with the step recorded in a CUDA graph and replayed, equal to the reference
     scheduler after every call; at least 30 steps replayed (the others had nothing to decide or
