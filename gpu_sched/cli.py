@@ -24,10 +24,12 @@ class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
-def make_scheduler_factory(backend: str, device: Optional[str] = None, capture: int = 0):
+def make_scheduler_factory(backend: str, device: Optional[str] = None, capture: int = 0,
+                           max_len: Optional[int] = None):
     """`factory(config, kv_pool_size, shuffle=None)` for a backend name (one of BACKENDS).
     capture > 0: device backends take the recorded step (`GpuScheduler.capture`) with that
-    queue capacity (and running capacity)."""
+    queue capacity (and running capacity), and `max_len` [tokens] as its bound on fill
+    lengths when given (fewer search and tree rounds than the default, the pool's size)."""
     if capture < 0:
         raise CliError(f"--capture must be >= 0, got {capture}")
     if backend == "reference":
@@ -49,7 +51,7 @@ def make_scheduler_factory(backend: str, device: Optional[str] = None, capture: 
         def factory(cfg, kv, shuffle=None):
             s = GpuScheduler(cfg, kv, shuffle=shuffle, backend=backend, device=dev)
             if capture:
-                s.capture(queue_capacity=capture, running_capacity=capture)
+                s.capture(queue_capacity=capture, running_capacity=capture, max_len=max_len)
             return s
 
         return factory
@@ -217,7 +219,9 @@ def cmd_replay(args) -> int:
     except (FileNotFoundError, ValueError, TypeError) as e:  # TraceFormatError is a ValueError
         raise CliError(str(e)) from None
     # after the trace: a device backend imports torch (seconds), a wrong path should not wait
-    factory = make_scheduler_factory(args.backend, args.device, args.capture)
+    # a request's fill is its prompt and at most max(output_len, 1) generated tokens (engine.py)
+    max_len = max((r.input_len + max(r.output_len, 1) for r in trace.requests), default=1)
+    factory = make_scheduler_factory(args.backend, args.device, args.capture, max_len)
     progress = not args.no_progress and sys.stderr.isatty()
     summaries, runs = {}, {}
     for name, cfg in configs.items():
@@ -316,7 +320,8 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="torch device of the torch and triton backends, e.g. cpu, cuda, cuda:1 (default cpu)")
     p.add_argument("--capture", type=int, default=0, metavar="N",
                    help="device backends: the recorded step (CUDA graph on CUDA) for queues up to N "
-                        "(default 0: off)")
+                        "(default 0: off); on a CPU it runs the step's tensor forms, a check of its "
+                        "decisions that is far slower than the eager path")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,33 @@ def test_replay_is_deterministic(capsys):
     assert DIGEST.findall(capsys.readouterr().out) == first
 
 
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_replay_capture_bounds_fill_lengths_and_keeps_the_digest(policy, capsys, monkeypatch):
+    """`--capture N`: the recorded step, bounded by the trace's longest fill (prompt plus
+    max(output, 1) tokens: fewer rounds than the pool's size), decides as the reference."""
+    from gpu_sched.scheduler import GpuScheduler
+
+    seen = []
+    capture = GpuScheduler.capture
+
+    def spy(self, *a, **k):
+        g = capture(self, *a, **k)
+        seen.append(g)
+        return g
+
+    monkeypatch.setattr(GpuScheduler, "capture", spy)
+    argv = ["replay", "--synthetic-requests", "30", "--no-progress", "--policy", policy]
+    main(argv)
+    want = DIGEST.findall(capsys.readouterr().out)
+    main(argv + ["--backend", "torch", "--capture", "64"])
+    assert DIGEST.findall(capsys.readouterr().out) == want
+    from gpu_sched.sim.traces import synthetic_workload
+
+    tr = synthetic_workload(30, seed=0, request_rate=8.0)
+    assert [g.max_len for g in seen] == [max(r.input_len + max(r.output_len, 1) for r in tr.requests)]
+    assert seen[0].runs > 10
+
+
 def test_replay_out_writes_results_and_plots(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--out", str(out)]) == 0
