@@ -857,7 +857,8 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
             ends inside a node without splitting it (`StepGraph`): a split would make a chain
             of single-child nodes above the node's rest, each emitted after the one below, so
             such a match counts at the node itself and goes after the node's own requests,
-            deeper covers first (tiebreak 0 for whole covers, `C - cover` for partial ones).
+            deeper covers first (tiebreak 0 for whole covers, `C - cover` for partial ones,
+            C above every cover: the step passes `max_len + 1`).
     Returns: int64 permutation [n].
 
     weight = own requests in the subtree; start(v) = start(parent) + weights of the siblings

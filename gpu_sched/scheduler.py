@@ -362,13 +362,15 @@ class GpuScheduler(ReferenceScheduler):
         it is recorded in a `torch.cuda.CUDAGraph` at the first step that uses it (after two
         warm-up runs that compile the kernels) and replayed by every later `step()`; recorded
         again only when a tensor it reads was reallocated. Steps that do not fit (policy
-        random; a queue over `queue_capacity`, a running batch over `running_capacity`) take
-        the eager path; decisions are the same either way.
+        random; a queue over `queue_capacity`, a running batch over `running_capacity`, a
+        waiting request's fill over `max_len`) take the eager path; decisions are the same
+        either way.
 
         Args:
             queue_capacity, running_capacity: the buffers' capacities [requests].
-            max_len: bound on any fill length [tokens] (fewer search rounds); default: the
-                tree's token capacity.
+            max_len: bound on the waiting requests' fill lengths [tokens] (fewer search and
+                tree rounds); default: the tree's token capacity. A step whose queue holds a
+                longer fill takes the eager path.
             admit_window: ordered requests the recorded admission decides [requests];
                 default `min(queue_capacity, max(GpuScheduler.admit_window,
                 config.max_prefill_tokens))` (the eager path's first window, 256, at least)
@@ -665,7 +667,8 @@ class GpuScheduler(ReferenceScheduler):
     def _order(self) -> OrderResult:
         g = self._graph
         if (g is not None and self._step_ratio is not None and not self._custom_shuffle
-                and g.supports(len(self.queue), len(self.running))):
+                and g.supports(len(self.queue), len(self.running))
+                and g.fits_lengths(self._queue_rows(self.queue))):
             return self._order_recorded(g)
         cfg = self.config
         q = self.queue

@@ -40,7 +40,7 @@ import torch
 from . import policy as dpolicy
 from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, lock_drops
 from .scheduler import (RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
-                        RT_RKEY, RT_STAMP, RT_TIME, RT_TOFF, _RowCols)
+                        RT_RKEY, RT_STAMP, RT_TIME, RT_TOFF, _rt_get, _RowCols)
 
 #: policies the recorded step computes (others: the scheduler's eager path)
 GRAPH_POLICIES = ("fcfs", "lof", "routing-key", "lpm", "dfs-weight")
@@ -75,8 +75,10 @@ class StepGraph:
         sched: the `GpuScheduler` whose tree, token pools and config the step reads.
         queue_capacity: Q, most waiting requests per step.
         running_capacity: R, most running requests (ignore-EOS states, R-ADM-6).
-        max_len: bound on any request's fill length [tokens]; fixes the match's search rounds
-            and the ancestor rounds of `lock_drops` (default: the tree's token capacity).
+        max_len: bound on the waiting requests' fill lengths [tokens]; fixes the match's
+            search rounds, the ancestor rounds of `lock_drops` and dfs-weight's rounds and
+            tiebreak (default: the tree's token capacity). `GpuScheduler` takes its eager path
+            for a queue with a longer fill (`fits_lengths`).
         admit_window: ordered entries the recorded admission decides (default: the queue
             capacity, capped at `max(GpuScheduler.admit_window, config.max_prefill_tokens)`:
             every admitted request takes at least one prefill token, so the window covers the
@@ -141,6 +143,12 @@ class StepGraph:
         """True if this step fits: a recorded policy, the capacities, no custom shuffle."""
         cfg = self.s.config
         return cfg.effective_policy in GRAPH_POLICIES and n_queue <= self.Q and n_running <= self.R
+
+    def fits_lengths(self, rows: np.ndarray) -> bool:
+        """True if every fill of the queue's table rows `rows` is within `max_len` (the bound
+        the match's search rounds, `lock_drops`' and dfs-weight's tree rounds and dfs-weight's
+        tiebreak rely on), or the cache is off (nothing is matched)."""
+        return self.s.cache.disable or rows.size == 0 or int(_rt_get(self.s._rt, rows, RT_FILL).max()) <= self.max_len
 
     def load(self, rows: np.ndarray, adder, batch_full: bool, chunked) -> None:
         """Write one step's inputs into the buffers.
@@ -273,7 +281,8 @@ class StepGraph:
                 perm = dpolicy.lpm_order(torch.minimum(m_full, cap), dep | ~valid, backend=be)
                 if cfg.lpm_fallback_queue_len is not None:  # R-ORD-2: above the limit, queue order
                     perm = torch.where(n > cfg.lpm_fallback_queue_len, ar, perm)
-            else:  # padding matches nothing: the root's requests, last of all and after the real ones
+            else:  # padding matches nothing: at the root with tiebreak 0, behind the real requests
+                # there (queue order breaks their tie) and so last of all
                 perm = self._dfs_weight_perm(m_full, pos_full)
         else:
             if policy == "routing-key":

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpu_sched import policy as PM
 from gpu_sched.config import SchedulerConfig
 from gpu_sched.radix import FlatRadixTree
+from gpu_sched.reference import ReferenceScheduler
 from gpu_sched.request import Request
 from gpu_sched.scheduler import GpuScheduler
 from gpu_sched.step import GRAPH_POLICIES, StepGraph
@@ -215,6 +216,33 @@ def test_capture_arguments_checked():
         s.capture(running_capacity=-1)
     with pytest.raises(ValueError, match="max_len"):
         s.capture(max_len=0)
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
+def test_fill_over_max_len_takes_eager_path(policy):
+    """A waiting fill longer than capture's max_len would outrun the recorded step's search
+    and tree rounds: that step takes the eager path, and decides as the reference does."""
+    cfg = SchedulerConfig(schedule_policy=policy, max_prefill_tokens=4096, chunked_prefill_size=None)
+    ref, dev = ReferenceScheduler(cfg, 256), GpuScheduler(cfg, 256)
+    g = dev.capture(queue_capacity=16, running_capacity=8, max_len=64)
+    base = [i % 7 for i in range(2000)]
+
+    def submit(reqs, t):
+        for s in (ref, dev):
+            s.submit([Request(**{k: getattr(r, k) for k in r.__dataclass_fields__}) for r in reqs], now=t)
+
+    submit([Request(rid="w", prompt_ids=base[:60], max_new_tokens=1)], 0.0)
+    assert vars(ref.step(0.7)) == vars(dev.step(0.7)) and g.runs == 1  # 60 tokens: within the bound
+    for s in (ref, dev):
+        s.complete_prefill({"w": 1})
+        s.finish(["w"])
+    submit([Request(rid="a", prompt_ids=base[:1500], max_new_tokens=1),
+            Request(rid="b", prompt_ids=base[:40] + [9], max_new_tokens=1),
+            Request(rid="c", prompt_ids=[9, 9], max_new_tokens=1)], 1.0)
+    pa, pb = vars(ref.step(0.7)), vars(dev.step(0.7))
+    assert pa == pb and g.runs == 1, (pa, pb)
+    if policy != "fcfs":
+        assert pa["queue_order"] == ["a", "b", "c"]  # a matches 60 tokens, b 40
 
 
 def test_unsupported_policy_takes_eager_path():
