@@ -26,6 +26,8 @@ def test_torch_backend_passes_every_scenario():
     assert passed == 515
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="a CUDA graph recorded per scenario: too slow for gpu_check.sh; "
+                                             "test_step_graph replays graphs on CUDA, CI runs this on the CPU")
 def test_recorded_step_passes_every_scenario():
     """`GpuScheduler.capture()`: the recorded step decides every step that fits its capacities
     (every policy but random; random and larger queues take the eager path)."""
