@@ -362,9 +362,11 @@ class GpuScheduler(ReferenceScheduler):
         it is recorded in a `torch.cuda.CUDAGraph` at the first step that uses it (after two
         warm-up runs that compile the kernels) and replayed by every later `step()`; recorded
         again only when a tensor it reads was reallocated. Steps that do not fit (policy
-        random; a queue over `queue_capacity`, a running batch over `running_capacity`, a
-        waiting request's fill over `max_len`) take the eager path; decisions are the same
-        either way.
+        random; a scheduler made with a `shuffle=` callable; a queue over `queue_capacity`, a
+        running batch over `running_capacity`, a waiting request's fill over `max_len`) take
+        the eager path; decisions are the same either way. On a CPU the recorded step runs its
+        torch forms eagerly: a check of its decisions, several times slower than the eager
+        path's host forms; it is meant for CUDA.
 
         Args:
             queue_capacity, running_capacity: the buffers' capacities [requests].
@@ -375,11 +377,14 @@ class GpuScheduler(ReferenceScheduler):
                 default `min(queue_capacity, max(GpuScheduler.admit_window,
                 config.max_prefill_tokens))` (the eager path's first window, 256, at least)
                 (each admitted request takes a prefill token at least, so nearly every step is
-                decided by the replay alone; a step that admits them all goes on eagerly).
+                decided by the replay alone; a step that admits them all goes on eagerly); a
+                larger value is capped at `queue_capacity`.
         Returns:
-            the `StepGraph` (its `captures` counts recordings).
+            the `StepGraph`: `runs` counts the steps it decided (the others took the eager
+            path), `captures` the CUDA graphs recorded (0 on a CPU).
         Raises:
-            ValueError: a capacity, max_len or admit_window below 1.
+            TypeError: a capacity, max_len or admit_window that is not an int (bools refused).
+            ValueError: one below 1.
         """
         from .step import StepGraph
 

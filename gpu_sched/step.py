@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from . import policy as dpolicy
+from .config import _check_int
 from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, lock_drops
 from .scheduler import (RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
                         RT_RKEY, RT_STAMP, RT_TIME, RT_TOFF, _rt_get, _RowCols)
@@ -82,10 +83,12 @@ class StepGraph:
         admit_window: ordered entries the recorded admission decides (default: the queue
             capacity, capped at `max(GpuScheduler.admit_window, config.max_prefill_tokens)`:
             every admitted request takes at least one prefill token, so the window covers the
-            admissions of nearly every step). A step that admits all of them goes on eagerly on
-            the host, window by window, which on a GPU costs far more than the replay.
+            admissions of nearly every step; a larger value is capped at the queue capacity).
+            A step that admits all of them goes on eagerly on the host, window by window, which
+            on a GPU costs far more than the replay.
     Raises:
-        ValueError: a capacity, max_len or admit_window below 1.
+        TypeError: a capacity, max_len or admit_window that is not an int (bools refused).
+        ValueError: one below 1.
     """
 
     #: fewest slots of the row store (twice the queue capacity and the row table's rows at least)
@@ -93,10 +96,10 @@ class StepGraph:
 
     def __init__(self, sched, queue_capacity: int, running_capacity: int, max_len: Optional[int] = None,
                  admit_window: Optional[int] = None):
-        for name, v in (("queue_capacity", queue_capacity), ("running_capacity", running_capacity),
-                        ("admit_window", 1 if admit_window is None else admit_window)):
-            if isinstance(v, bool) or int(v) != v or int(v) < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        _check_int("queue_capacity", queue_capacity, lo=1)
+        _check_int("running_capacity", running_capacity, lo=1)
+        _check_int("max_len", max_len, lo=1, none_means="the tree's token capacity")
+        _check_int("admit_window", admit_window, lo=1, none_means="max(GpuScheduler.admit_window, max_prefill_tokens)")
         self.s = sched
         self.Q, self.R = int(queue_capacity), int(running_capacity)
         # The sequential loop never looks past its stop point, so admission scans the first W
@@ -107,8 +110,6 @@ class StepGraph:
         self.W = min(self.Q, int(admit_window))
         tree = sched.cache.tree
         self.max_len = int(max_len) if max_len is not None else int(tree.token_capacity)
-        if self.max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
         dev = sched.device
         self.device = dev
         self.sidx = torch.zeros(self.Q, dtype=torch.int64, device=dev)  # row-store slot per queue position
@@ -140,7 +141,8 @@ class StepGraph:
 
     # ---- eligibility and inputs ------------------------------------------------------------------
     def supports(self, n_queue: int, n_running: int) -> bool:
-        """True if this step fits: a recorded policy, the capacities, no custom shuffle."""
+        """True if this step fits a recorded policy and the capacities (the scheduler also
+        keeps a custom shuffle on its eager path, and checks `fits_lengths`)."""
         cfg = self.s.config
         return cfg.effective_policy in GRAPH_POLICIES and n_queue <= self.Q and n_running <= self.R
 

@@ -149,8 +149,8 @@ def test_recorded_window_default_and_checks():
     assert s.capture(queue_capacity=4096).W == 1000  # a prefill token per admitted request at least
     assert s.capture(queue_capacity=64).W == 64
     assert s.capture(queue_capacity=4096, admit_window=8).W == 8
-    for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match="admit_window"):
+    for bad, err in ((0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError)):
+        with pytest.raises(err, match="admit_window"):
             s.capture(admit_window=bad)
 
 
@@ -216,6 +216,11 @@ def test_capture_arguments_checked():
         s.capture(running_capacity=-1)
     with pytest.raises(ValueError, match="max_len"):
         s.capture(max_len=0)
+    for name, bad in (("queue_capacity", None), ("queue_capacity", 4.0), ("running_capacity", True),
+                      ("max_len", 1.5), ("max_len", "x"), ("admit_window", True)):
+        with pytest.raises(TypeError, match=f"{name} must be an int"):
+            s.capture(**{name: bad})
+    assert s.capture(admit_window=10**6, queue_capacity=64).W == 64  # capped at the capacity
 
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
