@@ -780,6 +780,22 @@ def _sibling_offsets(parent: torch.Tensor, weight: torch.Tensor, skey: torch.Ten
     return torch.empty_like(off_s).scatter_(0, order, off_s)
 
 
+def child_order_ranks(parent: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Each node's rank among its siblings by child order, dfs-weight's `child_rank` (R-ORD-10):
+    parent int [N] (-1: root or detached), order int [N] (a node's place in its parent's child
+    order, ascending). Two stable sorts (order, then parent) and a segmented rank; static
+    shapes. int64 [N]."""
+    N = parent.numel()
+    dev = parent.device
+    idx = torch.sort(order, stable=True).indices
+    idx = idx[torch.sort(parent[idx], stable=True).indices]  # by parent, then child order
+    ps = parent[idx]
+    first = torch.ones(N, dtype=torch.bool, device=dev)
+    first[1:] = ps[1:] != ps[:-1]
+    ar = torch.arange(N, device=dev)
+    return torch.empty_like(ar).scatter_(0, idx, ar - torch.cummax(torch.where(first, ar, 0), 0).values)
+
+
 def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: np.ndarray,
                          rounds: int, tiebreak: Optional[np.ndarray] = None) -> np.ndarray:
     """`dfs_weight_order`'s torch form on numpy arrays (parent, child_rank int [N >= 1],

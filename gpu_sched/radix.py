@@ -829,9 +829,13 @@ class FlatRadixTree:
         else:
             x = np.ones((B, W), dtype=np.int64)
         ends = np.arange(1, n_in + 1) * self.P  # depths inside the chunk
-        bases = [np.where(lo > 0, seed_h >> 31, self._seed(ns, P1)),
-                 np.where(lo > 0, seed_h & (2**31 - 1), self._seed(ns, P2))]
-        return self._window_hashes_host(x, ends, bases)
+        return self._window_hashes_host(x, ends, self._bases_host(seed_h, lo > 0, ns))
+
+    def _bases_host(self, h: np.ndarray, cont: np.ndarray, ns: np.ndarray) -> List[np.ndarray]:
+        """`_window_hashes_host`'s bases per row: where `cont`, continuing from the packed hash h
+        stored so far (its mod-P1 and mod-P2 halves), else the namespace's seeds (depth 0).
+        int64 arrays [B]."""
+        return [np.where(cont, h >> 31, self._seed(ns, P1)), np.where(cont, h & (2**31 - 1), self._seed(ns, P2))]
 
     def _find_scalar(self, tok: np.ndarray, ch: np.ndarray, toff: int, coff: int, length: int,
                      ns: int) -> Tuple[int, int, int, int]:
@@ -1438,10 +1442,9 @@ class FlatRadixTree:
         self._ensure_pow(max(L - c, 1) + 1)
         h = np.zeros(L, dtype=np.int64)  # h[:c] is not read
         if L > c:
-            hsh = int(self._np("hsh")[cpos]) if c else 0
-            base = (hsh >> 31, hsh & (2**31 - 1)) if c else (self._seed(int(ns), P1), self._seed(int(ns), P2))
+            hsh = self._np("hsh")[cpos : cpos + 1] if c else np.zeros(1, dtype=np.int64)
             h[c:] = self._window_hashes_host(t[None, c:].astype(np.int64) + 1, np.arange(1, L - c + 1, dtype=np.int64),
-                                             [np.array([b], dtype=np.int64) for b in base])[0]
+                                             self._bases_host(hsh, np.array([c > 0]), np.array([int(ns)], dtype=np.int64)))[0]
         return self._insert_one_host(t, values.numpy()[:L], h, int(ns), c, cpos)
 
     def insert_and_match(self, tokens: torch.Tensor, values: torch.Tensor, ns: int = 0, *,

@@ -324,9 +324,9 @@ class GpuScheduler(ReferenceScheduler):
 
     def _rk_ranks(self) -> np.ndarray:
         """Rank of each interned routing key's string in lexicographic order (int64 [K], ids
-        as `RT_RKEY`; distinct strings, distinct ranks), for the recorded step's R-ORD-7 key.
+        as `RT_RKEY`; distinct strings, distinct ranks), R-ORD-7's key rank table.
         Kept until a key is interned or the keys are compacted (ids only grow in between, and
-        the sort covers them all)."""
+        the sort covers them all). The eager torch form of R-ORD-7 reads it too."""
         ranks, k = self._rk_rank
         names = self._rk_names
         if ranks is None or k != len(names):
@@ -767,23 +767,14 @@ class GpuScheduler(ReferenceScheduler):
                 perm = torch.as_tensor(list(self.shuffle(n)), dtype=torch.int64)
             else:
                 perm = dpolicy.random_order(n, self._torch_gen, backend=be)
-        else:  # routing-key: interned ids, ranked by their strings among the keys present
+        else:  # routing-key: interned ids, ranked by their strings (`_rk_ranks`)
             qk = _rt_get(self._rt, rows, RT_RKEY)
             if host:
                 perm = self._routing_perm_host(qk)
                 return OrderResult(policy, q if perm is None else RowQueue(self, rows.take(perm, mode="clip")))
-            run_ids = np.array(self._running_key_ids(), dtype=np.int64)
-            present = np.zeros(len(self._rk_names) + 1, dtype=bool)  # slot -1 (last): absent
-            present[qk] = True
-            present[run_ids] = True
-            ids = np.flatnonzero(present[:-1])
-            lut = np.full(len(self._rk_names) + 1, -1, dtype=np.int64)
-            lut[ids] = np.arange(ids.size)
-            names = self._rk_names
-            rank = np.empty(ids.size, dtype=np.int64)
-            rank[lut[sorted(ids.tolist(), key=names.__getitem__)]] = np.arange(ids.size)
-            perm = dpolicy.routing_key_order(torch.from_numpy(lut[qk]).to(dev), torch.from_numpy(rank).to(dev),
-                                             torch.from_numpy(lut[run_ids]).to(dev), backend=be)
+            run_ids = np.array(self._running_key_ids(), dtype=np.int64)  # may intern: before the ranks
+            perm = dpolicy.routing_key_order(torch.from_numpy(qk).to(dev), torch.from_numpy(self._rk_ranks()).to(dev),
+                                             torch.from_numpy(run_ids).to(dev), backend=be)
         return OrderResult(policy, RowQueue(self, rows[perm.cpu().numpy()]))
 
     def _ranked_perm(self, policy: str, num: torch.Tensor, dep: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -939,17 +930,7 @@ class GpuScheduler(ReferenceScheduler):
         remap[ids] = torch.arange(ids.numel(), device=self.device)
         p = t.parent[ids]
         parent = torch.where(p >= 0, remap[p.clamp(min=0)], -1)
-        N = ids.numel()
-        idx = torch.argsort(t.order[ids], stable=True)
-        idx = idx[torch.argsort(parent[idx], stable=True)]
-        ps = parent[idx]
-        first = torch.ones(N, dtype=torch.bool, device=self.device)
-        first[1:] = ps[1:] != ps[:-1]
-        pos = torch.arange(N, device=self.device)
-        start = torch.cummax(torch.where(first, pos, torch.zeros_like(pos)), 0).values
-        rank = torch.empty_like(pos)
-        rank[idx] = pos - start
-        return parent, rank, remap
+        return parent, dpolicy.child_order_ranks(parent, t.order[ids]), remap
 
     # ---- admission (R-STEP-3) as one static step ------------------------------------------------
     def _admission_loop(self, queue: List[ReqState], adder) -> str:

@@ -351,23 +351,16 @@ class StepGraph:
     def _dfs_weight_perm(self, m_full: torch.Tensor, pos_full: torch.Tensor) -> torch.Tensor:
         """R-ORD-10 on the tree as it is, before the full matches' splits (the host applies those
         after the read-back): every node slot below `_node_span()` takes part, dead ones
-        detached (parent -1, no requests); siblings ranked by child order (the static form of
-        `GpuScheduler._child_ranks`: two stable sorts, no compaction). A match ending inside a
+        detached (parent -1, no requests); siblings ranked by child order
+        (`policy.child_order_ranks`, no compaction). A match ending inside a
         node, which sequential matching would split, is the node's request with tiebreak
         `max_len + 1 - cover` (`dfs_weight_order`): after the node's own requests, deeper
         covers first, as the chain of split heads would emit them (a head takes its node's
         place in the child order)."""
         tree = self.s.cache.tree
-        dev = self.device
         b = self._node_span()
         parent = torch.where(tree.alive[:b], tree.parent[:b], -1)
-        idx = torch.sort(tree.order[:b], stable=True).indices
-        idx = idx[torch.sort(parent[idx], stable=True).indices]  # by parent, then child order
-        ps = parent[idx]
-        first = torch.ones(b, dtype=torch.bool, device=dev)
-        first[1:] = ps[1:] != ps[:-1]
-        ar = torch.arange(b, device=dev)
-        rank = torch.empty_like(ar).scatter_(0, idx, ar - torch.cummax(torch.where(first, ar, 0), 0).values)
+        rank = dpolicy.child_order_ranks(parent, tree.order[:b])
         has = m_full > 0
         p = torch.where(has, pos_full, 0)
         node = torch.where(has, tree.owner[p], 0)
