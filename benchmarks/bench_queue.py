@@ -47,7 +47,7 @@ with the other backends' calls: `measure_group`)
   admit  `sched._admission_loop(ordered, adder)` with a fresh `PrefillAdder` over the queue
          ordered once beforehand (untimed): R-STEP-3 alone.
   step   `sched.step(ratio)`: budgets, ordering, admission and the plan.
-  graph  GpuScheduler only, every policy but random: the recorded step alone
+  graph  GpuScheduler only, every benchmarked policy: the recorded step alone
          (`GpuScheduler.capture()`, `gpu_sched.step.StepGraph`: prefix match, order and
          admission of the whole queue as one fixed-capacity device computation, capacity = n),
          inputs loaded by one untimed step: on CUDA one `CUDAGraph.replay()`, on CPU the same

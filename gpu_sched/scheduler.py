@@ -361,10 +361,11 @@ class GpuScheduler(ReferenceScheduler):
         static device computation (`gpu_sched.step.StepGraph`), read back once per step. On CUDA
         it is recorded in a `torch.cuda.CUDAGraph` at the first step that uses it (after two
         warm-up runs that compile the kernels) and replayed by every later `step()`; recorded
-        again only when a tensor it reads was reallocated. Steps that do not fit (policy
-        random; a scheduler made with a `shuffle=` callable; a queue over `queue_capacity`, a
-        running batch over `running_capacity`, a waiting request's fill over `max_len`) take
-        the eager path; decisions are the same either way. On a CPU the recorded step runs its
+        again only when a tensor it reads was reallocated. Every policy is recorded; under
+        random the permutation is drawn on the host side before the replay, as the eager path
+        draws it (`_random_perm`), and uploaded. Steps that do not fit (a queue over
+        `queue_capacity`, a running batch over `running_capacity`, a waiting request's fill
+        over `max_len`) take the eager path; decisions are the same either way. On a CPU the recorded step runs its
         torch forms eagerly: a check of its decisions, several times slower than the eager
         path's host forms; it is meant for CUDA.
 
@@ -671,8 +672,7 @@ class GpuScheduler(ReferenceScheduler):
 
     def _order(self) -> OrderResult:
         g = self._graph
-        if (g is not None and self._step_ratio is not None and not self._custom_shuffle
-                and g.supports(len(self.queue), len(self.running))
+        if (g is not None and self._step_ratio is not None and g.supports(len(self.queue), len(self.running))
                 and g.fits_lengths(self._queue_rows(self.queue))):
             return self._order_recorded(g)
         cfg = self.config
@@ -752,6 +752,9 @@ class GpuScheduler(ReferenceScheduler):
             nm = vals[1][perm]
             return OrderResult(policy, RowQueue(self, orows), LazyList(n, nm.tolist, nm.item),
                                rid_list(self, orows[vals[2][perm] != 0]))
+        if policy == "random":  # R-ORD-6 (`_random_perm`: a custom shuffle is called for an empty queue too)
+            perm = self._random_perm(n)
+            return OrderResult(policy, RowQueue(self, rows[perm.cpu().numpy()]) if n else q)
         if n == 0 or policy == "fcfs":  # fcfs here: the lpm fallback sorts nothing (R-ORD-2)
             return OrderResult(policy, q)
         if policy == "lof":
@@ -762,11 +765,6 @@ class GpuScheduler(ReferenceScheduler):
                     return OrderResult(policy, RowQueue(self, rows.take(perm, mode="clip")))
             prio = col(RT_PRIO) if cfg.enable_priority_scheduling else None
             perm = dpolicy.lof_order(col(RT_MAXNEW), prio, sign, backend=be)
-        elif policy == "random":
-            if self._custom_shuffle:
-                perm = torch.as_tensor(list(self.shuffle(n)), dtype=torch.int64)
-            else:
-                perm = dpolicy.random_order(n, self._torch_gen, backend=be)
         else:  # routing-key: interned ids, ranked by their strings (`_rk_ranks`)
             qk = _rt_get(self._rt, rows, RT_RKEY)
             if host:
@@ -776,6 +774,26 @@ class GpuScheduler(ReferenceScheduler):
             perm = dpolicy.routing_key_order(torch.from_numpy(qk).to(dev), torch.from_numpy(self._rk_ranks()).to(dev),
                                              torch.from_numpy(run_ids).to(dev), backend=be)
         return OrderResult(policy, RowQueue(self, rows[perm.cpu().numpy()]))
+
+    def _random_perm(self, n: int) -> torch.Tensor:
+        """R-ORD-6: the permutation (int64 [n], on the device) that orders a queue of n
+        requests under random; the eager path and the recorded step's inputs (`StepGraph.load`)
+        both take it from here, so they draw the same permutations. With a `shuffle=` callable:
+        its result, checked, and called for an empty queue too, as the reference calls it (a
+        stateful shuffle stays in step with the reference's). Else `policy.random_order` on the
+        scheduler's generator (seeded with `config.random_seed`), nothing drawn for an empty
+        queue.
+
+        Raises: ValueError when the shuffle's result is not a permutation of range(n)."""
+        if self._custom_shuffle:
+            perm = list(self.shuffle(n))
+            if sorted(perm) != list(range(n)):
+                shown = perm if len(perm) <= 8 else perm[:8] + ["..."]
+                raise ValueError(f"shuffle({n}) returned {shown!r} ({len(perm)} items), not a permutation of range({n})")
+            return torch.as_tensor(perm, dtype=torch.int64).reshape(n).to(self.device)
+        if n == 0:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        return dpolicy.random_order(n, self._torch_gen, backend=self.backend)
 
     def _ranked_perm(self, policy: str, num: torch.Tensor, dep: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """lpm's order (R-ORD-8) by capped match lengths `num` and R-ORD-9 flags `dep`, or

@@ -10,7 +10,8 @@ padding) and computes, with static shapes and no host read:
      length for ordering (R-ORD-8) and capped at max_prefix_len for admission (R-STEP-3.4);
   2. the policy's order (`gpu_sched.policy`: fcfs with or without priority, lof, routing-key,
      lpm with in-batch deprioritization R-ORD-9 and the R-ORD-2 fallback, dfs-weight on the
-     tree before the ordering match's splits, `_dfs_weight_perm`); padding sorts last;
+     tree before the ordering match's splits, `_dfs_weight_perm`; random as the permutation
+     `load` uploaded); padding sorts last;
   3. the admission of the first W ordered entries (`gpu_sched.admission.admit_step`, with the
      in-flight chunked request R-ADM-5 and lock-aware evictable drops `lock_drops`; W = the
      `admit_window` given to `capture()`, by default as many as one step's prefill token budget
@@ -26,8 +27,10 @@ scheduler's token pools rebuilt): `signature()` names them by address.
 What stays on the host: the queue's slot numbers in a device row store (each request's row is
 written once, when first seen), the budgets, and after the read-back the tree's splits and
 stamps, locks and the per-request bookkeeping
-(`GpuScheduler` applies them exactly as its eager path does). Policy random is not recorded
-(`supports` says False and the scheduler takes its eager path).
+(`GpuScheduler` applies them exactly as its eager path does), and under random the
+permutation: drawn by `GpuScheduler._random_perm` as the eager path draws it (the scheduler's
+seeded generator, on the device; or its `shuffle=` callable) and uploaded by `load`, so the
+recorded and the eager step decide alike with the same seed.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, 
 from .scheduler import (RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
                         RT_RKEY, RT_STAMP, RT_TIME, RT_TOFF, _rt_get, _RowCols)
 
-#: policies the recorded step computes (others: the scheduler's eager path)
-GRAPH_POLICIES = ("fcfs", "lof", "routing-key", "lpm", "dfs-weight")
+#: policies the recorded step computes (every policy; random from an uploaded permutation)
+GRAPH_POLICIES = ("fcfs", "lof", "routing-key", "lpm", "dfs-weight", "random")
 #: output head: stop, stop_index, chunk_index, batch_full, I, cur_off, rem_input, rem_chunk,
 #: hit_tokens, input_tokens, decided, admitted count, inflight_end, inflight_left
 HEAD = 14
@@ -123,6 +126,9 @@ class StepGraph:
         self.rk_run = torch.full((self.R,), -1, dtype=torch.int64, device=dev)
         self.rk_rank = torch.zeros(16, dtype=torch.int64, device=dev)
         self._rk_loaded = None  # the rank array last uploaded
+        # random (R-ORD-6): the step's permutation of the queue, padding after it in place
+        self._ar = torch.arange(self.Q, dtype=torch.int64, device=dev)
+        self.rperm = self._ar.clone()
         self.sc = torch.zeros(_S_LEN, dtype=torch.int64, device=dev)
         self.ratio = torch.zeros((), dtype=torch.float64, device=dev)
         self.out = torch.zeros(HEAD + 4 * self.Q, dtype=torch.int64, device=dev)
@@ -142,7 +148,7 @@ class StepGraph:
     # ---- eligibility and inputs ------------------------------------------------------------------
     def supports(self, n_queue: int, n_running: int) -> bool:
         """True if this step fits a recorded policy and the capacities (the scheduler also
-        keeps a custom shuffle on its eager path, and checks `fits_lengths`)."""
+        checks `fits_lengths`)."""
         cfg = self.s.config
         return cfg.effective_policy in GRAPH_POLICIES and n_queue <= self.Q and n_running <= self.R
 
@@ -164,6 +170,9 @@ class StepGraph:
         and uploads only rows whose stamp moved since their last upload."""
         s = self.s
         n = len(rows)
+        # random: drawn first (a bad shuffle raises before any buffer is written), as the eager
+        # path draws it, on the device
+        rp = s._random_perm(n) if s.config.effective_policy == "random" else None
         self._n = n
         idx = rows
         s._ensure_hashed(idx)  # may rebuild the pools
@@ -191,6 +200,8 @@ class StepGraph:
             self.qt.copy_(torch.from_numpy(qt))
         if s.config.effective_policy == "routing-key":
             self._load_routing(sel[:, RT_RKEY])
+        elif rp is not None:
+            self.rperm.copy_(torch.cat([rp, self._ar[n:]]))
         run = self.s.running
         hi = np.zeros((4, self.R), dtype=np.int64)
         if run:
@@ -287,7 +298,9 @@ class StepGraph:
                 # there (queue order breaks their tie) and so last of all
                 perm = self._dfs_weight_perm(m_full, pos_full)
         else:
-            if policy == "routing-key":
+            if policy == "random":
+                perm = self.rperm
+            elif policy == "routing-key":
                 perm = dpolicy.routing_key_order(self.qk, self.rk_rank, self.rk_run, backend=be)
             elif policy == "lof":
                 perm = dpolicy.lof_order(maxn, prio if cfg.enable_priority_scheduling else None, cfg.priority_sign,

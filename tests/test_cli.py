@@ -58,6 +58,23 @@ def test_replay_capture_bounds_fill_lengths_and_keeps_the_digest(policy, capsys,
     assert seen[0].runs > 10
 
 
+def test_replay_capture_random_keeps_the_torch_digest(capsys, monkeypatch):
+    """Under random the recorded step draws the eager step's permutations (the same seeded
+    generator): `--capture` keeps the torch backend's digest (the reference's generator is
+    numpy's: SPEC R-ORD-6 lets backends differ there)."""
+    from gpu_sched.scheduler import GpuScheduler
+
+    seen = []
+    capture = GpuScheduler.capture
+    monkeypatch.setattr(GpuScheduler, "capture", lambda self, *a, **k: seen.append(capture(self, *a, **k)) or seen[-1])
+    argv = ["replay", "--synthetic-requests", "30", "--no-progress", "--policy", "random", "--backend", "torch"]
+    main(argv)
+    want = DIGEST.findall(capsys.readouterr().out)
+    main(argv + ["--capture", "64"])
+    assert DIGEST.findall(capsys.readouterr().out) == want
+    assert seen[0].runs > 10
+
+
 def test_replay_out_writes_results_and_plots(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--out", str(out)]) == 0

@@ -11,6 +11,7 @@ with retractions, preemptions, chunked prefills, aborts and arrivals interleaved
 
 import random
 
+import numpy as np
 import pytest
 
 from gpu_sched.config import SchedulerConfig
@@ -137,7 +138,19 @@ LONG_RUNS = {
     "routing-key": dict(schedule_policy="routing-key", page_size=16, chunked_prefill_size=64,
                         truncation_align_size=32),
     "nocache-ignore-eos": dict(schedule_policy="lpm", disable_radix_cache=True, chunked_prefill_size=40),
+    # R-ORD-6 with one stateful shuffle per scheduler, equal seeds (`seeded_shuffle`): the two
+    # stay in step only if both call it at the same steps, an empty queue behind an in-flight
+    # chunk included
+    "random": dict(schedule_policy="random", chunked_prefill_size=32, max_prefill_tokens=256),
 }
+
+
+def seeded_shuffle(seed: int):
+    """A stateful `shuffle(n)` (numpy's generator, seeded): every call draws once, for n = 0
+    too, so two made with one seed return the same permutations only while they are called
+    alike."""
+    rng = np.random.default_rng(seed)
+    return lambda n: np.random.default_rng(int(rng.integers(1 << 62))).permutation(n).tolist()
 
 
 def _diff(a, b):
@@ -153,8 +166,9 @@ def run_long(name: str, seed: int, steps: int = 200, backend: str = "torch", cap
     rng = random.Random(f"{name}-{seed}")
     cfg = SchedulerConfig(**LONG_RUNS[name])
     kv = rng.choice([900, 1200])
-    ref = ReferenceScheduler(cfg, kv)
-    dev = GpuScheduler(cfg, kv, backend=backend, device=device)
+    shuffles = [seeded_shuffle(seed), seeded_shuffle(seed)] if cfg.schedule_policy == "random" else [None, None]
+    ref = ReferenceScheduler(cfg, kv, shuffle=shuffles[0])
+    dev = GpuScheduler(cfg, kv, backend=backend, device=device, shuffle=shuffles[1])
     graph = dev.capture(**capture) if capture else None
     vocab = 6
     bases = [[rng.randrange(vocab) for _ in range(rng.randrange(16, 90))] for _ in range(3)]

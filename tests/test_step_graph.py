@@ -3,7 +3,7 @@
 * `find_static` (fixed search rounds and probe windows) equals the data-dependent search on
   random trees, page sizes 1/4/16, lengths up to the bound;
 * multi-step runs with the recorded step equal the reference scheduler (plans, queue, sizes,
-  cache contents), for every policy the step records (all but random), with
+  cache contents), for every policy (random with a shuffle shared with the reference), with
   capacities small enough that some steps overflow them and take the eager path; shorter runs
   with the triton backend (Triton's interpreter on a CPU);
 * no host read inside the step: `StepGraph.compute` runs under a dispatch mode that raises on
@@ -194,7 +194,7 @@ def _loaded_graph(cfg: SchedulerConfig, seed: int):
 
 @pytest.mark.parametrize("policy,extra", [("lpm", {}), ("fcfs", {"enable_priority_scheduling": True}),
                                           ("lof", {}), ("lpm", {"disable_radix_cache": True}), ("dfs-weight", {}),
-                                          ("routing-key", {})])
+                                          ("routing-key", {}), ("random", {})])
 def test_step_has_no_host_read(policy, extra):
     cfg = SchedulerConfig(schedule_policy=policy, chunked_prefill_size=64, max_prefill_tokens=256,
                           in_batch_prefix_caching_deprioritize_threshold=8, **extra)
@@ -250,12 +250,52 @@ def test_fill_over_max_len_takes_eager_path(policy):
         assert pa["queue_order"] == ["a", "b", "c"]  # a matches 60 tokens, b 40
 
 
-def test_unsupported_policy_takes_eager_path():
-    s = GpuScheduler(SchedulerConfig(schedule_policy="random"), 1000)
-    g = s.capture(8, 8)
-    s.submit([Request(rid="a", prompt_ids=[1, 2, 3], max_new_tokens=4)], now=0.0)
-    plan = s.step(0.5)
-    assert g.runs == 0 and [a[0] for a in plan.admitted] == ["a"]
+def _random_run(capture, shuffle=None, seed=0, steps=40):
+    """Plans (as dicts) of a `steps`-step random-policy run of a GpuScheduler: arrivals, steps
+    (queues of 0 to ~30, some steps with only the in-flight chunk), prefills and finishes."""
+    rng = random.Random(seed)
+    cfg = SchedulerConfig(schedule_policy="random", random_seed=5, chunked_prefill_size=16, max_prefill_tokens=64)
+    s = GpuScheduler(cfg, 2000, shuffle=shuffle)
+    g = s.capture(queue_capacity=24, running_capacity=64) if capture else None
+    plans, nid = [], 0
+    for t in range(steps):
+        reqs = [Request(rid=f"r{nid + j}", prompt_ids=[rng.randrange(5) for _ in range(rng.randrange(1, 40))],
+                        max_new_tokens=rng.randrange(1, 8)) for j in range(rng.choice([0, 0, 1, 3, 8]))]
+        nid += len(reqs)
+        if reqs:
+            s.submit(reqs, now=float(t))
+        plan = s.step(0.7, now=float(t))
+        plans.append(plan.to_dict())
+        s.complete_prefill({rid: 1 for rid, _, _ in plan.admitted})
+        done = [r.rid for r in s.running if len(r.req.output_ids) >= 2]
+        if done:
+            s.finish(done)
+    return plans, g
+
+
+def test_random_recorded_draws_what_the_eager_path_draws():
+    """R-ORD-6 in the recorded step: the permutation is drawn from the scheduler's seeded
+    generator exactly as the eager step draws it, so both decide every step alike (the queue
+    order included); queues over the capacity take the eager path in between."""
+    eager, _ = _random_run(capture=False)
+    recorded, g = _random_run(capture=True)
+    assert recorded == eager
+    assert g.runs > 15 and any(len(p["queue_order"]) > 24 for p in eager)  # some steps went eager
+    assert len({tuple(p["queue_order"]) for p in eager if len(p["queue_order"]) > 3}) > 5  # orders vary
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_random_shuffle_checked(capture):
+    """A `shuffle=` whose result is not a permutation of range(n) raises a ValueError naming
+    it, on the eager path and in the recorded step's inputs, before the step changes
+    anything."""
+    s = GpuScheduler(SchedulerConfig(schedule_policy="random"), 1000, shuffle=lambda n: [0] * n)
+    if capture:
+        s.capture(8, 8)
+    s.submit([Request(rid=r, prompt_ids=[1, 2, 3], max_new_tokens=4) for r in "ab"], now=0.0)
+    with pytest.raises(ValueError, match=r"shuffle\(2\) returned \[0, 0\].*not a permutation of range\(2\)"):
+        s.step(0.5)
+    assert [r.rid for r in s.queue] == ["a", "b"] and not s.running and s.available == 1000
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -264,7 +304,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @needs_cuda
 @pytest.mark.parametrize("name,backend", [("lpm-page4-mixed", "torch"), ("fcfs-priority-preempt", "torch"),
                                           ("lpm", "triton"), ("nocache-ignore-eos", "triton"),
-                                          ("dfs-weight", "triton"), ("routing-key", "triton")])
+                                          ("dfs-weight", "triton"), ("routing-key", "triton"), ("random", "torch")])
 def test_cuda_graph_replay_matches_reference(name, backend):
     """200 steps with the step recorded in a CUDA graph and replayed, equal to the reference
     scheduler after every call; at least 30 steps replayed (the others had nothing to decide or
