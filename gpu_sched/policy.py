@@ -797,14 +797,17 @@ def child_order_ranks(parent: torch.Tensor, order: torch.Tensor) -> torch.Tensor
 
 
 def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: np.ndarray,
-                         rounds: int, tiebreak: Optional[np.ndarray] = None) -> np.ndarray:
+                         rounds: int, tiebreak: Optional[np.ndarray] = None,
+                         rank_bound: Optional[int] = None) -> np.ndarray:
     """`dfs_weight_order`'s torch form on numpy arrays (parent, child_rank int [N >= 1],
     last_node int [n]; arguments checked by the caller), step for step: subtree weights by
     `rounds` pointer-jumping rounds, sibling offsets by one stable sort and a segmented
     prefix sum, starts by `rounds` more rounds, then the stable order of the request bases
     (and `tiebreak`, when given). A round after every pointer has reached the root changes
     nothing, so the rounds stop there (about log2 of the tree depth rounds instead of log2 N).
-    int64 permutation [n]."""
+    `rank_bound`: child_rank's values are below it (default N); any sibling sort key that
+    orders siblings as their ranks do gives the same permutation (ties: by node index), e.g.
+    a tree's creation-order stamps (`GpuScheduler._ranked_perm`). int64 permutation [n]."""
     N, n = parent.size, last_node.size
     p64 = parent.astype(np.int64, copy=False)
     ln = last_node.astype(np.int64, copy=False)
@@ -823,8 +826,9 @@ def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: 
     skey = (p64 + 1) * (n + 1) + (n - weight)
     rank64 = child_rank.astype(np.int64, copy=False)
     # by (skey, child_rank): one packed key when it fits int64, else the two keys
-    pack_rank = (N + 1) * (n + 1) * N <= INT64_MAX
-    order = host_perm(skey * N + rank64) if pack_rank else host_lex_perm(skey, rank64)
+    R = N if rank_bound is None else int(rank_bound)
+    pack_rank = (N + 1) * (n + 1) * R <= INT64_MAX
+    order = host_perm(skey * R + rank64) if pack_rank else host_lex_perm(skey, rank64)
     if order is None:  # the key and the row index do not fit one packed sort
         order = np.lexsort((rank64, skey))
     # per node the weight of the siblings sorted before it (a segmented exclusive prefix sum)

@@ -784,9 +784,16 @@ class GpuScheduler(ReferenceScheduler):
         scheduler's generator (seeded with `config.random_seed`), nothing drawn for an empty
         queue.
 
-        Raises: ValueError when the shuffle's result is not a permutation of range(n)."""
+        Raises: TypeError when the shuffle returns a non-integer (a float, an array row);
+        ValueError when its result is not a permutation of range(n)."""
         if self._custom_shuffle:
             perm = list(self.shuffle(n))
+            for k, i in enumerate(perm):  # integers only, as the reference's list indexing takes them
+                try:
+                    perm[k] = operator.index(i)
+                except TypeError:
+                    raise TypeError(f"shuffle({n}) returned {i!r} ({type(i).__name__}) at {k}, not an integer "
+                                    f"index") from None
             if sorted(perm) != list(range(n)):
                 shown = perm if len(perm) <= 8 else perm[:8] + ["..."]
                 raise ValueError(f"shuffle({n}) returned {shown!r} ({len(perm)} items), not a permutation of range({n})")
@@ -801,6 +808,16 @@ class GpuScheduler(ReferenceScheduler):
         be = self.backend
         if policy == "lpm":  # lengths are token counts (< 2^31): int32 keys sort faster
             return dpolicy.lpm_order(num.to(torch.int32), dep, backend=be)
+        if self._host_paths():
+            # on the tree's own ids, dead slots detached (parent -1, no requests: the root,
+            # weighing every request, sorts first among the parentless), siblings by their
+            # creation-order stamps: the child order itself, so no compaction and no ranks
+            t = self.cache.tree
+            b = t.node_bound()  # every live id is below it
+            order = t._np("order")[:b]
+            parent = np.where(t._np("alive")[:b], t._np("parent")[:b], -1)
+            return torch.from_numpy(dpolicy.dfs_weight_perm_host(parent, order, last.numpy(), (b - 1).bit_length(),
+                                                                 rank_bound=int(order.max()) + 1))
         parent, rank, remap = self._child_ranks()
         return dpolicy.dfs_weight_order(parent, rank, None, remap[last], backend=be)
 

@@ -605,3 +605,39 @@ def test_step_pauses_the_garbage_collector_and_restores_it(monkeypatch):
         assert seen[-1] is True and gc.isenabled()
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_dfs_weight_host_form_on_tree_ids_equals_torch_form():
+    """dfs-weight's host order (`GpuScheduler._ranked_perm` on the CPU: the tree's own ids,
+    dead slots detached, siblings by creation-order stamps, no compaction) equals its torch
+    form (the compacted tree of `_child_ranks`, `dfs_weight_order`'s torch passes) on caches
+    with splits, evictions (dead ids among the live ones) and re-used slots, for random
+    last-node assignments including the root."""
+    import torch
+
+    from gpu_sched import policy as P
+
+    for seed in range(4):
+        rng = random.Random(seed)
+        s = GpuScheduler(SchedulerConfig(schedule_policy="dfs-weight"), 20_000)
+        bases = [[rng.randrange(50) for _ in range(rng.randrange(5, 60))] for _ in range(8)]
+        tree = s.cache.tree
+        for _ in range(12):  # creation stamps run far past the node ids; old and new siblings
+            for _ in range(40):
+                b = rng.choice(bases)
+                s.seed_cache(b[: rng.randrange(1, len(b) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(0, 9))])
+            tree.evict(rng.randrange(100, 400))
+        alive = tree._np("alive")[: tree.node_bound()]
+        live = np.flatnonzero(alive)
+        assert (~alive).any() and live.size > 30  # dead ids among the live ones
+        assert int(tree._np("order")[live].max()) > 2 * tree.node_bound()
+        for trial in range(8):
+            few = rng.sample(live.tolist(), rng.choice([3, 10, live.size]))
+            if trial % 2:  # ties and near-ties of weight
+                last = torch.tensor([rng.choice(few) for _ in range(rng.randrange(1, 200))])
+            else:  # one request on each of some nodes: sibling weights differ by one
+                last = torch.tensor(rng.sample(live.tolist(), rng.randrange(1, live.size)))
+            got = s._ranked_perm("dfs-weight", None, None, last)
+            with P.torch_forms():
+                want = s._ranked_perm("dfs-weight", None, None, last)
+            assert torch.equal(got, want), (seed, trial)

@@ -16,6 +16,7 @@
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -287,8 +288,8 @@ def test_random_recorded_draws_what_the_eager_path_draws():
 @pytest.mark.parametrize("capture", [False, True])
 def test_random_shuffle_checked(capture):
     """A `shuffle=` whose result is not a permutation of range(n) raises a ValueError naming
-    it, on the eager path and in the recorded step's inputs, before the step changes
-    anything."""
+    it, one holding a non-integer (a float, an array row) a TypeError, on the eager path and
+    in the recorded step's inputs, before the step changes anything."""
     s = GpuScheduler(SchedulerConfig(schedule_policy="random"), 1000, shuffle=lambda n: [0] * n)
     if capture:
         s.capture(8, 8)
@@ -296,6 +297,15 @@ def test_random_shuffle_checked(capture):
     with pytest.raises(ValueError, match=r"shuffle\(2\) returned \[0, 0\].*not a permutation of range\(2\)"):
         s.step(0.5)
     assert [r.rid for r in s.queue] == ["a", "b"] and not s.running and s.available == 1000
+    for bad, shown in ((lambda n: [float(i) for i in range(n)], r"0\.0 \(float\) at 0"),
+                       (lambda n: np.arange(n).reshape(n, 1), r"\(ndarray\) at 0")):
+        s = GpuScheduler(SchedulerConfig(schedule_policy="random"), 1000, shuffle=bad)
+        if capture:
+            s.capture(8, 8)
+        s.submit([Request(rid=r, prompt_ids=[1, 2, 3], max_new_tokens=4) for r in "ab"], now=0.0)
+        with pytest.raises(TypeError, match=r"shuffle\(2\) returned .*" + shown + ", not an integer index"):
+            s.step(0.5)
+        assert [r.rid for r in s.queue] == ["a", "b"] and not s.running
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
