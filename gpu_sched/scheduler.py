@@ -362,11 +362,11 @@ class GpuScheduler(ReferenceScheduler):
         it is recorded in a `torch.cuda.CUDAGraph` at the first step that uses it (after two
         warm-up runs that compile the kernels) and replayed by every later `step()`; recorded
         again only when a tensor it reads was reallocated. Every policy is recorded; under
-        random the permutation is drawn on the host side before the replay, as the eager path
-        draws it (`_random_perm`), and uploaded. Steps that do not fit (a queue over
-        `queue_capacity`, a running batch over `running_capacity`, a waiting request's fill
-        over `max_len`) take the eager path; decisions are the same either way. On a CPU the recorded step runs its
-        torch forms eagerly: a check of its decisions, several times slower than the eager
+        random the permutation is drawn before the replay, as the eager path draws it
+        (`_random_perm`), and uploaded. Steps that do not fit (a queue over `queue_capacity`,
+        a running batch over `running_capacity`, a waiting request's fill over `max_len`) take
+        the eager path; decisions are the same either way. On a CPU the recorded step runs
+        its torch forms eagerly: a check of its decisions, several times slower than the eager
         path's host forms; it is meant for CUDA.
 
         Args:
@@ -796,7 +796,8 @@ class GpuScheduler(ReferenceScheduler):
                                     f"index") from None
             if sorted(perm) != list(range(n)):
                 shown = perm if len(perm) <= 8 else perm[:8] + ["..."]
-                raise ValueError(f"shuffle({n}) returned {shown!r} ({len(perm)} items), not a permutation of range({n})")
+                raise ValueError(f"shuffle({n}) returned {shown!r} ({len(perm)} items), "
+                                 f"not a permutation of range({n})")
             return torch.as_tensor(perm, dtype=torch.int64).reshape(n).to(self.device)
         if n == 0:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
