@@ -944,23 +944,10 @@ class GpuScheduler(ReferenceScheduler):
 
     def _child_ranks(self):
         """(parent, child_rank) over the live nodes only (compacted ids, root first) and the map
-        from tree ids to compacted ids, for dfs-weight: siblings ranked by child order."""
+        from tree ids to compacted ids, for dfs-weight's torch forms: siblings ranked by child
+        order (the host form orders on the tree's own ids instead, `_ranked_perm`)."""
         t = self.cache.tree
         b = t.node_bound()  # every live id is below it
-        if self._host_paths():  # the same steps in numpy
-            ids = np.flatnonzero(t._np("alive")[:b])  # root (0) first
-            remap = np.full(b, -1, dtype=np.int64)
-            remap[ids] = np.arange(ids.size)
-            p = t._np("parent")[ids]
-            parent = np.where(p >= 0, remap[np.maximum(p, 0)], -1)
-            idx = np.lexsort((t._np("order")[ids], parent))  # by parent, then child order (stable)
-            ps = parent[idx]
-            first = np.ones(ids.size, dtype=bool)
-            first[1:] = ps[1:] != ps[:-1]
-            pos = np.arange(ids.size)
-            rank = np.empty(ids.size, dtype=np.int64)
-            rank[idx] = pos - np.maximum.accumulate(np.where(first, pos, 0))
-            return torch.from_numpy(parent), torch.from_numpy(rank), torch.from_numpy(remap)
         ids = torch.nonzero(t.alive[:b]).flatten()  # root (0) first
         remap = torch.full_like(t.parent[:b], -1)
         remap[ids] = torch.arange(ids.numel(), device=self.device)

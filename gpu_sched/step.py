@@ -200,8 +200,9 @@ class StepGraph:
             self.qt.copy_(torch.from_numpy(qt))
         if s.config.effective_policy == "routing-key":
             self._load_routing(sel[:, RT_RKEY])
-        elif rp is not None:
-            self.rperm.copy_(torch.cat([rp, self._ar[n:]]))
+        elif rp is not None:  # in place, padding as the identity after it
+            self.rperm[:n].copy_(rp)
+            self.rperm[n:].copy_(self._ar[n:])
         run = self.s.running
         hi = np.zeros((4, self.R), dtype=np.int64)
         if run:

@@ -473,12 +473,10 @@ def test_routing_key_order_on_many_keys_equals_reference():
     assert checked == 60
 
 
-def test_child_ranks_host_form_equals_torch_form():
-    """dfs-weight's compacted tree (`GpuScheduler._child_ranks`: live nodes root first, parents
-    remapped, siblings ranked by child order) is the same by its numpy steps on the CPU and by
-    its torch form, on a cache with splits and evictions (dead ids among the live ones)."""
-    import torch
-
+def test_child_ranks_compacted_tree():
+    """dfs-weight's compacted tree for the torch forms (`GpuScheduler._child_ranks`: live nodes
+    root first, parents remapped, siblings ranked by child order), on a cache with splits and
+    evictions (dead ids among the live ones)."""
     from gpu_sched import policy as P
 
     rng = random.Random(5)
@@ -488,10 +486,8 @@ def test_child_ranks_host_form_equals_torch_form():
         b = rng.choice(bases)
         s.seed_cache(b[: rng.randrange(1, len(b) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(0, 9))])
     s.cache.tree.evict(150)
-    got = s._child_ranks()
     with P.torch_forms():
-        want = s._child_ranks()
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+        got = s._child_ranks()
     parent, rank, remap = (x.tolist() for x in got)
     assert parent[0] == -1 and len(parent) > 30 and -1 in remap  # evicted ids left holes
     by_parent = {}
