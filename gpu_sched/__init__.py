@@ -2,7 +2,8 @@
 
 from .config import SchedulerConfig
 from .plan import PrefillPlan
+from .ratio import NewTokenRatio
 from .request import Request
 
 __version__ = "0.1.0"
-__all__ = ["SchedulerConfig", "PrefillPlan", "Request", "__version__"]
+__all__ = ["SchedulerConfig", "PrefillPlan", "NewTokenRatio", "Request", "__version__"]

@@ -25,13 +25,17 @@ class CliError(Exception):
 
 
 def make_scheduler_factory(backend: str, device: Optional[str] = None, capture: int = 0,
-                           max_len: Optional[int] = None):
+                           max_len: Optional[int] = None, threads: Optional[int] = None):
     """`factory(config, kv_pool_size, shuffle=None)` for a backend name (one of BACKENDS).
     capture > 0: device backends take the recorded step (`GpuScheduler.capture`) with that
     queue capacity (and running capacity), and `max_len` [tokens] as its bound on fill
-    lengths when given (fewer search and tree rounds than the default, the pool's size)."""
+    lengths when given (fewer search and tree rounds than the default, the pool's size).
+    threads: device backends set torch's intra-op CPU threads to it (`torch.set_num_threads`;
+    0 or None: torch's default, one per core)."""
     if capture < 0:
         raise CliError(f"--capture must be >= 0, got {capture}")
+    if threads is not None and threads < 0:
+        raise CliError(f"--threads must be >= 0, got {threads}")
     if backend == "reference":
         if capture:
             raise CliError("--capture needs a device backend (torch or triton), not the reference")
@@ -43,10 +47,14 @@ def make_scheduler_factory(backend: str, device: Optional[str] = None, capture: 
 
         return lambda cfg, kv, shuffle=None: ReferenceScheduler(cfg, kv, shuffle=shuffle)
     if backend in ("torch", "triton"):
+        import torch
+
         from .scheduler import GpuScheduler
 
         dev = device or "cpu"
         check_device(dev)
+        if threads:
+            torch.set_num_threads(threads)
 
         def factory(cfg, kv, shuffle=None):
             s = GpuScheduler(cfg, kv, shuffle=shuffle, backend=backend, device=dev)
@@ -218,10 +226,14 @@ def cmd_replay(args) -> int:
         trace = load_trace(args)
     except (FileNotFoundError, ValueError, TypeError) as e:  # TraceFormatError is a ValueError
         raise CliError(str(e)) from None
+    if not trace.requests:  # a summary of nothing (all n/a) would read as a run
+        given = (f" with --limit {args.limit}" if args.limit == 0 else
+                 " with --synthetic-requests 0" if not getattr(args, "trace", None) else "")
+        raise CliError(f"no requests to replay in {trace.source or trace.name}{given}")
     # after the trace: a device backend imports torch (seconds), a wrong path should not wait
     # a request's fill is its prompt and at most max(output_len, 1) generated tokens (engine.py)
     max_len = max((r.input_len + max(r.output_len, 1) for r in trace.requests), default=1)
-    factory = make_scheduler_factory(args.backend, args.device, args.capture, max_len)
+    factory = make_scheduler_factory(args.backend, args.device, args.capture, max_len, args.threads)
     progress = not args.no_progress and sys.stderr.isatty()
     summaries, runs = {}, {}
     for name, cfg in configs.items():
@@ -296,7 +308,7 @@ def cmd_trace_stats(args) -> int:
 def cmd_conformance(args) -> int:
     from .conformance import run_file
 
-    factory = make_scheduler_factory(args.backend, args.device, args.capture)
+    factory = make_scheduler_factory(args.backend, args.device, args.capture, threads=args.threads)
     try:
         passed, failed = run_file(args.file, factory)
     except (FileNotFoundError, ValueError) as e:  # reading the file; a scenario's own errors are failures
@@ -322,6 +334,10 @@ def _add_backend_flags(p: argparse.ArgumentParser) -> None:
                    help="device backends: the recorded step (CUDA graph on CUDA) for queues up to N "
                         "(default 0: off); on a CPU it runs the step's tensor forms, a check of its "
                         "decisions that is far slower than the eager path")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="device backends: torch's CPU threads (default %(default)s; 0: torch's default, one "
+                        "per core). The scheduler's CPU tensor ops are small: more threads add fork/join "
+                        "cost, and stall whenever another process holds a core")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -62,7 +62,10 @@ class SchedulerConfig:
         prefill_max_requests: cap on requests admitted per step; None = no cap (R-ADM-3.1).
         truncation_align_size: chunk-length alignment [tokens]; None = off (R-ADM-3.7).
         disable_radix_cache: R-RC-8; cache-aware policies become fcfs (R-ORD-1).
-        schedule_conservativeness: scales the initial new-token ratio (R-DEC-1).
+        schedule_conservativeness: scales the initial new-token ratio (R-DEC-1). The
+            schedulers do not read it: the ratio is `step(new_token_ratio=...)`'s argument,
+            tracked by the engine (`gpu_sched.NewTokenRatio.from_config(config)` does R-DEC-1's
+            tracking; `gpu-sched replay` uses it).
         random_seed: seed of the `random` policy's generator (R-ORD-6).
     """
 

@@ -22,19 +22,27 @@ STOP_REASONS = (
 class PrefillPlan:
     """One step's decisions.
 
+    A request's fill is its prompt followed by the output tokens decoded so far; positions
+    below are token positions in it. Extending [extend_start, extend_end) means prefilling
+    those tokens: positions below extend_start are reused from the prefix cache (or were
+    prefilled by an earlier chunk).
+
     Attributes:
         admitted: (rid, extend_start, extend_end) in admission order [token positions of fill];
             the in-flight chunked request, when there is one, first.
         new_chunked_rid: the request that became the chunked request this step, or None.
         chunked_rid_after: the chunked request after the step (new one, or the in-flight one
             if it still has tokens left), or None.
-        preempted: victims in running-batch order (R-ADM-7).
+        preempted: rids of the victims, in running-batch order (R-ADM-7); they are back in
+            the queue.
         ordered, active_policy, queue_order, num_matched, deprioritized: what ordering did
             (R-ORD); `num_matched`/`deprioritized` only for an active cache-aware policy.
         batch_is_full: the full mark after the step. stop: one of STOP_REASONS.
         budgets, budgets_start: {rem_total (float64), cur_rem, rem_input, rem_chunk} at the end
             of the step and right after the budgets were built; None on R-STEP-1 exits.
-        log_hit_tokens, log_input_tokens: R-ADM-2 counters [tokens].
+        log_hit_tokens, log_input_tokens: R-ADM-2 counters [tokens] over the admitted
+            requests: cached prefix tokens reused (prefix_len), and tokens to prefill rounded
+            up to whole pages (ceilP(ext)), as SGLang's prefill log counts them.
         available, evictable, protected: pool/cache sizes after the step [tokens].
         preempt_evicted_tokens: tokens evicted by R-ADM-7's releases.
     """
@@ -61,10 +69,12 @@ class PrefillPlan:
 
     @property
     def admitted_rids(self) -> List[str]:
+        """The admitted requests' rids, in admission order."""
         return [a[0] for a in self.admitted]
 
     @property
     def extend_tokens(self) -> int:
+        """Tokens this step prefills: the sum of the extend ranges' lengths [tokens]."""
         return sum(e - s for _, s, e in self.admitted)
 
     def to_dict(self) -> dict:

@@ -154,7 +154,9 @@ class GpuScheduler(ReferenceScheduler):
     Args:
         config, kv_pool_size, shuffle: as `ReferenceScheduler`.
         backend: "torch" (any device) or "triton" (Triton kernels for keys and tree passes;
-            on CPU only under TRITON_INTERPRET=1).
+            on a CPU device they run in Triton's interpreter: the constructor sets
+            TRITON_INTERPRET=1 unless the environment sets it, which takes effect only if no
+            kernel module was imported before; a test-speed path, not a fast one).
         device: torch device (default "cpu").
 
     Attributes:

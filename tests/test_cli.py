@@ -165,6 +165,10 @@ def _bad_rows(tmp_path):
     (["replay", "--backend", "cuda-magic"], "backend"),
     (["replay", "--capture", "64"], "--capture needs a device backend"),
     (["replay", "--backend", "torch", "--capture", "-1"], "--capture must be >= 0"),
+    (["replay", "--backend", "torch", "--threads", "-1"], "--threads must be >= 0"),
+    (["replay", "--limit", "0"], "no requests to replay in synthetic"),
+    (["replay", "--synthetic-requests", "0"], "no requests to replay in synthetic"),
+    (["replay", "--trace", "BAD", "--limit", "0"], "no requests to replay in"),
     (["replay", "--device", "cuda"], "--device cuda needs a device backend"),
     (["conformance", "BAD", "--device", "cuda:0"], "--device cuda:0 needs a device backend"),
     (["replay", "--backend", "torch", "--device", "gpu"], "--device 'gpu' is not a torch device"),
@@ -221,6 +225,20 @@ def test_cuda_device_without_cuda_is_one_error(command, backend, capsys):
     assert rc == 2 and captured.out == ""
     # a CPU-only torch has no CUDA; a CUDA build without a visible GPU sees no device
     assert re.fullmatch(r"gpu-sched: error: --device cuda: torch \S+ (has no CUDA|sees no CUDA device)\n", captured.err)
+
+
+@pytest.mark.parametrize("flag, threads", [([], 1), (["--threads", "2"], 2)])
+def test_replay_sets_torch_threads(flag, threads, capsys, monkeypatch):
+    """Device backends run with one torch CPU thread unless --threads says otherwise (the
+    step's ops are small: more threads cost more than they save, and stall under load)."""
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    assert main(["replay", "--synthetic-requests", "5", "--no-progress", "--backend", "torch"] + flag) == 0
+    assert calls == [threads]
+    calls.clear()
+    assert main(["replay", "--synthetic-requests", "5", "--no-progress", "--backend", "torch", "--threads", "0"]) == 0
+    assert main(["replay", "--synthetic-requests", "5", "--no-progress"] + flag) == 0  # the reference: no torch
+    assert calls == []  # 0: torch's default, left alone
 
 
 def test_cuda_index_beyond_device_count_is_one_error(monkeypatch, capsys):

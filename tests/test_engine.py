@@ -187,3 +187,17 @@ def test_check_reports_the_first_violation():
 def test_bad_kv_tokens(kv):
     with pytest.raises(ValueError, match="kv_tokens"):
         _run(synthetic_workload(2), kv=kv)
+
+
+def test_new_token_ratio_public_and_checked():
+    """`gpu_sched.NewTokenRatio` is the simulator's tracker, made from a config's
+    conservativeness; a conservativeness that is not a finite number > 0 is refused."""
+    import gpu_sched
+    from gpu_sched import SchedulerConfig
+
+    assert gpu_sched.NewTokenRatio is NewTokenRatio
+    r = NewTokenRatio.from_config(SchedulerConfig(schedule_conservativeness=0.5))
+    assert r.init == 0.35 and r.value == 0.35
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="conservativeness must be a finite number > 0"):
+            NewTokenRatio(bad)

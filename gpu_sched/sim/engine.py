@@ -38,6 +38,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from ..config import SchedulerConfig
 from ..plan import DecisionDigest
+from ..ratio import NewTokenRatio
 from ..request import Request
 from .metrics import RequestRecord, StepRecord, summarize
 from .traces import Trace, output_token_ids
@@ -45,8 +46,6 @@ from .traces import Trace, output_token_ids
 __all__ = ["CostModel", "COST_MODELS", "DEFAULT_COST_MODEL", "get_cost_model", "NewTokenRatio",
            "SimulationError", "replay"]
 
-RETRACT_DECODE_STEPS = 20  # R-DEC-1: reserve per remaining request after a retraction
-RATIO_DECAY_STEPS = 600  # R-DEC-1: decode steps from init to min_ratio
 
 
 class SimulationError(RuntimeError):
@@ -117,28 +116,6 @@ def get_cost_model(model: Union[str, CostModel]) -> CostModel:
     if model not in COST_MODELS:
         raise ValueError(f"unknown cost model {model!r}; choose from {', '.join(COST_MODELS)}")
     return COST_MODELS[model]
-
-
-# ---- new-token ratio (R-DEC-1) ------------------------------------------------------------
-class NewTokenRatio:
-    """R-DEC-1: init = min(0.7 * conservativeness, 1), floor 0.14 * init, linear decay to the
-    floor over 600 decode steps without retraction, reset after a retraction, init when idle."""
-
-    def __init__(self, conservativeness: float = 1.0):
-        self.init = min(0.7 * float(conservativeness), 1.0)
-        self.min_ratio = 0.14 * self.init
-        self.decay_step = (self.init - self.min_ratio) / RATIO_DECAY_STEPS
-        self.value = self.init
-
-    def decay(self) -> None:
-        self.value = max(self.value - self.decay_step, self.min_ratio)
-
-    def after_retraction(self, out_tokens: int, n_running: int, max_new_tokens: int) -> None:
-        """`out_tokens`, `max_new_tokens`: sums over the requests still running."""
-        self.value = min(1.0, (out_tokens + RETRACT_DECODE_STEPS * n_running) / (max_new_tokens + 1))
-
-    def reset(self) -> None:
-        self.value = self.init
 
 
 # ---- the simulator ------------------------------------------------------------------------

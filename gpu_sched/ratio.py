@@ -1,0 +1,58 @@
+"""The new-token ratio an engine passes to `step()` (SPEC R-DEC-1).
+
+The schedulers do not track the ratio themselves: it depends on what the engine did since the
+last step (decode steps, retractions, idle iterations), so it is `step(new_token_ratio=...)`'s
+argument, as SGLang's scheduler loop owns `new_token_ratio`. `NewTokenRatio` is that
+bookkeeping, ready to use: the engine calls `decay()` after each decode step that fitted,
+`after_retraction(...)` after `retract_decode()`, and `reset()` on an iteration that runs no
+batch; `value` is the ratio for the next `step()`. `gpu-sched replay` drives it this way.
+"""
+
+from __future__ import annotations
+
+RETRACT_DECODE_STEPS = 20  # R-DEC-1: decode steps reserved per still-running request after a retraction
+RATIO_DECAY_STEPS = 600  # R-DEC-1: decode steps from init down to the floor
+
+__all__ = ["NewTokenRatio", "RATIO_DECAY_STEPS", "RETRACT_DECODE_STEPS"]
+
+
+class NewTokenRatio:
+    """R-DEC-1's new-token ratio: the share of a request's remaining `max_new_tokens` that
+    admission reserves KV for (in (0, 1]).
+
+    Starts at `init = min(0.7 * conservativeness, 1)`; each decode step without retraction
+    lowers it by `(init - min_ratio) / 600` down to `min_ratio = 0.14 * init`; a retraction
+    raises it to `min(1, (sum out + 20 * n) / (sum max_new + 1))` over the n requests still
+    running; an idle iteration puts it back to `init`.
+
+    Args:
+        conservativeness: `SchedulerConfig.schedule_conservativeness` (> 0; above 1/0.7 the
+            initial ratio is capped at 1).
+    """
+
+    def __init__(self, conservativeness: float = 1.0):
+        c = float(conservativeness)
+        if not c > 0 or c == float("inf"):
+            raise ValueError(f"conservativeness must be a finite number > 0, got {conservativeness!r}")
+        self.init = min(0.7 * c, 1.0)
+        self.min_ratio = 0.14 * self.init
+        self.decay_step = (self.init - self.min_ratio) / RATIO_DECAY_STEPS
+        self.value = self.init
+
+    @classmethod
+    def from_config(cls, config) -> "NewTokenRatio":
+        """The ratio for a `SchedulerConfig` (its `schedule_conservativeness`)."""
+        return cls(config.schedule_conservativeness)
+
+    def decay(self) -> None:
+        """After a decode step in which every running request got its KV slot."""
+        self.value = max(self.value - self.decay_step, self.min_ratio)
+
+    def after_retraction(self, out_tokens: int, n_running: int, max_new_tokens: int) -> None:
+        """After `retract_decode()`: `out_tokens` [tokens] and `max_new_tokens` [tokens] are
+        sums over the `n_running` requests still running (output so far, and their caps)."""
+        self.value = min(1.0, (out_tokens + RETRACT_DECODE_STEPS * n_running) / (max_new_tokens + 1))
+
+    def reset(self) -> None:
+        """After an iteration that ran no batch (nothing running and nothing admitted)."""
+        self.value = self.init
