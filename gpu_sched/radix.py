@@ -199,6 +199,7 @@ class FlatRadixTree:
         self.next_cid = 1
         self.next_order = 1
         self.top = 0  # bump pointer of the token pool
+        self._reuse = 0  # where `_free_run` looks for freed positions below `top` next
         self._free_nodes: List[int] = list(range(N - 1, 0, -1))
         self._hwm = 1  # node_bound()
         self._host_arrays = HostViews()  # `_np`'s views
@@ -688,13 +689,42 @@ class FlatRadixTree:
         return self._hwm
 
     def _alloc_tokens(self, n: int) -> int:
+        """Pool offset of n contiguous free positions: past the bump pointer `top` while the pool
+        has room there, then the next free run of n positions below `top` from the reuse cursor
+        (`_free_run`: evictions free the oldest leaves, which were allocated first, so freed
+        ranges come back roughly in pool order), and only when neither exists a compaction. A
+        reused range moves no live token, so matches and the change log stay valid."""
         if self.top + n > self.token_capacity:
+            off = self._free_run(n)
+            if off >= 0:
+                return off
             self.compact()
         if self.top + n > self.token_capacity:
             raise MemoryError(f"radix tree token capacity {self.token_capacity} exhausted (need {n} tokens)")
         off = self.top
         self.top += n
         return off
+
+    def _free_run(self, n: int) -> int:
+        """The first offset >= the reuse cursor `_reuse` of n free pool positions (owner -1)
+        below `top`, the cursor moved past them; -1 (cursor back to 0) when there is none
+        before `top`. Each failed window moves the cursor past its last live position, so one
+        sweep of the pool reads every position about once."""
+        owner = self._np("owner") if self._on_cpu else self.owner
+        c = self._reuse
+        while n > 0 and c + n <= self.top:
+            live = owner[c : c + n] >= 0
+            if self._on_cpu:
+                occ = np.flatnonzero(live)
+                last = int(occ[-1]) if occ.size else -1
+            else:
+                last = int(torch.nonzero(live).max()) if bool(live.any()) else -1
+            if last < 0:
+                self._reuse = c + n
+                return c
+            c += last + 1
+        self._reuse = 0
+        return -1
 
     def compact(self) -> None:
         """Move the live token ranges to the front of the pool (one gather per array)."""
@@ -718,6 +748,7 @@ class FlatRadixTree:
         live = self.hkeys >= 0
         self.hvals[live] = remap[self.hvals[live]]
         self.top = total
+        self._reuse = 0
 
     # ---- match (R-RC-4) --------------------------------------------------------------------
     def _find(self, tokens, lengths, ns, chunk_hashes=None, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
@@ -1951,6 +1982,12 @@ class FlatRadixTree:
             ev = pr = 0
         assert (ev, pr) == (int(self.evictable_size), int(self.protected_size)), (
             f"evictable/protected {int(self.evictable_size)}/{int(self.protected_size)} != {ev}/{pr}")
+        # every live token's pool position is owned by its node, and no other position is owned
+        assert int(torch.count_nonzero(self.owner >= 0)) == ev + pr, "owned pool positions != live tokens"
+        if nodes.numel():
+            off, ln = self.key_off[nodes], self.key_len[nodes]
+            assert bool((self.owner[off] == nodes).all()) and bool((self.owner[off + ln - 1] == nodes).all()), (
+                "a node's first or last pool position is owned by another node")
         live_entries = int(torch.count_nonzero(self.hkeys >= 0))  # 6x less than a bool sum on a CPU
         assert live_entries == (ev + pr) // self.P, f"hash entries {live_entries} != pages {(ev + pr) // self.P}"
 

@@ -58,10 +58,11 @@ def pad(queries):
 class Pair:
     """The reference cache and the flat tree driven with the same operations."""
 
-    def __init__(self, page_size, chunk_pages=None, seed=0):
+    def __init__(self, page_size, chunk_pages=None, seed=0, token_capacity=1 << 14):
         self.pool = KVPool(1 << 16)
         self.ref = RadixCache(self.pool, page_size)
-        self.flat = FlatRadixTree(page_size, max_nodes=4096, token_capacity=1 << 14, chunk_pages=chunk_pages, seed=seed)
+        self.flat = FlatRadixTree(page_size, max_nodes=4096, token_capacity=token_capacity, chunk_pages=chunk_pages,
+                                  seed=seed)
         self.P = page_size
         self.ref_locks, self.flat_locks = [], []
 
@@ -408,6 +409,73 @@ def test_single_insert_walk_writes_what_the_array_form_writes(page_size, monkeyp
         assert outs[0] == outs[1], (step, outs)
         assert_same_tree(*trees, step)
     trees[0].check_integrity()
+
+
+def test_freed_pool_ranges_are_reused_before_compacting(monkeypatch):
+    """A full token pool takes the next free run of positions at or after the reuse cursor
+    (evicted leaves' ranges) without moving a live token; only when no free run is left below
+    the bump pointer does it compact. Matches and the pool's ownership stay right throughout."""
+    compactions = []
+    orig = FlatRadixTree.compact
+    monkeypatch.setattr(FlatRadixTree, "compact", lambda self: (compactions.append(self.top), orig(self)))
+    pr = Pair(1, token_capacity=64)
+    t = pr.flat
+    seqs = {k: [k * 100 + i for i in range(20)] for k in (1, 2, 3)}
+    for k in (1, 2, 3):  # pool positions 0-19, 20-39, 40-59
+        pr.insert(seqs[k], 0)
+    pr.evict(20)  # the oldest leaf, seqs[1]: positions 0-19 freed
+    pr.check()
+    floor = t._log_floor
+    pr.insert([400 + i for i in range(16)], 0)  # 60 + 16 > 64: the free run at 0
+    node = int(t.owner[0])
+    assert (int(t.key_off[node]), int(t.key_len[node])) == (0, 16) and compactions == []
+    assert t._log_floor == floor  # nothing moved: the change log still reaches back
+    assert int(t.owner[20]) != node and int(t.key_off[int(t.owner[20])]) == 20  # live ranges stayed
+    pr.match([seqs[2] + [7], seqs[3], [400 + i for i in range(16)]], [0, 0, 0])
+    pr.check()
+    pr.insert([500 + i for i in range(3)], 0)  # 60 + 3 <= 64: past the bump pointer
+    assert int(t.key_off[int(t.owner[60])]) == 60 and t.top == 63
+    pr.insert([600 + i for i in range(4)], 0)  # 63 + 4 > 64: positions 16-19, the rest of the freed run
+    assert int(t.key_off[int(t.owner[16])]) == 16 and int(t.owner[19]) == int(t.owner[16]) and compactions == []
+    pr.check()
+    pr.match([seqs[2], seqs[3], [400 + i for i in range(16)], [600, 601, 602, 603]], [0] * 4)
+    pr.evict(3)  # the least recent leaf, [500, 501, 502]: 60-62 free, but 60-63 is not all below top
+    assert int(t.owner[60]) == -1
+    pr.insert([700 + i for i in range(4)], 0)  # no free run of 4 below top: compacts
+    assert compactions == [63]
+    pr.match([seqs[2], seqs[3], [600, 601, 602, 603], [700, 701, 702, 703]], [0] * 4)
+    pr.check()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_small_token_pool_random_sequences(page_size):
+    """Random inserts, matches and evictions on a tree whose token pool is a few sequences
+    long, so that it reuses freed ranges and compacts again and again: the same cache as the
+    reference after every operation, and the pool's ownership consistent."""
+    P = page_size
+    rng = random.Random(P)
+    cap = 48 * P
+    pr = Pair(P, token_capacity=cap)
+    bases = [[rng.randrange(5) for _ in range(rng.randrange(1, 12) * P)] for _ in range(5)]
+    reused = compacted = 0
+    for step in range(300):
+        op = rng.randrange(5)
+        if op == 0:
+            pr.evict(rng.randrange(1, 16) * P)
+        elif op == 1:
+            qs = [random_seq(rng, bases, 5) for _ in range(rng.randrange(1, 4))]
+            pr.match(qs, [0] * len(qs))
+        else:
+            q = random_seq(rng, bases, 5)
+            live = int(pr.flat.evictable_size) + int(pr.flat.protected_size)
+            if live + len(q) > cap:  # the reference's pool has room: keep the tree's within its own
+                pr.evict(live + len(q) - cap)
+            top, floor = pr.flat.top, pr.flat._log_floor
+            pr.insert(q, 0)
+            reused += pr.flat.top == top and pr.flat._log_floor == floor and pr.flat._reuse > 0
+            compacted += pr.flat._log_floor != floor
+        pr.check()
+    assert reused > 10 and compacted > 3, (reused, compacted)
 
 
 def test_batched_match_splits_like_sequential():
