@@ -42,7 +42,8 @@ Hash table
   (so siblings whose last tokens are close do not pile up in one run). A batched insert runs in
   rounds: every pending key claims its current slot if free (EMPTY or a tombstone), the largest
   batch index wins a contested slot, the others move one slot on. Deletion leaves tombstones;
-  a rebuild drops them when the table passes 3/4.
+  a rebuild drops them when the table passes 3/4. A CPU tree also keeps the slot of each page
+  end's entry at its pool position (`hslot`), so its deletions write tombstones without probing.
 
 Queries in CSR form
   `match_csr` takes the queries as one flat token pool with per-request offsets (as the request
@@ -179,6 +180,11 @@ class FlatRadixTree:
         self.hkeys = torch.full((H,), EMPTY, dtype=torch.int64, device=dev)
         self.hvals = torch.full((H,), -1, dtype=torch.int64, device=dev)
         self._h_used = 0  # live entries + tombstones
+        # CPU trees: the table slot of each page end's entry, by pool position (int32: slots <
+        # H <= 2^31), so a host deletion writes its tombstones without probing; valid while every
+        # insert since the last rehash went through the host form (`_hslot_ok`)
+        self.hslot = torch.full((T,), -1, dtype=torch.int32) if self._on_cpu else None
+        self._hslot_ok = True
         self._hclaim: Optional[torch.Tensor] = None  # claim buffer of the triton table insert
         self._claim_tag = 0
         self.evictable_size = torch.zeros((), dtype=torch.int64, device=dev)
@@ -518,9 +524,11 @@ class FlatRadixTree:
         slot = self._probe_host(h)
         return np.where(slot >= 0, self._np("hvals")[np.maximum(slot, 0)], -1)
 
-    def _table_insert(self, h: torch.Tensor, v: torch.Tensor, be: str = "torch") -> None:
+    def _table_insert(self, h: torch.Tensor, v: torch.Tensor, be: str = "torch", positions: bool = False) -> None:
         """Insert absent keys. Round by round every pending key claims its slot if free; of
-        several claimants the largest index wins, the others move one slot on."""
+        several claimants the largest index wins, the others move one slot on. `positions`:
+        the values are pool positions, so a CPU tree's host form records each entry's slot
+        at its value (`hslot`); any other insert stops deletions from trusting those."""
         n = h.numel()
         if n == 0:
             return
@@ -528,6 +536,9 @@ class FlatRadixTree:
         if (self._h_used + n) * 4 > H * 3:
             self._rehash(extra=n, be=be)
             H = self.hkeys.numel()
+        record = positions and self.hslot is not None and _host(h) and be != "triton"
+        if not record:
+            self._hslot_ok = False
         if be == "triton":
             if self._hclaim is None or self._hclaim.numel() != H:
                 self._hclaim = torch.full((H,), -1, dtype=torch.int64, device=self.device)
@@ -539,7 +550,7 @@ class FlatRadixTree:
             self._h_used += n
             return
         if _host(h):
-            self._table_insert_host(h.numpy(), v.numpy())
+            self._table_insert_host(h.numpy(), v.numpy(), record)
             self._h_used += n
             return
         # the pending keys: their indices and current slots (compacted each round)
@@ -564,11 +575,13 @@ class FlatRadixTree:
             raise RuntimeError("prefix hash table: probe limit reached (table too full)")
         self._h_used += n
 
-    def _table_insert_host(self, h: np.ndarray, v: np.ndarray) -> None:
+    def _table_insert_host(self, h: np.ndarray, v: np.ndarray, record: bool = False) -> None:
         """`_table_insert`'s torch rounds on host arrays (a CPU table's views), round for round:
         the same claims and winners (so the same table), in numpy calls of 1-3 us instead of
-        torch CPU ops of 5-15 us. Raises RuntimeError at the probe limit."""
+        torch CPU ops of 5-15 us. `record`: also write each entry's slot at its value (a pool
+        position) in `hslot`. Raises RuntimeError at the probe limit."""
         keys, vals = self._np("hkeys"), self._np("hvals")
+        hs = self._np("hslot") if record else None
         H, n = keys.size, h.size
         idx = np.arange(n, dtype=np.int64)
         pos = home_slot(h, H)
@@ -580,8 +593,11 @@ class FlatRadixTree:
             np.minimum.at(keys, cp, claim)
             won = keys[cp] == claim
             win = cand[won]
-            keys[cp[won]] = h[idx[win]]
-            vals[cp[won]] = v[idx[win]]
+            ws, wv = cp[won], v[idx[win]]
+            keys[ws] = h[idx[win]]
+            vals[ws] = wv
+            if hs is not None:
+                hs[wv] = ws
             lose = np.ones(idx.size, dtype=bool)
             lose[win] = False
             idx, pos = idx[lose], (pos[lose] + 1) & (H - 1)
@@ -589,12 +605,22 @@ class FlatRadixTree:
                 return
         raise RuntimeError("prefix hash table: probe limit reached (table too full)")
 
-    def _table_delete(self, h: torch.Tensor, be: str = "torch") -> None:
-        if self._host_form(be):  # the probe and the tombstones on the table's views
-            slot = self._probe_host(h.numpy())
-            if (slot < 0).any():
-                raise RuntimeError("prefix hash table: deleting an absent entry")
-            self._np("hkeys")[slot] = TOMB
+    def _table_delete(self, h: torch.Tensor, be: str = "torch", pos: Optional[np.ndarray] = None) -> None:
+        """Tombstone the entries of hashes h (int64 [n]); `pos`: their pool positions, which a
+        CPU tree's host form reads the slots of (`hslot`) instead of probing, when every
+        insert since the last rehash recorded them. RuntimeError for an absent entry."""
+        if self._host_form(be):  # the slots and the tombstones on the table's views
+            keys = self._np("hkeys")
+            hn = h.numpy()
+            if pos is not None and self._hslot_ok:
+                slot = self._np("hslot")[pos].astype(np.int64)
+                if not np.array_equal(keys[slot], hn):
+                    raise RuntimeError("prefix hash table: deleting an absent entry")
+            else:
+                slot = self._probe_host(hn)
+                if (slot < 0).any():
+                    raise RuntimeError("prefix hash table: deleting an absent entry")
+            keys[slot] = TOMB
             return
         slot = self._probe(h, be)
         if bool((slot < 0).any()):
@@ -612,7 +638,9 @@ class FlatRadixTree:
         self._host_arrays.drop("hkeys")  # `_np` would re-make them; this frees the old table now
         self._host_arrays.drop("hvals")
         self._h_used = 0
-        self._table_insert(keys, vals, be)
+        self._hslot_ok = self.hslot is not None  # every live entry is entered again: the host form records all
+        T = self.token_capacity
+        self._table_insert(keys, vals, be, positions=not vals.numel() or (int(vals.min()) >= 0 and int(vals.max()) < T))
 
     # ---- change log ------------------------------------------------------------------------
     #: most hashes the change log keeps; older entries are dropped (raising its floor), so a
@@ -739,11 +767,11 @@ class FlatRadixTree:
         src = torch.repeat_interleave(self.key_off[ids] - new_off, lens) + torch.arange(total, device=self.device)
         remap = torch.full((self.token_capacity,), -1, dtype=torch.int64, device=self.device)
         remap[src] = torch.arange(total, device=self.device)
-        for name in ("tok", "val", "hsh", "owner"):
+        for name in ("tok", "val", "hsh", "owner") + (("hslot",) if self.hslot is not None else ()):
             arr = getattr(self, name)
             moved = arr[src].clone()
             arr[:total] = moved
-            arr[total:] = -1 if name == "owner" else 0
+            arr[total:] = -1 if name in ("owner", "hslot") else 0
         self.key_off[ids] = new_off
         live = self.hkeys >= 0
         self.hvals[live] = remap[self.hvals[live]]
@@ -1619,7 +1647,7 @@ class FlatRadixTree:
         self.nchild.index_add_(0, par, torch.ones_like(par))
         self.alive[ids] = True
         page_ends = dst[(src_c % P) == P - 1]
-        self._table_insert(self.hsh[page_ends], page_ends, be)
+        self._table_insert(self.hsh[page_ends], page_ends, be, positions=True)
         self._log_change(self.hsh[page_ends])
         self.evictable_size += n_new
         return m.tolist()
@@ -1666,7 +1694,7 @@ class FlatRadixTree:
         self._np("nchild")[par] += 1
         pe = np.arange(off + P - 1, off + n_new, P, dtype=np.int64)  # m is page-aligned: every P-th new token
         hp = torch.from_numpy(np.ascontiguousarray(h[m + P - 1 :: P]))
-        self._table_insert(hp, torch.from_numpy(pe))  # its host form, after the fill check
+        self._table_insert(hp, torch.from_numpy(pe), positions=True)  # its host form, after the fill check
         self._log_change(hp)
         self._np("evictable_size")[()] += n_new
         return m, off + n_new - 1
@@ -1929,8 +1957,9 @@ class FlatRadixTree:
         within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
         rng = np.repeat(v("key_off")[nodes], lens) + within
         vals = v("val")[rng]
-        h = torch.from_numpy(v("hsh")[rng[within % P == P - 1]])
-        self._table_delete(h)
+        pe = rng[within % P == P - 1]
+        h = torch.from_numpy(v("hsh")[pe])
+        self._table_delete(h, pos=pe)
         self._log_change(h)
         v("owner")[rng] = -1
         np.add.at(v("nchild"), v("parent")[nodes], -1)
@@ -1989,6 +2018,9 @@ class FlatRadixTree:
             assert bool((self.owner[off] == nodes).all()) and bool((self.owner[off + ln - 1] == nodes).all()), (
                 "a node's first or last pool position is owned by another node")
         live_entries = int(torch.count_nonzero(self.hkeys >= 0))  # 6x less than a bool sum on a CPU
+        if self.hslot is not None and self._hslot_ok:  # each entry's slot recorded at its pool position
+            slots = torch.nonzero(self.hkeys >= 0).flatten()
+            assert torch.equal(self.hslot[self.hvals[slots]].to(torch.int64), slots), "hslot != an entry's slot"
         assert live_entries == (ev + pr) // self.P, f"hash entries {live_entries} != pages {(ev + pr) // self.P}"
 
 

@@ -478,6 +478,43 @@ def test_small_token_pool_random_sequences(page_size):
     assert reused > 10 and compacted > 3, (reused, compacted)
 
 
+def test_host_deletion_reads_recorded_slots_until_another_form_inserts(monkeypatch):
+    """A CPU tree's host form deletes entries at the slots its inserts recorded (`hslot`), not
+    by probing; an insert through the torch form (which records no slots) turns that off, the
+    deletions probe again, and the next rehash (every entry entered again by the host form)
+    turns it back on. The tree equals the reference throughout (check_integrity also checks
+    every recorded slot while they are in use)."""
+    probes = []
+    orig = FlatRadixTree._probe_host
+    monkeypatch.setattr(FlatRadixTree, "_probe_host", lambda self, h: (probes.append(h.size), orig(self, h))[1])
+    pr = Pair(1, token_capacity=256)
+    t = pr.flat
+    rng = random.Random(5)
+    seqs = [[rng.randrange(1000) for _ in range(20)] for _ in range(8)]
+    for q in seqs[:4]:
+        pr.insert(q, 0)
+    probes.clear()
+    pr.evict(20)
+    assert t._hslot_ok and probes == []  # tombstones written at the recorded slots
+    pr.check()
+    with PM.torch_forms():
+        pr.insert(seqs[4], 0)
+    assert not t._hslot_ok
+    pr.evict(20)
+    assert sum(probes) >= 20  # the slots are no longer trusted: probed
+    pr.check()
+    t._rehash(extra=t.hkeys.numel())  # the host form enters every live entry again (a larger table)
+    assert t._hslot_ok
+    pr.check()
+    probes.clear()
+    pr.evict(40)
+    assert probes == []
+    for q in seqs[5:]:
+        pr.insert(q, 0)
+    pr.match(seqs, [0] * len(seqs))
+    pr.check()
+
+
 def test_batched_match_splits_like_sequential():
     """R-RC-4 / SPEC 8: several queries cutting one node at different depths in one batch."""
     pr = Pair(1)
