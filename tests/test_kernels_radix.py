@@ -28,7 +28,7 @@ triton = pytest.importorskip("triton")
 from gpu_sched import policy as P  # noqa: E402
 from gpu_sched.kernels import radix as K  # noqa: E402
 from gpu_sched import radix as radix_module  # noqa: E402
-from gpu_sched.radix import FlatRadixTree, home_slot  # noqa: E402
+from gpu_sched.radix import EMPTY, TOMB, FlatRadixTree, home_slot  # noqa: E402
 
 from test_radix_device import ROUNDS, Lanes, pad, random_seq  # noqa: E402
 
@@ -158,6 +158,75 @@ def test_table_insert_contested_slot_goes_to_largest_index():
         # round 1: slot 5 <- key 2 (largest of 0, 1, 2), slot 6 <- key 3;
         # round 2: slot 7 <- key 1 (largest of 0, 1); round 3: slot 8 <- key 0
         assert t.hkeys[5:9].tolist() == [k5[2], k6[0], k5[1], k5[0]], (be, host)
+
+
+def test_table_delete_clears_tombstones_that_end_a_run():
+    """A deleted entry's tombstone turns back to EMPTY when the slot after it is EMPTY, and so
+    in turn do the tombstones before it (none lies on a key's probe path); a tombstone with a
+    live or tombstoned slot after it stays. Every form (host, torch, triton) leaves the same
+    slots, counts the cleared slots out of the used ones, and still finds every live key."""
+    base = FlatRadixTree(1, max_nodes=4, token_capacity=64, device=DEV)
+    H = base.hkeys.numel()
+    rng = random.Random(3)
+    k = keys_with_homes(rng, 6, H, [10])  # one run: slots 10-15
+    h = torch.tensor(k, dtype=torch.int64, device=DEV)
+    base._table_insert(h, torch.arange(6, device=DEV), "torch")
+    order = {key: int(torch.nonzero(base.hkeys == key)[0]) for key in k}  # key -> slot (10..15)
+    by_slot = sorted(k, key=order.get)
+    for be, host in (("torch", True), ("torch", False), ("triton", True)):
+        t = copy.deepcopy(base)
+        used = t._h_used
+        with contextlib.nullcontext() if host else P.torch_forms():
+            # slots 11 and 12: tombstones (a live key after them)
+            t._table_delete(torch.tensor(by_slot[1:3], device=DEV), be)
+            assert t.hkeys[10:17].tolist() == [by_slot[0], TOMB, TOMB] + by_slot[3:] + [EMPTY], (be, host)
+            assert t._h_used == used
+            # slot 15 ends the run (16 is EMPTY): it clears; 14 before it holds a live key
+            t._table_delete(torch.tensor([by_slot[5]], device=DEV), be)
+            assert t.hkeys[15].item() == EMPTY and t._h_used == used - 1, (be, host)
+            # deleting 13 and 14 now clears 14, 13, and the tombstones at 12 and 11 before them
+            t._table_delete(torch.tensor(by_slot[3:5], device=DEV), be)
+            assert t.hkeys[10:16].tolist() == [by_slot[0]] + [EMPTY] * 5, (be, host)
+            assert t._h_used == used - 5
+            assert t.lookup(torch.tensor([by_slot[0]], device=DEV), backend=be).tolist() == [k.index(by_slot[0])]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_table_delete_random_forms_agree_and_find_every_key(seed):
+    """Random insert / delete rounds on a small, crowded table: the host, torch and triton forms
+    leave the same table (tombstones cleared alike), and every live key is found, every deleted
+    one absent."""
+    rng = random.Random(seed)
+    trees = [FlatRadixTree(1, max_nodes=4, token_capacity=128, device=DEV) for _ in range(3)]
+    H = trees[0].hkeys.numel()
+    homes = [rng.randrange(H) for _ in range(6)]
+    pool = keys_with_homes(rng, 200, H, homes)
+    live, vals = [], {}
+    for r in range(30):
+        if live and rng.random() < 0.5:
+            dels = rng.sample(live, rng.randrange(1, len(live) + 1))
+            for t, (be, host) in zip(trees, (("torch", True), ("torch", False), ("triton", True))):
+                with contextlib.nullcontext() if host else P.torch_forms():
+                    t._table_delete(torch.tensor(dels, dtype=torch.int64, device=DEV), be)
+            live = [x for x in live if x not in dels]
+        else:
+            new = [x for x in rng.sample(pool, 12) if x not in live][: max(0, 90 - len(live))]
+            for x in new:
+                vals[x] = rng.randrange(1000)
+            for t, (be, host) in zip(trees, (("torch", True), ("torch", False), ("triton", True))):
+                if new:
+                    with contextlib.nullcontext() if host else P.torch_forms():
+                        t._table_insert(torch.tensor(new, dtype=torch.int64, device=DEV),
+                                        torch.tensor([vals[x] for x in new], device=DEV), be)
+            live += new
+        for t in trees[1:]:
+            assert_equal(t.hkeys, trees[0].hkeys, f"hkeys round {r}")
+            assert t._h_used == trees[0]._h_used
+        if live:
+            assert trees[0].lookup(torch.tensor(live, device=DEV)).tolist() == [vals[x] for x in live]
+        gone = [x for x in pool[:60] if x not in live]
+        if gone:
+            assert trees[0].lookup(torch.tensor(gone, device=DEV)).tolist() == [-1] * len(gone)
 
 
 def test_table_insert_probe_limit():
