@@ -41,9 +41,11 @@ Hash table
   Open addressing with linear probing; a key's home slot is bits 32.. of `key * HASH_MIX`
   (so siblings whose last tokens are close do not pile up in one run). A batched insert runs in
   rounds: every pending key claims its current slot if free (EMPTY or a tombstone), the largest
-  batch index wins a contested slot, the others move one slot on. Deletion leaves tombstones;
-  a rebuild drops them when the table passes 3/4. A CPU tree also keeps the slot of each page
-  end's entry at its pool position (`hslot`), so its deletions write tombstones without probing.
+  batch index wins a contested slot, the others move one slot on. Deletion leaves tombstones,
+  except that a deleted slot followed by an EMPTY one becomes EMPTY, and with it the run of
+  tombstones right before it (no probe passes them: `_clear_tombs`); a rebuild drops the rest
+  when the table passes 3/4. A CPU tree also keeps the slot of each page end's entry at its
+  pool position (`hslot`), so its deletions find their slots without probing.
 
 Queries in CSR form
   `match_csr` takes the queries as one flat token pool with per-request offsets (as the request
@@ -606,9 +608,10 @@ class FlatRadixTree:
         raise RuntimeError("prefix hash table: probe limit reached (table too full)")
 
     def _table_delete(self, h: torch.Tensor, be: str = "torch", pos: Optional[np.ndarray] = None) -> None:
-        """Tombstone the entries of hashes h (int64 [n]); `pos`: their pool positions, which a
-        CPU tree's host form reads the slots of (`hslot`) instead of probing, when every
-        insert since the last rehash recorded them. RuntimeError for an absent entry."""
+        """Delete the entries of hashes h (int64 [n]): tombstones, cleared where no probe needs
+        them (`_clear_tombs`). `pos`: their pool positions, which a CPU tree's host form reads
+        the slots of (`hslot`) instead of probing, when every insert since the last rehash
+        recorded them. RuntimeError for an absent entry."""
         if self._host_form(be):  # the slots and the tombstones on the table's views
             keys = self._np("hkeys")
             hn = h.numpy()
