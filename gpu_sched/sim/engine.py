@@ -47,7 +47,6 @@ __all__ = ["CostModel", "COST_MODELS", "DEFAULT_COST_MODEL", "get_cost_model", "
            "SimulationError", "replay"]
 
 
-
 class SimulationError(RuntimeError):
     """The replay cannot go on: an integrity violation (`check=True`), a request that can never
     be admitted, or a request that outgrows the KV pool. The message names step, time, request."""
