@@ -15,6 +15,9 @@ from typing import Optional
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 CACHE_AGNOSTIC_POLICIES = ("fcfs", "lof", "random", "routing-key")
 POLICIES = CACHE_AWARE_POLICIES + CACHE_AGNOSTIC_POLICIES
+#: decode steps reserved per request that stays running: in a release for preemption or
+#: retraction (R-ADM-7, R-DEC-2) and in the new-token ratio after a retraction (R-DEC-1)
+RETRACT_DECODE_STEPS = 20
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)

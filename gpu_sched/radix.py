@@ -764,15 +764,11 @@ class FlatRadixTree:
         c = self._reuse
         while n > 0 and c + n <= self.top:
             live = owner[c : c + n] >= 0
-            if self._on_cpu:
-                occ = np.flatnonzero(live)
-                last = int(occ[-1]) if occ.size else -1
-            else:
-                last = int(torch.nonzero(live).max()) if bool(live.any()) else -1
-            if last < 0:
+            occ = np.flatnonzero(live) if self._on_cpu else torch.nonzero(live).flatten()
+            if len(occ) == 0:
                 self._reuse = c + n
                 return c
-            c += last + 1
+            c += int(occ[-1]) + 1  # past the window's last live position
         self._reuse = 0
         return -1
 
@@ -2015,6 +2011,7 @@ class FlatRadixTree:
         b = self._hwm  # no live id at or above it (ids are handed out lowest first)
         assert not bool(self.alive[b:].any()), "a live node at or above node_bound()"
         live = self.alive[:b]
+        assert bool((self.parent[:b][~live] == -1).all()), "a dead node slot keeps a parent"
         alive = torch.nonzero(live).flatten()
         nodes = alive[alive != ROOT]
         if nodes.numel():

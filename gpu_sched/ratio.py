@@ -10,7 +10,8 @@ batch; `value` is the ratio for the next `step()`. `gpu-sched replay` drives it 
 
 from __future__ import annotations
 
-RETRACT_DECODE_STEPS = 20  # R-DEC-1: decode steps reserved per still-running request after a retraction
+from .config import RETRACT_DECODE_STEPS
+
 RATIO_DECAY_STEPS = 600  # R-DEC-1: decode steps from init down to the floor
 
 __all__ = ["NewTokenRatio", "RATIO_DECAY_STEPS", "RETRACT_DECODE_STEPS"]

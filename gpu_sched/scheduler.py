@@ -36,7 +36,7 @@ import torch
 
 from .config import SchedulerConfig
 from .device_cache import DeviceRadixCache
-from .reference.policy import OrderResult, active_policy
+from .reference.policy import OrderResult, active_policy, checked_shuffle
 from .reference.scheduler import ReferenceScheduler
 from .reference.state import ReqState
 from .row_queue import LazyList, RowQueue, rid_list
@@ -788,19 +788,8 @@ class GpuScheduler(ReferenceScheduler):
 
         Raises: TypeError when the shuffle returns a non-integer (a float, an array row);
         ValueError when its result is not a permutation of range(n)."""
-        if self._custom_shuffle:
-            perm = list(self.shuffle(n))
-            for k, i in enumerate(perm):  # integers only, as the reference's list indexing takes them
-                try:
-                    perm[k] = operator.index(i)
-                except TypeError:
-                    raise TypeError(f"shuffle({n}) returned {i!r} ({type(i).__name__}) at {k}, not an integer "
-                                    f"index") from None
-            if sorted(perm) != list(range(n)):
-                shown = perm if len(perm) <= 8 else perm[:8] + ["..."]
-                raise ValueError(f"shuffle({n}) returned {shown!r} ({len(perm)} items), "
-                                 f"not a permutation of range({n})")
-            return torch.as_tensor(perm, dtype=torch.int64).reshape(n).to(self.device)
+        if self._custom_shuffle:  # checked as the reference checks it
+            return torch.as_tensor(checked_shuffle(self.shuffle, n), dtype=torch.int64).reshape(n).to(self.device)
         if n == 0:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
         return dpolicy.random_order(n, self._torch_gen, backend=self.backend)
@@ -812,13 +801,12 @@ class GpuScheduler(ReferenceScheduler):
         if policy == "lpm":  # lengths are token counts (< 2^31): int32 keys sort faster
             return dpolicy.lpm_order(num.to(torch.int32), dep, backend=be)
         if self._host_paths():
-            # on the tree's own ids, dead slots detached (parent -1, no requests: the root,
+            # on the tree's own ids (dead slots have parent -1 and no requests: the root,
             # weighing every request, sorts first among the parentless), siblings by their
             # creation-order stamps: the child order itself, so no compaction and no ranks
             t = self.cache.tree
             b = t.node_bound()  # every live id is below it
-            order = t._np("order")[:b]
-            parent = np.where(t._np("alive")[:b], t._np("parent")[:b], -1)
+            order, parent = t._np("order")[:b], t._np("parent")[:b]
             return torch.from_numpy(dpolicy.dfs_weight_perm_host(parent, order, last.numpy(), (b - 1).bit_length(),
                                                                  rank_bound=int(order.max()) + 1))
         parent, rank, remap = self._child_ranks()

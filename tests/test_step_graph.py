@@ -285,12 +285,18 @@ def test_random_recorded_draws_what_the_eager_path_draws():
     assert len({tuple(p["queue_order"]) for p in eager if len(p["queue_order"]) > 3}) > 5  # orders vary
 
 
-@pytest.mark.parametrize("capture", [False, True])
+@pytest.mark.parametrize("capture", [None, False, True])
 def test_random_shuffle_checked(capture):
     """A `shuffle=` whose result is not a permutation of range(n) raises a ValueError naming
     it, one holding a non-integer (a float, an array row) a TypeError, on the eager path and
-    in the recorded step's inputs, before the step changes anything."""
-    s = GpuScheduler(SchedulerConfig(schedule_policy="random"), 1000, shuffle=lambda n: [0] * n)
+    in the recorded step's inputs, before the step changes anything; the reference (capture
+    None) checks it alike (one check, `reference.policy.checked_shuffle`)."""
+    def make(shuffle):
+        if capture is None:
+            return ReferenceScheduler(SchedulerConfig(schedule_policy="random"), 1000, shuffle=shuffle)
+        return GpuScheduler(SchedulerConfig(schedule_policy="random"), 1000, shuffle=shuffle)
+
+    s = make(lambda n: [0] * n)
     if capture:
         s.capture(8, 8)
     s.submit([Request(rid=r, prompt_ids=[1, 2, 3], max_new_tokens=4) for r in "ab"], now=0.0)
@@ -299,7 +305,7 @@ def test_random_shuffle_checked(capture):
     assert [r.rid for r in s.queue] == ["a", "b"] and not s.running and s.available == 1000
     for bad, shown in ((lambda n: [float(i) for i in range(n)], r"0\.0 \(float\) at 0"),
                        (lambda n: np.arange(n).reshape(n, 1), r"\(ndarray\) at 0")):
-        s = GpuScheduler(SchedulerConfig(schedule_policy="random"), 1000, shuffle=bad)
+        s = make(bad)
         if capture:
             s.capture(8, 8)
         s.submit([Request(rid=r, prompt_ids=[1, 2, 3], max_new_tokens=4) for r in "ab"], now=0.0)

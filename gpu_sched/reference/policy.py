@@ -5,6 +5,7 @@ Every sort is Python's stable `list.sort` over the current queue order (R-ORD-11
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
@@ -23,6 +24,24 @@ class OrderResult:
     queue: List[ReqState]
     num_matched: Optional[List[int]] = None
     deprioritized: List[str] = field(default_factory=list)
+
+
+def checked_shuffle(shuffle: Callable[[int], Sequence[int]], n: int) -> List[int]:
+    """R-ORD-6: `shuffle(n)` as a list of Python ints, checked before anything is reordered.
+
+    Raises: TypeError when an item is not an integer (a float, an array row; numpy ints and
+    0-d tensors are taken); ValueError when the result is not a permutation of range(n)."""
+    perm = list(shuffle(n))
+    for k, i in enumerate(perm):
+        try:
+            perm[k] = operator.index(i)
+        except TypeError:
+            raise TypeError(f"shuffle({n}) returned {i!r} ({type(i).__name__}) at {k}, not an integer "
+                            f"index") from None
+    if sorted(perm) != list(range(n)):
+        shown = perm if len(perm) <= 8 else perm[:8] + ["..."]
+        raise ValueError(f"shuffle({n}) returned {shown!r} ({len(perm)} items), not a permutation of range({n})")
+    return perm
 
 
 def active_policy(config: SchedulerConfig, queue_len: int) -> str:
@@ -148,10 +167,7 @@ def order_queue(
         else:
             q.sort(key=lambda r: -r.max_new)
     elif policy == "random":
-        perm = list(shuffle(len(q)))
-        if sorted(perm) != list(range(len(q))):
-            raise ValueError(f"shuffle returned {perm!r}, not a permutation of {len(q)} items")
-        q = [q[i] for i in perm]
+        q = [q[i] for i in checked_shuffle(shuffle, len(q))]
     elif policy == "routing-key":
         counts = Counter(r.req.routing_key for r in running if r.req.routing_key)
         if counts:

@@ -23,7 +23,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..config import SchedulerConfig
+from ..config import RETRACT_DECODE_STEPS, SchedulerConfig
 from ..plan import PrefillPlan
 from ..request import Request, check_real, check_time, check_token_id
 from .adder import AddResult, PrefillAdder
@@ -33,7 +33,6 @@ from .state import ReqState
 
 _RID = operator.attrgetter("rid")
 
-RETRACT_DECODE_STEPS = 20  # reserve per remaining request when releasing (R-ADM-7, R-DEC-2)
 
 
 def _distinct(what: str, rids: Iterable[str]) -> List[str]:
