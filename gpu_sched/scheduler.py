@@ -161,7 +161,8 @@ class GpuScheduler(ReferenceScheduler):
 
     Attributes:
         admit_window: ordered requests the admission scans first (256; with `adaptive_window`,
-            an eighth more than the previous loop admitted, when it admitted any); a loop that
+            an eighth more than the previous loop admitted, when it admitted any, and on the
+            host paths `SCALAR_WINDOW` when it admitted none); a loop that
             admits them all goes on with the next window, twice as long. The sequential loop
             never reads past its stop point, so the decisions do not depend on it; the cost of
             a step's admission is then O(admitted), not O(queue).
@@ -193,7 +194,8 @@ class GpuScheduler(ReferenceScheduler):
     _match_hint = None
     #: start instead with an eighth more than the previous loop's admissions, when it admitted
     #: any (steps admit similar counts: one window, not several doublings, and not a window
-    #: far past the stop point)
+    #: far past the stop point); on the host paths, with `SCALAR_WINDOW` when it admitted none
+    #: (a full KV pool refuses the first request of step after step)
     adaptive_window = True
     #: pause the cyclic garbage collector during `step` (on again after it, if it was on). A
     #: step that admits thousands of requests builds as many plan tuples, and every 700 new
@@ -895,8 +897,27 @@ class GpuScheduler(ReferenceScheduler):
                 # are kept as they are (no hash columns read)
                 m = torch.from_numpy(sel[:, RT_MLEN]).to(dev)
                 return m, torch.from_numpy(sel[:, RT_MPOS]).to(dev)
-            hint = torch.from_numpy(np.stack([np.where(hinted, sel[:, RT_MLEN], -1), sel[:, RT_H1],
-                                              sel[:, RT_H2], sel[:, RT_MPOS]])).to(dev)
+            guess = np.where(hinted, sel[:, RT_MLEN], -1)
+            if self._host_paths():  # the same steps on the columns' numpy views: no torch op per call
+                h1, h2 = torch.from_numpy(sel[:, RT_H1]), torch.from_numpy(sel[:, RT_H2])
+                g = torch.from_numpy(guess)
+                if since is not None:
+                    keep = tree.unchanged(since, h1, h2).numpy() & logged
+                    chk = np.flatnonzero(~keep)
+                    ok, pos = keep.copy(), np.where(keep, sel[:, RT_MPOS], -1)
+                    if chk.size:
+                        c = torch.from_numpy(chk)
+                        ok_c, pos_c = tree.check_matches(lens[c], g[c], h1[c], h2[c], backend=be)
+                        ok[chk], pos[chk] = ok_c.numpy(), pos_c.numpy()
+                else:
+                    ok, pos = (x.numpy() for x in tree.check_matches(lens, g, h1, h2, backend=be))
+                mi = np.flatnonzero(~ok)
+                m = np.where(ok, guess, 0)
+                if mi.size:
+                    fm, fp = self._search_rows(rows, sel, mi)
+                    m[mi], pos[mi] = fm.numpy(), fp.numpy()
+                return torch.from_numpy(m), torch.from_numpy(pos)
+            hint = torch.from_numpy(np.stack([guess, sel[:, RT_H1], sel[:, RT_H2], sel[:, RT_MPOS]])).to(dev)
             if since is not None:
                 keep = tree.unchanged(since, hint[1], hint[2]) & torch.from_numpy(logged).to(dev)
                 chk = torch.nonzero(~keep).flatten()
@@ -913,24 +934,32 @@ class GpuScheduler(ReferenceScheduler):
             m = pos = None
             miss = torch.arange(len(rows), device=dev)
         if miss.numel():
-            mi = miss.cpu().numpy()
-            if self._scalar_find(mi.size):
-                k4 = self._find_rows_scalar(rows[mi], capped=False)
-                fm, fp, hh = torch.from_numpy(k4[0]), torch.from_numpy(k4[1]), k4[2:]
-            else:
-                tok, toff, mlen, ns, ch, coff, cl = self._csr(rows[mi], False)
-                mc = int(sel[mi, RT_FILL].max(initial=0)) // tree.C
-                fm, fp = tree._find_csr(tok, toff, mlen, mlen, ns, ch, coff, cl, mc, be)
-                h1, h2 = tree.depth_hashes(tok, toff, ns, ch, coff, fm)
-                hh = torch.stack([h1, h2]).cpu().numpy()
+            fm, fp = self._search_rows(rows, sel, miss.cpu().numpy())
             if m is None:
                 m, pos = fm, fp
             else:
                 m, pos = m.index_copy(0, miss, fm), pos.index_copy(0, miss, fp)
-            _rt_set(self._rt, rows[mi], RT_MVER, -1)  # no hint until the caller writes the new lengths
-            _rt_set(self._rt, rows[mi], RT_H1, hh[0])
-            _rt_set(self._rt, rows[mi], RT_H2, hh[1])
         return m, pos
+
+    def _search_rows(self, rows: np.ndarray, sel: "_RowCols", mi: np.ndarray):
+        """`_full_match`'s search of the rows at `mi` (int64 [k] indices into `rows`) on the
+        tree, as they have no kept match or theirs changed: (length, last pool position) int64
+        device tensors [k]. Their hashes at the length and one page on are written into their
+        rows, with no hint (RT_MVER = -1) until the caller writes the new lengths."""
+        tree = self.cache.tree
+        if self._scalar_find(mi.size):
+            k4 = self._find_rows_scalar(rows[mi], capped=False)
+            fm, fp, hh = torch.from_numpy(k4[0]), torch.from_numpy(k4[1]), k4[2:]
+        else:
+            tok, toff, mlen, ns, ch, coff, cl = self._csr(rows[mi], False)
+            mc = int(sel[mi, RT_FILL].max(initial=0)) // tree.C
+            fm, fp = tree._find_csr(tok, toff, mlen, mlen, ns, ch, coff, cl, mc, tree.backend)
+            h1, h2 = tree.depth_hashes(tok, toff, ns, ch, coff, fm)
+            hh = torch.stack([h1, h2]).cpu().numpy()
+        _rt_set(self._rt, rows[mi], RT_MVER, -1)
+        _rt_set(self._rt, rows[mi], RT_H1, hh[0])
+        _rt_set(self._rt, rows[mi], RT_H2, hh[1])
+        return fm, fp
 
     def _child_ranks(self):
         """(parent, child_rank) over the live nodes only (compacted ids, root first) and the map
@@ -967,7 +996,13 @@ class GpuScheduler(ReferenceScheduler):
         i, n = 0, len(queue)
         start, lead = len(adder.can_run), 0  # queue[:lead] admitted, in order, after `start` entries
         W = max(1, int(self.admit_window))
-        if self.adaptive_window and self._last_admitted:
+        if self.adaptive_window and not self._last_admitted:
+            if self.SCALAR_WINDOW > 0 and self._host_paths() and not self.config.enable_priority_preemption:
+                # the previous loop admitted nothing: most likely this one stops at once too,
+                # so a window the reference's loop decides (`_scalar_admission`: ~30 us) comes
+                # before a static one over `admit_window` requests (~300 us at 256)
+                W = min(W, self.SCALAR_WINDOW)
+        elif self.adaptive_window:
             # an eighth more than the last loop admitted, rounded up to a multiple of 1/8 of the
             # power of two at or below that (a window past the stop point is wasted work; one
             # too short costs a second, twice as long)

@@ -283,6 +283,46 @@ def test_admission_windows_match_reference(name, monkeypatch):
     assert hits["recorded"] > 10, hits
 
 
+def test_window_after_a_loop_that_admitted_nothing(monkeypatch):
+    """On the host paths a loop after one that admitted nothing starts with a window of
+    SCALAR_WINDOW requests (the reference's loop on it) instead of `admit_window`: while the
+    KV pool is full, step after step refuses the first request; the plans stay the reference's."""
+    windows = []
+    scalar, static = GpuScheduler._scalar_admission, GpuScheduler._static_admission
+    monkeypatch.setattr(GpuScheduler, "_scalar_admission",
+                        lambda self, rest, *a, **k: windows.append(("scalar", len(rest))) or scalar(self, rest, *a, **k))
+    monkeypatch.setattr(GpuScheduler, "_static_admission",
+                        lambda self, rest, *a, **k: windows.append(("static", len(rest))) or static(self, rest, *a, **k))
+    scheds = [ReferenceScheduler(SchedulerConfig(), 400), GpuScheduler(SchedulerConfig(), 400)]
+    for s in scheds:  # each its own Request objects: a step appends to their output_ids
+        first = [Request(rid="big", prompt_ids=list(range(1, 331)), max_new_tokens=2)]
+        first += [Request(rid=f"s{k}", prompt_ids=[1000 + 10 * k + j for j in range(10)], max_new_tokens=2)
+                  for k in range(3)]
+        queued = [Request(rid=f"r{i}", prompt_ids=[5000 + 60 * i + j for j in range(60)], max_new_tokens=2)
+                  for i in range(300)]
+        s.submit(first, now=0.0)
+        assert [x[0] for x in s.step(1.0).admitted] == ["big", "s0", "s1", "s2"]
+        s.complete_prefill({r.rid: 7 for r in first})
+        s.submit(queued, now=1.0)
+    windows.clear()
+    for k in range(2):  # a finish makes room, but not enough for a 60-token prompt
+        plans = []
+        for s in scheds:
+            s.finish([f"s{k}"])
+            plans.append(s.step(1.0))
+        assert plans[0].admitted == plans[1].admitted == [], plans[1].admitted
+        assert plans[0].stop == plans[1].stop and list(plans[0].queue_order) == list(plans[1].queue_order)
+    # after the loop that admitted four: an eighth more than that (`adaptive_window`); after
+    # the one that admitted none: SCALAR_WINDOW, not admit_window (256)
+    assert windows == [("scalar", 5), ("scalar", GpuScheduler.SCALAR_WINDOW)], windows
+    plans = []
+    for s in scheds:
+        s.finish(["big"])
+        plans.append(s.step(1.0))
+    assert plans[0].admitted == plans[1].admitted and plans[0].admitted, plans[0].admitted
+    assert plans[0].budgets == plans[1].budgets
+
+
 def test_unadmitted_slice_and_general_filter():
     """R-STEP-4 on GpuScheduler: a leading run of admitted requests (after the in-flight chunk)
     is cut off as a slice; anything else gives the reference's filter."""
