@@ -355,6 +355,8 @@ def test_complete_prefill_bad_tokens_change_nothing(serving, tokens, exc, words)
     ({"a": 5, "b": "x", "ab": 1}, TypeError, "tokens['b'] must be an int token id, got str 'x'"),
     ({"a": 5, "b": 1, "ab": 1, "nope": 1}, ValueError, "['nope'] are not running"),
     ({"a": 5, "b": -7, "ab": 1}, ValueError, "tokens['b'] = -7 is outside"),
+    ({"a": 5, "b": True, "ab": 1}, TypeError, "tokens['b'] must be an int token id, got bool"),
+    ({"a": 5, "b": 1, "ab": 2.0}, TypeError, "tokens['ab'] must be an int token id, got float"),
     ({"a": 2**40, "b": 1, "ab": 1}, ValueError, "tokens['a'] = 1099511627776 is outside"),
     ({"a": 5, "b": 1}, ValueError, "missing for running requests ['ab']"),
     ({"a": 5, "b": 1, "zz": 1}, ValueError, "['zz'] are not running (and no token for running requests ['ab'])"),
@@ -430,6 +432,16 @@ def test_config_optional_field_error_says_none(field, meaning):
     """An optional int field's error says what None means (the CLI's 0 = off is not the API's)."""
     with pytest.raises(ValueError, match=rf"{field} must be >= 1 or None \({meaning}\), got 0"):
         SchedulerConfig(**{field: 0})
+
+
+def test_decode_numpy_token_ids_become_python_ints(serving):
+    """Token ids may be numpy integers (an engine's sampled tensor read back); outputs hold
+    them as Python ints, as plain ints are held."""
+    serving.complete_prefill({"a": 1, "b": 2, "ab": 3})
+    serving.decode({"a": np.int32(5), "b": np.int64(6), "ab": 7})
+    outs = [serving.reqs[x].req.output_ids for x in ("a", "b", "ab")]
+    assert outs == [[1, 5], [2, 6], [3, 7]] and all(type(t) is int for o in outs for t in o)
+    serving.check_integrity()
 
 
 @pytest.mark.parametrize("kind", ["reference", "torch"])

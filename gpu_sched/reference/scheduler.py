@@ -25,7 +25,7 @@ import numpy as np
 
 from ..config import RETRACT_DECODE_STEPS, SchedulerConfig
 from ..plan import PrefillPlan
-from ..request import Request, check_real, check_time, check_token_id
+from ..request import INT32_MAX, Request, check_real, check_time, check_token_id
 from .adder import AddResult, PrefillAdder
 from .policy import order_queue
 from .radix_cache import KVPool, RadixCache, TreeNode
@@ -432,7 +432,12 @@ class ReferenceScheduler:
                 more = f" (and no token for running requests {missing[:5]})" if missing else ""
                 raise ValueError(f"decode: requests {extra[:5]} are not running{more}")
             raise ValueError(f"decode tokens missing for running requests {missing[:5]}")
-        tokens = {rid: check_token_id(f"decode tokens[{rid!r}]", t) for rid, t in tokens.items()}
+        ids = list(tokens.values())
+        # plain ints in range, the common case, are taken as they are (one pass each for the
+        # type and the bounds); anything else is checked and converted one by one, which
+        # names the first bad request
+        if not (all(type(t) is int for t in ids) and min(ids, default=0) >= 0 and max(ids, default=0) <= INT32_MAX):
+            tokens = {rid: check_token_id(f"decode tokens[{rid!r}]", t) for rid, t in tokens.items()}
         n = len(self.running)
         evictable = self.cache.evictable_size  # a device read on a device cache: once
         if n > self.pool.available + evictable:  # evicting would not be enough: say so first
@@ -445,7 +450,7 @@ class ReferenceScheduler:
             r.ensure_kv_capacity(r.kv_len + 1)
             r.kv[r.kv_len] = s
             r.kv_len += 1
-            r.req.output_ids.append(int(tokens[r.rid]))
+            r.req.output_ids.append(tokens[r.rid])
 
     def finish(self, rids: Iterable[str]) -> None:
         """R-DEC-3: cache each finished request's computed sequence (page-aligned), free the
