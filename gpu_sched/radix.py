@@ -383,31 +383,57 @@ class FlatRadixTree:
         same values in numpy calls of a few us instead of torch CPU ops of 10-30 us (one
         2k-token prompt: ~300 us in torch). Unchecked: for callers whose tokens (int [T]),
         lengths (int64 numpy [B], summing to T) and namespaces ([B]) are built consistent
-        (the checked entry is `chunk_hashes_flat`). int64 [sum(lengths // every)]."""
+        (the checked entry is `chunk_hashes_flat`). int64 [sum(lengths // every)].
+
+        When every * max(token + 1) < 2^32 (any real vocabulary at the default chunk length),
+        a chunk's terms are summed unreduced (each below 2^63 / every: the powers are below
+        2^31) and reduced once per chunk, and the prefix sums run over chunks, not tokens:
+        the same values (sums mod p do not depend on where they are reduced), 1.5x faster
+        for a 2k-token fill and 5x for a 60k-token one (no per-token `%`, no per-token cumsum)."""
         T = tokens.size
         cnt = lengths // every
         starts = np.cumsum(lengths) - lengths
         self._ensure_pow(int(lengths.max(initial=0)) + 1)
         t = tokens.astype(np.int64) + 1
+        pw, ipw = self._pow_host()
+        small = T > 0 and int(t.max()) * every < (1 << 32)
         if lengths.size == 1:  # one sequence (a new request's fill): slices, both moduli in one array
-            depth = np.arange(every, int(cnt[0]) * every + 1, every)
-            pw, ipw = self._pow_host()
-            run = np.cumsum(t[None] * ipw[:, 1 : T + 1] % _PP, axis=1)[:, depth - 1] % _PP
+            K = int(cnt[0])
+            depth = np.arange(every, K * every + 1, every)
+            if small:
+                run = (t[None, : K * every] * ipw[:, 1 : K * every + 1]).reshape(2, K, every).sum(axis=2) % _PP
+                run = np.cumsum(run, axis=1) % _PP
+            else:
+                run = np.cumsum(t[None] * ipw[:, 1 : T + 1] % _PP, axis=1)[:, depth - 1] % _PP
             run += self._seed(int(ns[0]), _PP)
             run *= pw[:, depth]
             run %= _PP
             return (run[0] << 31) | run[1]
         widx = np.arange(1, T + 1, dtype=np.int64) - np.repeat(starts, lengths)
+        first = np.cumsum(cnt) - cnt  # each sequence's first chunk
         seq = np.repeat(np.arange(lengths.size), cnt)
-        depth = (np.arange(seq.size, dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt) + 1) * every
+        depth = (np.arange(seq.size, dtype=np.int64) - np.repeat(first, cnt) + 1) * every
         before = starts[seq]
         end = before + depth  # the cumsum's index just past the chunk's last token
         nsq = np.asarray(ns, dtype=np.int64)[seq]
         out = []
-        cs0 = np.zeros(T + 1, dtype=np.int64)  # cs0[i]: the first i terms
+        if small:  # segment sums: each chunk, and each sequence's tail (its tokens past its last chunk)
+            tails = (starts + cnt * every)[lengths % every > 0]
+            cut = np.concatenate([end - every, tails])
+            o = np.argsort(cut, kind="stable")  # distinct starts; chunks stay in their order
+            cut, is_chunk = cut[o], o < seq.size
+            ahead = first[seq]  # chunks of the sequence before each chunk's, in the running sums
+        else:
+            cs0 = np.zeros(T + 1, dtype=np.int64)  # cs0[i]: the first i terms
         for p, pw, ipw in ((P1, self.pw1, self.ipw1), (P2, self.pw2, self.ipw2)):
-            np.cumsum(t * ipw.numpy()[widx] % p, out=cs0[1:])
-            run = (cs0[end] - cs0[before]) % p
+            if small:
+                cs = np.zeros(seq.size + 1, dtype=np.int64)  # cs[k]: the first k chunks' sums
+                if seq.size:
+                    np.cumsum(np.add.reduceat(t * ipw.numpy()[widx], cut)[is_chunk] % p, out=cs[1:])
+                run = (cs[1:] - cs[ahead]) % p
+            else:
+                np.cumsum(t * ipw.numpy()[widx] % p, out=cs0[1:])
+                run = (cs0[end] - cs0[before]) % p
             out.append((self._seed(nsq, p) + run) * pw.numpy()[depth] % p)
         return (out[0] << 31) | out[1]
 

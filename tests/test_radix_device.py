@@ -785,26 +785,30 @@ def test_chunk_page_hashes_host_equals_torch(B):
     assert B == 1 or (bool((lo == 0).any()) and bool((lo > 0).any()))
 
 
+@pytest.mark.parametrize("vocab", [2**31, 50_000], ids=["int32-ids", "vocab-ids"])
 @pytest.mark.parametrize("host", [True, False], ids=["numpy", "torch"])
-@pytest.mark.parametrize("every", [1, 3, 8])
-def test_chunk_hashes_flat_equal_padded_prefix_hashes(every, host):
+@pytest.mark.parametrize("every", [1, 3, 8, 16])
+def test_chunk_hashes_flat_equal_padded_prefix_hashes(every, host, vocab):
     """`chunk_hashes_flat` (sequences end to end) gives `prefix_hashes`' values (padded batch,
     masked to each sequence's lengths // every), empty and short sequences and token ids up to
     int32's top included; more than 2^32 - 1 tokens are refused before anything is computed.
-    On the CPU both forms: numpy's (`_chunk_hashes_flat_host`) and torch's."""
+    On the CPU both forms: numpy's (`_chunk_hashes_flat_host`) and torch's. Token ids below a
+    vocabulary's size take the host form's per-chunk sums (every * max id < 2^32), ids up to
+    2^31 - 1 its per-token reductions."""
     with contextlib.nullcontext() if host else PM.torch_forms():
-        _check_chunk_hashes_flat(every)
+        _check_chunk_hashes_flat(every, vocab)
 
 
-def _check_chunk_hashes_flat(every):
+def _check_chunk_hashes_flat(every, vocab=2**31):
     rng = np.random.default_rng(every)
     tree = FlatRadixTree(page_size=1)
     for B in (0, 1, 7, 40):
         lens = rng.integers(0, 60, B)
         lens[: B // 4] = rng.integers(0, every, B // 4) if B else lens[:0]  # no whole chunk
-        seqs = [rng.integers(0, 2**31 - 1, int(n), dtype=np.int64).astype(np.int32) for n in lens]
-        if B:
-            seqs[-1][:1] = 2**31 - 1
+        rng.shuffle(lens)  # sequences without a whole chunk anywhere in the batch
+        seqs = [rng.integers(0, vocab - 1, int(n), dtype=np.int64).astype(np.int32) for n in lens]
+        if B and len(seqs[-1]):
+            seqs[-1][:1] = vocab - 1
         ns = rng.integers(0, 3, B)
         flat = torch.from_numpy(np.concatenate(seqs) if B else np.zeros(0, np.int32))
         got = tree.chunk_hashes_flat(flat, lens, ns, every)
