@@ -63,6 +63,7 @@ __all__ = [
     "lpm_order",
     "in_batch_deprioritize",
     "head_hashes",
+    "head_hashes_host",
     "dfs_weight_order",
 ]
 
@@ -604,6 +605,7 @@ def deprioritize_groups_host(prefix_len: np.ndarray, fill_len: np.ndarray, group
 
 # ---- R-ORD-9 in-batch deprioritization -----------------------------------------------------------
 _WEIGHTS: dict = {}  # (T, device) -> head_hashes' weight table, made once
+_WEIGHTS_HOST: dict = {}  # T -> head_hashes_host's int64 weight table
 
 
 def _hash_weights(T: int, dev: torch.device) -> torch.Tensor:
@@ -660,6 +662,24 @@ def head_hashes(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         s_lo = (torch.where(live, (tok & 0xFFFF) + 1, 0).to(torch.float64) @ Wc).to(torch.int64) % M
         s_hi = (torch.where(live, tok >> 16, 0).to(torch.float64) @ Wc).to(torch.int64) % M
         acc = (acc + s_lo + (s_hi << 16)) % M  # each term < 2^47
+    return acc[:, 0] * 2**31 + acc[:, 1]
+
+
+def head_hashes_host(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """`head_hashes` on numpy arrays (the host paths: a new request's group id in its first
+    step, without ~20 small torch ops): tokens int [n, T] (ids in [0, 2^31-1]), lengths int
+    [n]; int64 [n], the same values. Each term x_t * w_t (< 2^62) is reduced before the sum
+    over T positions, so the sums are exact in int64 for any T < 2^32."""
+    n, T = tokens.shape
+    if T == 0:
+        return np.zeros(n, dtype=np.int64)
+    M = _HASH_MOD
+    w = _WEIGHTS_HOST.get(T)
+    if w is None:
+        w = _WEIGHTS_HOST[T] = _hash_weights(T, torch.device("cpu")).numpy().astype(np.int64)  # [T, 2], < 2^31
+    x = np.where(np.arange(T)[None, :] < np.asarray(lengths, dtype=np.int64)[:, None],
+                 tokens.astype(np.int64) + 1, 0)
+    acc = (x[:, :, None] * w[None] % M).sum(axis=1) % M  # [n, 2]
     return acc[:, 0] * 2**31 + acc[:, 1]
 
 

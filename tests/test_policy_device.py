@@ -631,8 +631,12 @@ def test_head_hashes_ignore_padding_and_separate_prefixes():
     for T in (1, 37, 64, 65, 150):  # the float64 sums run in chunks of 64 positions
         want = [model(toks[i, :T].tolist(), int(lens[i])) for i in range(40)]
         assert_perm_equal(P.head_hashes(toks[:, :T], lens), want, f"head hash formula T={T}")
+        # the host form (numpy, a new request's group on the CPU paths): the same values
+        assert P.head_hashes_host(toks[:, :T].numpy(), lens.numpy()).tolist() == want, f"host T={T}"
     assert P.head_hashes(torch.zeros((0, 4), dtype=torch.int32), torch.zeros(0, dtype=torch.int64)).shape == (0,)
     assert P.head_hashes(torch.zeros((3, 0), dtype=torch.int32), torch.ones(3, dtype=torch.int64)).tolist() == [0, 0, 0]
+    assert P.head_hashes_host(np.zeros((0, 4), dtype=np.int32), np.zeros(0, dtype=np.int64)).shape == (0,)
+    assert P.head_hashes_host(np.zeros((3, 0), dtype=np.int32), np.ones(3, dtype=np.int64)).tolist() == [0, 0, 0]
 
 
 # ---- R-ORD-10 dfs-weight ----------------------------------------------------------------------------
