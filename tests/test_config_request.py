@@ -434,6 +434,19 @@ def test_config_optional_field_error_says_none(field, meaning):
         SchedulerConfig(**{field: 0})
 
 
+def test_decode_checks_the_tokens_it_appends(serving):
+    """The ids checked are the ids appended: a mapping whose lookups disagree with its items
+    (a dict subclass converting on __getitem__) is read once, through its items."""
+    class Odd(dict):
+        def __getitem__(self, k):
+            return "oops"
+
+    serving.complete_prefill({"a": 1, "b": 2, "ab": 3})
+    serving.decode(Odd({"a": 5, "b": 6, "ab": 7}))
+    assert [serving.reqs[x].req.output_ids for x in ("a", "b", "ab")] == [[1, 5], [2, 6], [3, 7]]
+    serving.check_integrity()
+
+
 def test_decode_numpy_token_ids_become_python_ints(serving):
     """Token ids may be numpy integers (an engine's sampled tensor read back); outputs hold
     them as Python ints, as plain ints are held."""

@@ -432,6 +432,7 @@ class ReferenceScheduler:
                 more = f" (and no token for running requests {missing[:5]})" if missing else ""
                 raise ValueError(f"decode: requests {extra[:5]} are not running{more}")
             raise ValueError(f"decode tokens missing for running requests {missing[:5]}")
+        tokens = dict(tokens.items())  # one snapshot: what is checked is what is appended
         ids = list(tokens.values())
         # plain ints in range, the common case, are taken as they are (one pass each for the
         # type and the bounds); anything else is checked and converted one by one, which
