@@ -323,7 +323,7 @@ class FlatRadixTree:
         pw, ipw = self._pow_host()
         pp = _PP[:, :, None]  # both moduli at once: [2, B, W] arrays
         terms = x[None] * ipw[:, None, 1 : W + 1]
-        S = (1 << 32) // max(int(x.max(initial=1)), 1) - 1
+        S = (1 << 32) // int(x.max(initial=1)) - 1
         if S >= W:
             cs = np.cumsum(terms, axis=2)
         elif S >= 1024:  # segments whose unreduced sums fit, each continuing from the last one's reduced sum
@@ -415,9 +415,9 @@ class FlatRadixTree:
         starts = np.cumsum(lengths) - lengths
         self._ensure_pow(int(lengths.max(initial=0)) + 1)
         t = tokens.astype(np.int64) + 1
-        pw, ipw = self._pow_host()
         small = T > 0 and int(t.max()) * every < (1 << 32)
         if lengths.size == 1:  # one sequence (a new request's fill): slices, both moduli in one array
+            pw, ipw = self._pow_host()
             K = int(cnt[0])
             depth = np.arange(every, K * every + 1, every)
             if small:
@@ -687,13 +687,7 @@ class FlatRadixTree:
         keys, mask = self.hkeys, self.hkeys.numel() - 1
         c = slot[keys[(slot + 1) & mask] == EMPTY]
         keys[c] = EMPTY
-        cleared = int(c.numel())
-        while c.numel():
-            cur = (c - 1) & mask
-            c = cur[keys[cur] == TOMB]
-            keys[c] = EMPTY
-            cleared += int(c.numel())
-        return cleared
+        return len(c) + _clear_runs_before(keys, c, mask)
 
     def _rehash(self, extra: int = 0, be: str = "torch") -> None:
         live = self.hkeys >= 0
@@ -2101,12 +2095,19 @@ def _tomb_host(keys: np.ndarray, slot: np.ndarray) -> int:
     end = keys[(slot + 1) & mask] == EMPTY
     keys[slot] = np.where(end, EMPTY, TOMB)
     c = slot[end]
-    cleared = c.size
-    while c.size:
+    return len(c) + _clear_runs_before(keys, c, mask)
+
+
+def _clear_runs_before(keys, c, mask: int) -> int:
+    """The tombstones right before the just-cleared slots `c` (int64 [k], a tensor or a numpy
+    array, as `keys`) made EMPTY, a slot back per round, until each run ends: the walk of
+    `FlatRadixTree._clear_tombs` and `_tomb_host`. Returns how many slots it cleared."""
+    cleared = 0
+    while len(c):
         cur = (c - 1) & mask
         c = cur[keys[cur] == TOMB]
         keys[c] = EMPTY
-        cleared += c.size
+        cleared += len(c)
     return cleared
 
 

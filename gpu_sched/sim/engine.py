@@ -214,13 +214,9 @@ class _Replay:
         return batch, kv
 
     def _after_decode(self) -> None:
-        t, gen, records = self.t, self.gen, self.records
-        for i in self.running.values():  # `_emit` inlined: a decode step emits one token per running request
-            gen[i] += 1
-            rec = records[i]
-            rec.token_times.append(t)
-            if rec.first_token_s is None:
-                rec.first_token_s = t
+        t = self.t
+        for i in self.running.values():
+            self._emit(i, t)
         self.kv_running += len(self.running)
 
     def _prefill(self, plan) -> float:
