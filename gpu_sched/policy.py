@@ -563,19 +563,23 @@ def lpm_order(matched: torch.Tensor, deprioritized: torch.Tensor,
 
 def lpm_perm_host(matched: np.ndarray, deprioritized: np.ndarray) -> Optional[np.ndarray]:
     """`lpm_order`'s host form on numpy columns [n] (matched >= 0, any int dtype; bool flags):
-    int64 [n], or None when max(matched) + 1 needs more than 16 bits or a length is negative
-    (outside the contract: `lpm_order`'s torch form decides). One uint8 / uint16 key per row,
-    `max - matched` (the longest first) and `max + 1` for the deprioritized (last), sorted by
-    numpy's stable radix argsort (`_narrow_argsort`): no `where`, no packing."""
+    int64 [n], or None when a length is negative (outside the contract: `lpm_order`'s torch
+    form decides) or the key and the row index need more than 64 bits. One key per row,
+    `max - matched` (the longest first) and `max + 1` for the deprioritized (last): up to 16
+    bits sorted as uint8 / uint16 by numpy's stable radix argsort (`_narrow_argsort`), wider
+    (real prompts: matches up to ~126k tokens) packed with the row index (`_packed_argsort`;
+    at 10k rows ~30 us against ~50 us for the torch form)."""
     n = matched.size
     if n < 2:
         return np.zeros(n, dtype=np.int64)
     top = int(matched.max()) + 1  # the deprioritized rows' key
-    if not _narrow(top) or matched.min() < 0:
+    if matched.min() < 0:
         return None
     off = np.subtract(top - 1, matched, dtype=np.int64)
     off[deprioritized] = top
-    return _narrow_argsort(off, top)
+    if _narrow(top):
+        return _narrow_argsort(off, top)
+    return _packed_argsort([(off, top)], n)  # lengths past 16 bits (real prompts: up to 126k tokens)
 
 
 def deprioritize_groups_host(prefix_len: np.ndarray, fill_len: np.ndarray, group: np.ndarray,

@@ -747,7 +747,7 @@ class GpuScheduler(ReferenceScheduler):
             # admission reuses these matches while the tree holds the same content (`_window_match`);
             # rows that all hold this version's matches already were kept as they are (nothing
             # changed since: `_full_match`), so the writes would change nothing
-            if not bool((sel[:, RT_MVER] == version).all()):
+            if int(sel[:, RT_MVER].min()) != version:  # versions never pass the tree's: min == version iff all equal
                 _rt_set(self._rt, rows, RT_MVER, version)
                 _rt_set(self._rt, rows, RT_MLEN, vals[0])
                 _rt_set(self._rt, rows, RT_MPOS, vals[4])
@@ -890,6 +890,8 @@ class GpuScheduler(ReferenceScheduler):
         be = tree.backend
         dev = self.device
         ver = sel[:, RT_MVER]
+        if len(ver) and int(ver.min()) == tree.version:  # every row matched on this content (no row is newer)
+            return torch.from_numpy(sel[:, RT_MLEN]).to(dev), torch.from_numpy(sel[:, RT_MPOS]).to(dev)
         hinted = ver != -1
         if hinted.any():
             # full matches verified on an earlier tree version the change log reaches: kept
