@@ -238,8 +238,10 @@ class Restorer:
     prefilling/chunked/batch_is_full, put the queue list back (step).
 
     On a GpuScheduler the first undo unlocks through the cache like the engine would; it then
-    snapshots the tree's lock counts, and later undos copy that snapshot back (one memcpy instead
-    of O(tree capacity) work per unlock). This is exact because the warm-up call already made
+    snapshots the tree's lock counts below `node_bound()` (the live node ids; the counts past
+    it are zero), and later undos copy that snapshot back (one small memcpy instead of
+    O(tree capacity) work per unlock; a copy of the whole capacity, 160 MB with a 20M-token
+    pool, would flush the CPU's caches before each of our timed calls). This is exact because the warm-up call already made
     every split the call makes (matching is deterministic and splits are idempotent), so the
     later calls lock and unlock the same node ids."""
 
@@ -259,15 +261,23 @@ class Restorer:
                 t = s.cache.tree
                 if nodes:  # one batched unlock (each unlock is O(tree capacity))
                     t.unlock(torch.tensor(nodes, dtype=torch.int64, device=s.device))
-                self.snap = (t.lock_ref.clone(), t.evictable_size.clone(), t.protected_size.clone())
+                # live node ids lie below node_bound(): the lock counts past it are all zero and
+                # stay so, so the snapshot holds that prefix only (copying the whole capacity,
+                # 160 MB with a 20M-token pool, would flush the CPU's caches before every timed
+                # call of ours, which a serving loop does not do)
+                b = t.node_bound()
+                self.snap = (b, t.lock_ref[:b].clone(), t.evictable_size.clone(), t.protected_size.clone())
             else:
                 for node in nodes:
                     s.cache.dec_lock_ref(node)
         else:
             t = s.cache.tree
-            t.lock_ref.copy_(self.snap[0])
-            t.evictable_size.copy_(self.snap[1])
-            t.protected_size.copy_(self.snap[2])
+            b = self.snap[0]
+            if t.node_bound() != b:
+                raise RuntimeError("a timed call allocated tree nodes after the warm-up: the lock snapshot no longer covers them")
+            t.lock_ref[:b].copy_(self.snap[1])
+            t.evictable_size.copy_(self.snap[2])
+            t.protected_size.copy_(self.snap[3])
         for r in admitted:
             r.lock_node = None
         s.prefilling = []
