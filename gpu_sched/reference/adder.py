@@ -42,7 +42,8 @@ class PrefillAdder:
         self.clip = config.clip_max_new_tokens
         self.I = mixed
         self.cur_off = mixed
-        self.N = sum(self._n_reserve(r) for r in running)
+        clip = self.clip  # `_n_reserve` of each, inlined (once per step over the whole batch)
+        self.N = sum(min(r.req.max_new_tokens - len(r.req.output_ids), clip) for r in running)
         self.rem_input = config.max_prefill_tokens - mixed
         self.rem_chunk: Optional[int] = None
         if config.chunked_prefill_size is not None:
@@ -240,5 +241,7 @@ class PrefillAdder:
 
     def preempted_in_batch_order(self, batch_order) -> List[ReqState]:
         """All victims of the step in the running batch's order at the step's start."""
+        if not self.preempted:  # the common case: no index of the batch to build
+            return []
         pos = {id(r): i for i, r in enumerate(batch_order)}
         return sorted(self.preempted, key=lambda r: pos[id(r)])
