@@ -582,12 +582,14 @@ def lpm_perm_host(matched: np.ndarray, deprioritized: np.ndarray) -> Optional[np
     return _packed_argsort([(off, top)], n)  # lengths past 16 bits (real prompts: up to 126k tokens)
 
 
-def deprioritize_groups_host(prefix_len: np.ndarray, fill_len: np.ndarray, group: np.ndarray,
+def deprioritize_groups_host(prefix_len: np.ndarray, fill_len: np.ndarray, group,
                              check_threshold: int, threshold: int) -> np.ndarray:
     """`in_batch_deprioritize_groups`'s host form on numpy columns [n] (arguments already
     checked by the caller): bool [n]. The first occurrence of each group among the eligible
     rows (with a warm cache few have a match within check_threshold) by a stable argsort of
-    their ids."""
+    their ids. `group`: int [n] ids, or a function of the eligible rows' indices (int64 [k])
+    returning their ids (int [k]), called only when some row is eligible: a caller that
+    computes ids on demand (`GpuScheduler`) skips the rows that are not."""
     n = prefix_len.size
     if check_threshold == -1:
         return np.zeros(n, dtype=bool)
@@ -598,7 +600,7 @@ def deprioritize_groups_host(prefix_len: np.ndarray, fill_len: np.ndarray, group
     out = np.zeros(n, dtype=bool)
     if e.size:
         out[e] = True
-        g = group[e]
+        g = group(e) if callable(group) else group[e]
         o = np.argsort(g, kind="stable")  # each group's rows in queue order
         gs = g[o]
         first = np.ones(e.size, dtype=bool)

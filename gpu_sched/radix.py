@@ -1295,21 +1295,25 @@ class FlatRadixTree:
         B = m.numel()
         dev = self.device
         host = be == "torch" and _host(m)
+        cid0 = self.next_cid
         if stamp is None:
-            if host:  # numpy's arange and a view: a torch op less each
+            if host:  # numpy's arange and a view: a torch op less; the creation ids only if a split needs them
                 stamp = torch.from_numpy(np.arange(self.clock + 1, self.clock + 1 + B, dtype=np.int64))
-                cid = torch.from_numpy(np.arange(self.next_cid, self.next_cid + B, dtype=np.int64))
             else:
                 stamp = torch.arange(self.clock + 1, self.clock + 1 + B, device=dev)
                 cid = torch.arange(self.next_cid, self.next_cid + B, device=dev)
             self.clock += B
             self.next_cid += B
+        if cid is None and (B <= SCALAR_BATCH and host):
+            cid = torch.from_numpy(np.arange(cid0, cid0 + B, dtype=np.int64))
         if B <= SCALAR_BATCH and host:
             last = self._apply_scalar(m, pos, stamp, cid)
             if last is not None:
                 return m, last
         X, idx = self._match_ends(m, pos)
         if idx.numel():
+            if cid is None:
+                cid = torch.from_numpy(np.arange(cid0, cid0 + B, dtype=np.int64))
             has = m > 0
             # A request ending where an earlier one of the batch ends finds that cut made: drop it.
             p = pos[idx]

@@ -724,19 +724,23 @@ class GpuScheduler(ReferenceScheduler):
             m, last = tree._apply(m, pos, tree.backend)
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
             check = cfg.in_batch_prefix_caching_check_threshold
-            if T > 0 and check >= 0:  # R-ORD-9 groups: (namespace, first T fill tokens), kept per row
-                grp, G = self._head_groups(rows, sel, T)
-            else:
-                grp, G = torch.zeros(n, dtype=torch.int64, device=dev), 1
+            grouped = T > 0 and check >= 0  # R-ORD-9 groups: (namespace, first T fill tokens), kept per row
             if host:  # capped lengths, R-ORD-9 and lpm's key on the columns' numpy views
                 mn = m.numpy()
                 num = np.minimum(mn, sel[:, RT_CAP])
-                dep = dpolicy.deprioritize_groups_host(mn, sel[:, RT_FILL], grp.numpy(), check, T)
+                # groups of the rows R-ORD-9 checks only (with a warm cache, few or none)
+                grp = ((lambda e: self._head_groups(rows[e], sel.sub(e), T)[0].numpy()) if grouped
+                       else np.zeros(n, dtype=np.int64))
+                dep = dpolicy.deprioritize_groups_host(mn, sel[:, RT_FILL], grp, check, T)
                 perm = dpolicy.lpm_perm_host(num, dep) if policy == "lpm" else None
                 if perm is None:
                     perm = self._ranked_perm(policy, torch.from_numpy(num), torch.from_numpy(dep), last).numpy()
                 vals = [mn, num, dep, perm, pos.numpy()]
             else:
+                if grouped:
+                    grp, G = self._head_groups(rows, sel, T)
+                else:
+                    grp, G = torch.zeros(n, dtype=torch.int64, device=dev), 1
                 num = torch.minimum(m, torch.from_numpy(sel[:, RT_CAP].copy()).to(dev))
                 dep = dpolicy.in_batch_deprioritize_groups(m, lens, grp, G, check, T, backend=be)
                 perm = self._ranked_perm(policy, num, dep, last)
@@ -751,11 +755,13 @@ class GpuScheduler(ReferenceScheduler):
                 _rt_set(self._rt, rows, RT_MVER, version)
                 _rt_set(self._rt, rows, RT_MLEN, vals[0])
                 _rt_set(self._rt, rows, RT_MPOS, vals[4])
-            perm = vals[3]
+            perm, num, dep = vals[3], vals[1], vals[2]
             orows = rows[perm]
-            nm = vals[1][perm]
-            return OrderResult(policy, RowQueue(self, orows), LazyList(n, nm.tolist, nm.item),
-                               rid_list(self, orows[vals[2][perm] != 0]))
+            # the plan's num_matched in queue order, gathered when first read (fresh arrays: never
+            # written again); the deprioritized rids (with a warm cache often none)
+            return OrderResult(policy, RowQueue(self, orows),
+                               LazyList(n, lambda: num[perm].tolist(), lambda i: int(num[perm[i]])),
+                               rid_list(self, orows[dep[perm] != 0]) if dep.any() else [])
         if policy == "random":  # R-ORD-6 (`_random_perm`: a custom shuffle is called for an empty queue too)
             perm = self._random_perm(n)
             return OrderResult(policy, RowQueue(self, rows[perm.cpu().numpy()]) if n else q)

@@ -948,6 +948,20 @@ def test_in_batch_deprioritize_groups_matches_reference(backend, n, check, T):
         # the numpy form as the scheduler calls it (all thresholds, T == 0 and check == -1 too)
         got = P.deprioritize_groups_host(prefix.numpy(), lengths.numpy(), group.numpy(), check, T)
         assert got.dtype == np.bool_ and got.tolist() == [bool(w) for w in want], (n, check, T)
+        # ids on demand, as GpuScheduler passes them: asked once, for the eligible rows only
+        asked = []
+        gn = group.numpy()
+
+        def ids(e):
+            asked.append(e.copy())
+            return gn[e]
+
+        got = P.deprioritize_groups_host(prefix.numpy(), lengths.numpy(), ids, check, T)
+        assert got.tolist() == [bool(w) for w in want], (n, check, T)
+        eligible = np.flatnonzero((prefix.numpy() <= check) & (lengths.numpy() >= T)) if check >= 0 and T > 0 else []
+        assert len(asked) == (1 if len(eligible) else 0), (n, check, T)
+        if asked:
+            assert asked[0].tolist() == list(eligible)
     if n > 100 and check >= 8 and T > 0:
         assert 0 < sum(want) < n  # both outcomes occur
 
