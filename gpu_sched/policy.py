@@ -564,7 +564,8 @@ def lpm_order(matched: torch.Tensor, deprioritized: torch.Tensor,
 def lpm_perm_host(matched: np.ndarray, deprioritized: np.ndarray) -> Optional[np.ndarray]:
     """`lpm_order`'s host form on numpy columns [n] (matched >= 0, any int dtype; bool flags):
     int64 [n], or None when a length is negative (outside the contract: `lpm_order`'s torch
-    form decides) or the key and the row index need more than 64 bits. One key per row,
+    form decides), max(matched) + 1 does not fit int64, or the key and the row index need more
+    than 64 bits together (the torch form decides those too). One key per row,
     `max - matched` (the longest first) and `max + 1` for the deprioritized (last): up to 16
     bits sorted as uint8 / uint16 by numpy's stable radix argsort (`_narrow_argsort`), wider
     (real prompts: matches up to ~126k tokens) packed with the row index (`_packed_argsort`;
@@ -573,7 +574,7 @@ def lpm_perm_host(matched: np.ndarray, deprioritized: np.ndarray) -> Optional[np
     if n < 2:
         return np.zeros(n, dtype=np.int64)
     top = int(matched.max()) + 1  # the deprioritized rows' key
-    if matched.min() < 0:
+    if matched.min() < 0 or top > INT64_MAX:  # the key must fit int64 (then `_packed_argsort` may still refuse)
         return None
     off = np.subtract(top - 1, matched, dtype=np.int64)
     off[deprioritized] = top

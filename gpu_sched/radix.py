@@ -1295,16 +1295,17 @@ class FlatRadixTree:
         B = m.numel()
         dev = self.device
         host = be == "torch" and _host(m)
-        cid0 = self.next_cid
+        cid0, lazy_cid = self.next_cid, False
         if stamp is None:
-            if host:  # numpy's arange and a view: a torch op less; the creation ids only if a split needs them
+            if host:  # numpy's arange and a view: a torch op less; the creation ids made when read
                 stamp = torch.from_numpy(np.arange(self.clock + 1, self.clock + 1 + B, dtype=np.int64))
+                lazy_cid = True
             else:
                 stamp = torch.arange(self.clock + 1, self.clock + 1 + B, device=dev)
                 cid = torch.arange(self.next_cid, self.next_cid + B, device=dev)
             self.clock += B
             self.next_cid += B
-        if cid is None and (B <= SCALAR_BATCH and host):
+        if lazy_cid and B <= SCALAR_BATCH:  # the scalar form reads them
             cid = torch.from_numpy(np.arange(cid0, cid0 + B, dtype=np.int64))
         if B <= SCALAR_BATCH and host:
             last = self._apply_scalar(m, pos, stamp, cid)
@@ -1312,7 +1313,7 @@ class FlatRadixTree:
                 return m, last
         X, idx = self._match_ends(m, pos)
         if idx.numel():
-            if cid is None:
+            if lazy_cid and cid is None:  # splits read them
                 cid = torch.from_numpy(np.arange(cid0, cid0 + B, dtype=np.int64))
             has = m > 0
             # A request ending where an earlier one of the batch ends finds that cut made: drop it.

@@ -386,11 +386,13 @@ def test_host_forms_equal_torch_forms(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_lpm_host_form_equals_torch_form(dtype):
-    """lpm's host form (`lpm_perm_host`: one uint8 / uint16 key, `max - matched`, the
-    deprioritized at `max + 1`), called by `lpm_order` on the CPU and by the scheduler
-    directly, gives the torch form's permutation: spans either side of 2^8 and 2^16 (past
-    that the key is packed with the row index), up to int32's largest, ties, no / some / all
-    rows deprioritized, and None for a negative length (outside the contract)."""
+    """lpm's host form (`lpm_perm_host`: one key per row, `max - matched`, the deprioritized
+    at `max + 1`; uint8 / uint16 up to 16 bits, packed with the row index past that), called
+    by `lpm_order` on the CPU and by the scheduler directly, gives the torch form's
+    permutation: spans either side of 2^8 and 2^16, up to int32's largest, ties, no / some /
+    all rows deprioritized; None for a negative length (outside the contract) and for keys
+    that do not fit 64 bits with the row index, int64's largest length included, where
+    `lpm_order` gives the torch form's permutation."""
     g = torch.Generator().manual_seed(11)
     checked = 0
     for n in (0, 1, 2, 3, 300, 5000):
@@ -405,11 +407,15 @@ def test_lpm_host_form_equals_torch_form(dtype):
                 assert torch.equal(P.lpm_order(m, dep), want), (dtype, n, span, dep_p)
                 direct = P.lpm_perm_host(m.numpy(), dep.numpy())
                 assert direct is not None, (n, span)
-                if direct is not None:
-                    assert direct.dtype == np.int64 and direct.tolist() == want.tolist(), (dtype, n, span, dep_p)
+                assert direct.dtype == np.int64 and direct.tolist() == want.tolist(), (dtype, n, span, dep_p)
                 checked += 1
     assert checked == 6 * 11 * 3
     assert P.lpm_perm_host(np.array([3, -1, 2], dtype=np.int64), np.zeros(3, dtype=bool)) is None
+    for top in (2**62, 2**63 - 1):  # 63 key bits + 2 index bits; a key of max + 1 past int64
+        m = torch.tensor([top, 0, 5], dtype=torch.int64)
+        for dep in (torch.zeros(3, dtype=torch.bool), torch.tensor([False, True, False])):
+            assert P.lpm_perm_host(m.numpy(), dep.numpy()) is None, top
+            assert torch.equal(P.lpm_order(m, dep), _torch_forms(P.lpm_order, m, dep)), top
 
 
 # ---- R-ORD-5 lof ----------------------------------------------------------------------------------
