@@ -10,7 +10,10 @@ batch; `value` is the ratio for the next `step()`. `gpu-sched replay` drives it 
 
 from __future__ import annotations
 
+import numpy as np
+
 from .config import RETRACT_DECODE_STEPS
+from .request import check_real
 
 RATIO_DECAY_STEPS = 600  # R-DEC-1: decode steps from init down to the floor
 
@@ -32,7 +35,7 @@ class NewTokenRatio:
     """
 
     def __init__(self, conservativeness: float = 1.0):
-        c = float(conservativeness)
+        c = check_real("conservativeness", conservativeness, "a finite number > 0")
         if not c > 0 or c == float("inf"):
             raise ValueError(f"conservativeness must be a finite number > 0, got {conservativeness!r}")
         self.init = min(0.7 * c, 1.0)
@@ -51,8 +54,18 @@ class NewTokenRatio:
 
     def after_retraction(self, out_tokens: int, n_running: int, max_new_tokens: int) -> None:
         """After `retract_decode()`: `out_tokens` [tokens] and `max_new_tokens` [tokens] are
-        sums over the `n_running` requests still running (output so far, and their caps)."""
-        self.value = min(1.0, (out_tokens + RETRACT_DECODE_STEPS * n_running) / (max_new_tokens + 1))
+        sums over the `n_running` requests still running (output so far, and their caps).
+
+        Raises (nothing changed) TypeError for a count that is not an int, ValueError for a
+        negative sum or `n_running` < 1 (R-DEC-2 always keeps one request running; after an
+        iteration with none, call `reset()`)."""
+        for name, v, low in (("out_tokens", out_tokens, 0), ("n_running", n_running, 1),
+                             ("max_new_tokens", max_new_tokens, 0)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"after_retraction: {name} must be an int, got {type(v).__name__} {v!r}")
+            if v < low:
+                raise ValueError(f"after_retraction: {name} must be >= {low}, got {v!r}")
+        self.value = min(1.0, (int(out_tokens) + RETRACT_DECODE_STEPS * int(n_running)) / (int(max_new_tokens) + 1))
 
     def reset(self) -> None:
         """After an iteration that ran no batch (nothing running and nothing admitted)."""

@@ -223,6 +223,8 @@ class GpuScheduler(ReferenceScheduler):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: torch.cuda.is_available() is False (no GPU, or a CPU-only torch)")
         self._on_cpu = self.device.type == "cpu"  # kept: `device.type` is slow on a cold cache
         if backend == "triton" and self._on_cpu:
             # Triton kernels on CPU tensors run only in the interpreter; it must be chosen

@@ -333,7 +333,7 @@ def serving(request):
 
 
 @pytest.mark.parametrize("tokens, exc, words", [
-    ({"a": 1, "b": 2}, ValueError, "no token for request 'ab'"),
+    ({"a": 1, "b": 2}, ValueError, "complete_prefill: first_tokens has no token for request 'ab'"),
     ({"a": 1, "b": 2, "ab": 3, "zz": 4}, ValueError, "['zz'] are not in the prefill"),
     ({"a": 1, "b": 2, "ab": -1}, ValueError, "first_tokens['ab'] = -1 is outside"),
     ({"a": 1, "b": 2, "ab": 3.5}, TypeError, "first_tokens['ab'] must be an int"),
@@ -349,6 +349,31 @@ def test_complete_prefill_bad_tokens_change_nothing(serving, tokens, exc, words)
     serving.complete_prefill({"a": 1, "b": 2, "ab": 3})  # the right call still works
     serving.check_integrity()
     assert [r.rid for r in serving.running] == ["a", "b", "ab"]
+
+
+@pytest.mark.parametrize("kind", ["reference", "torch"])
+def test_complete_prefill_before_any_step_says_so(kind):
+    """complete_prefill() with no plan being run names that, not the rids."""
+    from gpu_sched.scheduler import GpuScheduler
+
+    cls = ReferenceScheduler if kind == "reference" else GpuScheduler
+    s = cls(SchedulerConfig(), 1000)
+    s.submit([Request("a", [1, 2, 3], 4)], now=0.0)
+    with pytest.raises(ValueError, match=r"no prefill is being run \(call step\(\) first\), got tokens for \['a'\]"):
+        s.complete_prefill({"a": 1})
+    assert [r.rid for r in s.queue] == ["a"] and not s.running
+    s.complete_prefill({})  # nothing to complete: a no-op, as before
+
+
+def test_gpu_scheduler_on_cuda_without_cuda_says_so():
+    import torch
+
+    from gpu_sched.scheduler import GpuScheduler
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match=r"device 'cuda': torch.cuda.is_available\(\) is False"):
+        GpuScheduler(SchedulerConfig(), 1000, device="cuda")
 
 
 @pytest.mark.parametrize("tokens, exc, words", [

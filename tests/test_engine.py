@@ -145,6 +145,30 @@ def test_new_token_ratio_rule():
     assert NewTokenRatio(2.0).init == 1.0
 
 
+@pytest.mark.parametrize("args, exc, words", [
+    ((100, 0, 999), ValueError, "n_running must be >= 1, got 0"),
+    ((-1, 3, 999), ValueError, "out_tokens must be >= 0, got -1"),
+    ((100, 3, -5), ValueError, "max_new_tokens must be >= 0, got -5"),
+    ((100.0, 3, 999), TypeError, "out_tokens must be an int, got float"),
+    ((100, True, 999), TypeError, "n_running must be an int, got bool"),
+])
+def test_new_token_ratio_refuses_bad_retraction_sums(args, exc, words):
+    r = NewTokenRatio(1.0)
+    r.decay()
+    before = r.value
+    with pytest.raises(exc, match=words):
+        r.after_retraction(*args)
+    assert r.value == before  # nothing changed
+
+
+def test_new_token_ratio_refuses_bad_conservativeness():
+    with pytest.raises(TypeError, match="conservativeness must be a finite number > 0, got str 'abc'"):
+        NewTokenRatio("abc")
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="conservativeness"):
+            NewTokenRatio(bad)
+
+
 def test_request_that_never_fits_is_named():
     tr = Trace("t", [TraceRequest(index=0, arrival_s=0.0, input_len=50, output_len=5, output_key=1),
                      TraceRequest(index=1, arrival_s=1.0, input_len=900, output_len=5, output_key=2)])

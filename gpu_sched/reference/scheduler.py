@@ -336,11 +336,14 @@ class ReferenceScheduler:
         in_prefill = {r.rid for r in self.prefilling}
         extra = [rid for rid in first_tokens if rid not in in_prefill]
         if extra:
+            if not self.prefilling:
+                raise ValueError(f"complete_prefill: no prefill is being run (call step() first), "
+                                 f"got tokens for {extra[:5]}")
             raise ValueError(f"complete_prefill: requests {extra[:5]} are not in the prefill being run")
         for r in self.prefilling:
             if r.extend_end == r.fill_len:
                 if r.rid not in first_tokens:
-                    raise ValueError(f"first_tokens has no token for request {r.rid!r}")
+                    raise ValueError(f"complete_prefill: first_tokens has no token for request {r.rid!r}")
                 check_token_id(f"first_tokens[{r.rid!r}]", first_tokens[r.rid])
         for r in self.prefilling:
             if r.kv_len == 0 and r.extend_start > 0 or r.lock_node is not None and r.cached_len == 0 and r.kv_len == 0:
