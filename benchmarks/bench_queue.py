@@ -261,11 +261,7 @@ class Restorer:
                 t = s.cache.tree
                 if nodes:  # one batched unlock (each unlock is O(tree capacity))
                     t.unlock(torch.tensor(nodes, dtype=torch.int64, device=s.device))
-                # live node ids lie below node_bound(): the lock counts past it are all zero and
-                # stay so, so the snapshot holds that prefix only (copying the whole capacity,
-                # 160 MB with a 20M-token pool, would flush the CPU's caches before every timed
-                # call of ours, which a serving loop does not do)
-                b = t.node_bound()
+                b = t.node_bound()  # the live ids' prefix (see the docstring)
                 self.snap = (b, t.lock_ref[:b].clone(), t.evictable_size.clone(), t.protected_size.clone())
             else:
                 for node in nodes:

@@ -580,7 +580,7 @@ def lpm_perm_host(matched: np.ndarray, deprioritized: np.ndarray) -> Optional[np
     off[deprioritized] = top
     if _narrow(top):
         return _narrow_argsort(off, top)
-    return _packed_argsort([(off, top)], n)  # lengths past 16 bits (real prompts: up to 126k tokens)
+    return _packed_argsort([(off, top)], n)
 
 
 def deprioritize_groups_host(prefix_len: np.ndarray, fill_len: np.ndarray, group,

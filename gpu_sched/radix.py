@@ -1296,6 +1296,10 @@ class FlatRadixTree:
         dev = self.device
         host = be == "torch" and _host(m)
         cid0, lazy_cid = self.next_cid, False
+
+        def default_cid() -> torch.Tensor:  # this call's creation ids, made when first read
+            return torch.from_numpy(np.arange(cid0, cid0 + B, dtype=np.int64))
+
         if stamp is None:
             if host:  # numpy's arange and a view: a torch op less; the creation ids made when read
                 stamp = torch.from_numpy(np.arange(self.clock + 1, self.clock + 1 + B, dtype=np.int64))
@@ -1306,7 +1310,7 @@ class FlatRadixTree:
             self.clock += B
             self.next_cid += B
         if lazy_cid and B <= SCALAR_BATCH:  # the scalar form reads them
-            cid = torch.from_numpy(np.arange(cid0, cid0 + B, dtype=np.int64))
+            cid = default_cid()
         if B <= SCALAR_BATCH and host:
             last = self._apply_scalar(m, pos, stamp, cid)
             if last is not None:
@@ -1314,7 +1318,7 @@ class FlatRadixTree:
         X, idx = self._match_ends(m, pos)
         if idx.numel():
             if lazy_cid and cid is None:  # splits read them
-                cid = torch.from_numpy(np.arange(cid0, cid0 + B, dtype=np.int64))
+                cid = default_cid()
             has = m > 0
             # A request ending where an earlier one of the batch ends finds that cut made: drop it.
             p = pos[idx]

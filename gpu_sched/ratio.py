@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import RETRACT_DECODE_STEPS
+from .config import RETRACT_DECODE_STEPS, _check_int
 from .request import check_real
 
 RATIO_DECAY_STEPS = 600  # R-DEC-1: decode steps from init down to the floor
@@ -59,13 +59,11 @@ class NewTokenRatio:
         Raises (nothing changed) TypeError for a count that is not an int, ValueError for a
         negative sum or `n_running` < 1 (R-DEC-2 always keeps one request running; after an
         iteration with none, call `reset()`)."""
-        for name, v, low in (("out_tokens", out_tokens, 0), ("n_running", n_running, 1),
-                             ("max_new_tokens", max_new_tokens, 0)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise TypeError(f"after_retraction: {name} must be an int, got {type(v).__name__} {v!r}")
-            if v < low:
-                raise ValueError(f"after_retraction: {name} must be >= {low}, got {v!r}")
-        self.value = min(1.0, (int(out_tokens) + RETRACT_DECODE_STEPS * int(n_running)) / (int(max_new_tokens) + 1))
+        counts = [v.item() if isinstance(v, np.integer) else v for v in (out_tokens, n_running, max_new_tokens)]
+        for name, v, lo in zip(("out_tokens", "n_running", "max_new_tokens"), counts, (0, 1, 0)):
+            _check_int(f"after_retraction: {name}", v, lo=lo)
+        out_tokens, n_running, max_new_tokens = counts
+        self.value = min(1.0, (out_tokens + RETRACT_DECODE_STEPS * n_running) / (max_new_tokens + 1))
 
     def reset(self) -> None:
         """After an iteration that ran no batch (nothing running and nothing admitted)."""

@@ -721,7 +721,10 @@ class GpuScheduler(ReferenceScheduler):
             tree = self.cache.tree
             sel = _RowCols(self._rt, rows)
             lens = torch.from_numpy(sel[:, RT_FILL]).to(dev)
-            m, pos = self._full_match(rows, sel, lens)  # hashes the fills it searches on first use
+            # every row matched on the tree's current content (versions only grow and a row's is
+            # one its tree had: min == version iff all equal): kept as they are, nothing to write
+            current = int(sel[:, RT_MVER].min()) == tree.version
+            m, pos = self._full_match(rows, sel, lens, current)  # hashes the fills it searches on first use
             version = tree.version  # the matches hold until the tree's content changes
             m, last = tree._apply(m, pos, tree.backend)
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
@@ -750,10 +753,8 @@ class GpuScheduler(ReferenceScheduler):
                     vals = [m.numpy(), num.numpy(), dep.numpy(), perm.numpy(), pos.numpy()]
                 else:
                     vals = torch.stack([m, num, dep.to(torch.int64), perm, pos]).cpu().numpy()  # the read-back
-            # admission reuses these matches while the tree holds the same content (`_window_match`);
-            # rows that all hold this version's matches already were kept as they are (nothing
-            # changed since: `_full_match`), so the writes would change nothing
-            if int(sel[:, RT_MVER].min()) != version:  # versions never pass the tree's: min == version iff all equal
+            # admission reuses these matches while the tree holds the same content (`_window_match`)
+            if not current:
                 _rt_set(self._rt, rows, RT_MVER, version)
                 _rt_set(self._rt, rows, RT_MLEN, vals[0])
                 _rt_set(self._rt, rows, RT_MPOS, vals[4])
@@ -884,7 +885,7 @@ class GpuScheduler(ReferenceScheduler):
             return torch.from_numpy(group).to(self.device), len(ids)
         return torch.from_numpy(sel[:, RT_HEAD]).to(self.device), len(self._hg_id)
 
-    def _full_match(self, rows: np.ndarray, sel: "_RowCols", lens: torch.Tensor):
+    def _full_match(self, rows: np.ndarray, sel: "_RowCols", lens: torch.Tensor, current: bool = False):
         """Full-length matches (R-ORD-8) of table rows `rows` (`sel` = their columns, `lens` their
         fill lengths as an int64 device tensor [B]): (length, last pool position) int64 device tensors [B], kept in
         the rows for later steps and for admission (`_window_match`). A row whose full match
@@ -893,13 +894,15 @@ class GpuScheduler(ReferenceScheduler):
         a binary search in the few hashes the steps between changed, no table lookup); other
         rows matched before (any earlier step) have their old length checked (`check_matches`:
         two lookups); only rows without one, or whose match changed, are searched (their fills
-        hashed into the pools first if new, and read as CSR tensors: `_csr`)."""
+        hashed into the pools first if new, and read as CSR tensors: `_csr`). `current`: the
+        caller found every row matched on the tree's current version: the kept matches are
+        returned as they are."""
         tree = self.cache.tree
         be = tree.backend
         dev = self.device
-        ver = sel[:, RT_MVER]
-        if len(ver) and int(ver.min()) == tree.version:  # every row matched on this content (no row is newer)
+        if current:  # every row matched on the tree's current content (the caller's test)
             return torch.from_numpy(sel[:, RT_MLEN]).to(dev), torch.from_numpy(sel[:, RT_MPOS]).to(dev)
+        ver = sel[:, RT_MVER]
         hinted = ver != -1
         if hinted.any():
             # full matches verified on an earlier tree version the change log reaches: kept

@@ -20,6 +20,13 @@ class AddResult(enum.Enum):
     OTHER = "other"
 
 
+def _reserved(reqs, clip: int) -> int:
+    """Tokens still reserved for running requests [tokens]: the sum of min(max_new - len(out),
+    CLIP) (R-ADM's N), read straight off each request (no property calls: it runs over the
+    whole running batch every step)."""
+    return sum(min(r.req.max_new_tokens - len(r.req.output_ids), clip) for r in reqs)
+
+
 class PrefillAdder:
     """Budgets of one step and the admission rules that spend them.
 
@@ -42,8 +49,7 @@ class PrefillAdder:
         self.clip = config.clip_max_new_tokens
         self.I = mixed
         self.cur_off = mixed
-        clip = self.clip  # `_n_reserve` of each, inlined (once per step over the whole batch)
-        self.N = sum(min(r.req.max_new_tokens - len(r.req.output_ids), clip) for r in running)
+        self.N = _reserved(running, self.clip)
         self.rem_input = config.max_prefill_tokens - mixed
         self.rem_chunk: Optional[int] = None
         if config.chunked_prefill_size is not None:
@@ -56,10 +62,6 @@ class PrefillAdder:
         self.preempt_evicted_tokens = 0
 
     # ---- budgets ---------------------------------------------------------------------------
-    def _n_reserve(self, r: ReqState) -> int:
-        """Tokens still reserved for a running request: min(max_new - len(out), CLIP)."""
-        return min(r.max_new - r.out_len, self.clip)
-
     def ceil_p(self, x: int) -> int:
         return -(-x // self.P) * self.P
 
@@ -222,7 +224,7 @@ class PrefillAdder:
         for v in order:
             if (r.priority - v.priority) * neg > cfg.priority_scheduling_preemption_threshold:
                 victims.append(v)
-                V += self._n_reserve(v)
+                V += _reserved((v,), self.clip)
                 if need(V) <= 0:
                     break
             else:
