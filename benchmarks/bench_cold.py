@@ -13,17 +13,21 @@ with real prompts). This script measures where that comes from, in two experimen
   costs a fixed amount (numpy's and Python's code and metadata brought back into the cache), not
   an amount per byte of data.
 - `step`: GpuScheduler's whole `step()` on bench_queue's workload (undone after each call by
-  `bench_queue.Restorer`), timed after each of: our own step (`warm`), the reference's step on
-  the same queue (`after-reference`), the buffer write (`after-write`), and a sleep
-  (`after-sleep`). The conditions take turns call by call, so the machine's drift hits them alike.
+  `bench_queue.Restorer`), timed right after the reference's step on the same queue
+  (`after-reference`), after the buffer write (`after-write`), after a sleep (`after-sleep`) and
+  after busy waits that touch almost no memory (`after-spin-<ms>ms`, `--spin-ms`), each in its
+  own rotation with `warm` (right after our own step): the two conditions take turns
+  call by call, so the machine's drift hits them alike. Separate rotations, because the
+  reference's step slows our steps for longer than one step: with it in the same rotation, our
+  step after a buffer write took 1.07 ms instead of 0.62 ms (lpm, 10k, real prompts).
 
 Rows (printed; `--out` appends them to a JSON list): experiment, condition, n, median_us, p90_us,
-reps, and for `calls` extra_us_per_call. Timing only: no plan is checked here (bench_queue.py
+reps, and for `calls` extra_us_per_call, for `step` the rotation it was timed in. Timing only: no plan is checked here (bench_queue.py
 checks plans).
 
 Usage:
     python benchmarks/bench_cold.py [--policy lpm] [--n 10000] [--max-prompt-len 2048 | 0 for real]
-        [--reps 15] [--sweep-mib 64] [--sleep-ms 60] [--skip-step] [--out rows.json]
+        [--reps 15] [--sweep-mib 64] [--sleep-ms 60] [--spin-ms 1,10,60] [--skip-step] [--out rows.json]
 """
 
 from __future__ import annotations
@@ -67,6 +71,17 @@ def call_sequence(n: int) -> Callable[[], int]:
     return run
 
 
+def spin(seconds: float) -> Callable[[], None]:
+    """A busy wait of `seconds` that touches almost no memory (a clock read in a loop)."""
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            pass
+
+    return run
+
+
 def timed_after(fn: Callable, pres: Dict[str, Callable], reps: int, undo: Callable = None) -> Dict[str, List[float]]:
     """Seconds of fn() right after each pre call, conditions taking turns; `undo` (untimed) after
     every fn() call."""
@@ -103,6 +118,8 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=15, help="timed calls per condition")
     ap.add_argument("--sweep-mib", type=int, default=64, help="buffer written before an after-write call [MiB]")
     ap.add_argument("--sleep-ms", type=float, default=60.0, help="sleep before an after-sleep call [ms]")
+    ap.add_argument("--spin-ms", default="1,10,60",
+                    help="comma-separated busy waits [ms], each an after-spin condition of the step experiment")
     ap.add_argument("--skip-step", action="store_true", help="only the calls experiment")
     ap.add_argument("--out", default=None, help="append rows to this JSON list")
     args = ap.parse_args(argv)
@@ -111,6 +128,12 @@ def parse_args(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_prompt_len < 0 or args.sleep_ms < 0:
         ap.error("--max-prompt-len and --sleep-ms must be >= 0")
+    try:
+        args.spin_ms = [float(x) for x in args.spin_ms.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--spin-ms must be comma-separated numbers, got {args.spin_ms!r}")
+    if any(not 0 <= x < 10_000 for x in args.spin_ms):
+        ap.error(f"--spin-ms values must be in [0, 10000), got {args.spin_ms}")
     return args
 
 
@@ -156,15 +179,22 @@ def main(argv=None) -> int:
         for _ in range(3):  # warm-ups: first matches, hashing, allocations
             ref_step()
             own_step()
-        t = timed_after(ours, {"warm": own_step, "after-reference": ref_step, "after-write": write_sweep,
-                               "after-sleep": lambda: time.sleep(args.sleep_ms / 1e3)}, args.reps, undo)
-        for k, v in t.items():
-            rows.append(row("step", k, args.n, v, policy=args.policy, max_prompt_len=args.max_prompt_len))
+        others = {"after-reference": ref_step, "after-write": write_sweep,
+                  "after-sleep": lambda: time.sleep(args.sleep_ms / 1e3)}
+        for ms in args.spin_ms:
+            others[f"after-spin-{ms:g}ms"] = spin(ms / 1e3)
+        for name, pre in others.items():  # each in its own rotation with `warm` (see the docstring)
+            t = timed_after(ours, {"warm": own_step, name: pre}, args.reps, undo)
+            for k, v in t.items():
+                rows.append(row("step", k, args.n, v, policy=args.policy, max_prompt_len=args.max_prompt_len,
+                                rotation=name))
 
-    print(f"{'experiment':10s} {'condition':16s} {'n':>7s} {'median us':>10s} {'p90 us':>10s} {'extra us/call':>14s}")
+    print(f"{'experiment':10s} {'condition':16s} {'rotation':16s} {'n':>7s} {'median us':>10s} {'p90 us':>10s} "
+          f"{'extra us/call':>14s}")
     for r in rows:
         extra = f"{r['extra_us_per_call']:14.2f}" if "extra_us_per_call" in r else ""
-        print(f"{r['experiment']:10s} {r['condition']:16s} {r['n']:7d} {r['median_us']:10.1f} {r['p90_us']:10.1f} {extra}")
+        print(f"{r['experiment']:10s} {r['condition']:16s} {r.get('rotation', ''):16s} {r['n']:7d} "
+              f"{r['median_us']:10.1f} {r['p90_us']:10.1f} {extra}")
     if args.out:
         out = Path(args.out)
         old = json.loads(out.read_text()) if out.exists() and out.stat().st_size else []

@@ -368,7 +368,7 @@ class Clock:
 
 
 def measure_group(entries, reps: int, max_reps: int, budget_s: float, max_s: float, slow_s: float,
-                  slow_reps: int):
+                  slow_reps: int, prime: bool = False):
     """Time one row's call on several backends side by side. entries: (clock, fn, restore) per
     backend. Returns (times, warm-up result, warm-up seconds) per entry.
 
@@ -378,18 +378,25 @@ def measure_group(entries, reps: int, max_reps: int, budget_s: float, max_s: flo
     reps..max_reps. The calls are interleaved evenly (an entry's k-th of R runs at fraction
     (k + 0.5) / R of the sequence), so every backend's samples span the same stretch of time
     and a slow phase of a shared machine touches each side alike. An entry stops after a call
-    over max_s."""
+    over max_s.
+
+    `prime`: every timed call after the warm-up comes right after an untimed call of the same
+    entry (and its restore), so it runs on that entry's own warm state rather than right after
+    another backend's call (`--prime`; see benchmarks/bench_cold.py for what the gap costs).
+    Timed calls still take turns as above."""
     out, plan = [], []
 
-    def call(i):
+    def call(i, timed=True):
         clock, fn, restore = entries[i]
+        if prime and timed:
+            call(i, timed=False)
         dt, res = clock(fn)
         if restore:
             restore()
         return dt, res
 
     for i in range(len(entries)):
-        t, first = call(i)
+        t, first = call(i, timed=False)
         out.append(([], first, t))
     for i, (times, first, t) in enumerate(out):
         if t > max_s:
@@ -506,6 +513,9 @@ def main(argv=None):
                     help="a row's timed calls: this over the faster of its warm-up and first call, "
                          "within --reps..--max-reps")
     ap.add_argument("--slow-s", type=float, default=2.0, help="a warm-up call over this gets --slow-reps calls")
+    ap.add_argument("--prime", action="store_true",
+                    help="precede every timed call with an untimed call of the same backend: each backend timed "
+                         "on its own warm state, not right after the other's call (rows get primed=true)")
     ap.add_argument("--slow-reps", type=int, default=2, help="timed calls of a row whose warm-up took over --slow-s")
     ap.add_argument("--running", type=int, default=64, help="running-batch size")
     ap.add_argument("--routing-keys", type=int, default=32, help="distinct routing keys among the requests")
@@ -550,7 +560,7 @@ def main(argv=None):
 
     t_start = time.perf_counter()
     run_id = args.run_id or time.strftime("%Y%m%dT%H%M%S")
-    meta = dict(queue=args.queue, warm=args.warm, max_prompt_len=args.max_prompt_len,
+    meta = dict(queue=args.queue, warm=args.warm, max_prompt_len=args.max_prompt_len, primed=args.prime,
                 running=args.running, threads=torch.get_num_threads(), torch=torch.__version__,
                 python=sys.version.split()[0], host=platform.node(),
                 cpu=platform.processor() or platform.machine(), run=run_id,
@@ -624,7 +634,7 @@ def main(argv=None):
                     if fns is not None:
                         group.append((backend, device, s, cached, (clock, *fns)))
                 results = measure_group([g[4] for g in group], args.reps, args.max_reps, args.budget_s,
-                                        args.max_seconds, args.slow_s, args.slow_reps)
+                                        args.max_seconds, args.slow_s, args.slow_reps, prime=args.prime)
                 # the reference's row first: the others' ratios read its median
                 for (backend, device, s, cached, _), (times, first, warm_t) in sorted(
                         zip(group, results), key=lambda gr: gr[0][0] != "reference"):

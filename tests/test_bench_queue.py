@@ -68,6 +68,24 @@ def test_an_entry_stops_after_a_call_over_max_s():
     assert len(out[1][0]) == 5
 
 
+def test_primed_calls_follow_an_untimed_call_of_the_same_entry():
+    log, restores = [], []
+    # every call 'takes' the next dt: the priming calls consume the odd ones, never sampled
+    dts = [0.1, 0.9, 0.11, 0.9, 0.12, 0.9, 0.13, 0.9, 0.14]  # warm-up, then (primer, timed) pairs
+    out = bench_queue.measure_group([_entry("a", dts, log, restores), _entry("b", [0.1], log)],
+                                    reps=4, max_reps=4, budget_s=0.1, max_s=10.0, slow_s=2.0, slow_reps=2, prime=True)
+    (ta, _, wa), (tb, _, wb) = out
+    assert (wa, wb) == (0.1, 0.1) and len(tb) == 4
+    assert ta == [0.11, 0.12, 0.13, 0.14]  # no primer's 0.9 among the samples
+    assert log[:2] == ["a", "b"]  # warm-ups, unprimed
+    rest = log[2:]
+    assert len(rest) == 16 and all(rest[k] == rest[k + 1] for k in range(0, 16, 2)), rest
+    assert restores == ["a"] * 9  # warm-up, 4 primers, 4 timed calls
+    # the timed calls still take turns: no entry's two timed calls back to back after the sizing ones
+    timed = rest[1::2]
+    assert timed[:2] == ["a", "b"] and timed[2:].count("a") == timed[2:].count("b") == 3
+
+
 def _small_workload(n):
     import argparse
 
