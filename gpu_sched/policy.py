@@ -834,7 +834,7 @@ def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: 
     nothing, so the rounds stop there (about log2 of the tree depth rounds instead of log2 N).
     `rank_bound`: child_rank's values are below it (default N); any sibling sort key that
     orders siblings as their ranks do gives the same permutation (ties: by node index), e.g.
-    a tree's creation-order stamps (`GpuScheduler._ranked_perm`). int64 permutation [n]."""
+    a tree's creation-order stamps (`GpuScheduler._dfs_weight_perm_host`). int64 permutation [n]."""
     N, n = parent.size, last_node.size
     p64 = parent.astype(np.int64, copy=False)
     ln = last_node.astype(np.int64, copy=False)

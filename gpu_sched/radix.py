@@ -1347,6 +1347,28 @@ class FlatRadixTree:
         self._stamp_paths(last, stamp, be)
         return m, last
 
+    def _apply_host_unsplit(self, m: np.ndarray, pos: np.ndarray) -> Optional[np.ndarray]:
+        """`_apply(m, pos)` (this call's own stamps and creation ids) on a CPU tree for a batch
+        of more than SCALAR_BATCH matches that all end at their node's end, as numpy in and out:
+        the same clock and creation-id advance and the same stamp walk (`_stamp_paths_host`), no
+        torch op (a torch call right after other work costs 20-35 us, against 5-9 us for a numpy
+        call: `benchmarks/bench_cold.py`). m, pos: int64 [B] match lengths and last pool
+        positions. Returns the last nodes (int64 [B], 0 where m is 0), or None, having changed
+        nothing, for a batch of SCALAR_BATCH or fewer or when some match ends inside its node
+        (a split: `_apply`)."""
+        B = m.size
+        if B <= SCALAR_BATCH:
+            return None
+        has, X = _match_nodes_host(self._np("owner"), m, pos)
+        if (has & (pos - self._np("key_off").take(X, mode="clip") + 1 < self._np("key_len").take(X, mode="clip"))).any():
+            return None
+        stamp = np.arange(self.clock + 1, self.clock + 1 + B, dtype=np.int64)
+        self.clock += B
+        self.next_cid += B
+        b = self.node_bound()  # every live id is below it
+        _stamp_paths_host(self._np("parent")[:b], self._np("last_access")[:b], X, stamp)
+        return X
+
     def _apply_scalar(self, m: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor,
                       cid: torch.Tensor) -> Optional[torch.Tensor]:
         """`_apply` for a few matches on the CPU that split at most one node: `_apply_walks` on

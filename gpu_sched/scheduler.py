@@ -720,27 +720,37 @@ class GpuScheduler(ReferenceScheduler):
             # keys, deprioritization and the order on the device; one read-back at the end
             tree = self.cache.tree
             sel = _RowCols(self._rt, rows)
-            lens = torch.from_numpy(sel[:, RT_FILL]).to(dev)
             # every row matched on the tree's current content (versions only grow and a row's is
             # one its tree had: min == version iff all equal): kept as they are, nothing to write
             current = int(sel[:, RT_MVER].min()) == tree.version
-            m, pos = self._full_match(rows, sel, lens, current)  # hashes the fills it searches on first use
-            version = tree.version  # the matches hold until the tree's content changes
-            m, last = tree._apply(m, pos, tree.backend)
+            lens = last = None
+            if host and current and tree.backend == "torch":  # the usual step: kept matches, no split, numpy only
+                mn, pn = sel[:, RT_MLEN], sel[:, RT_MPOS]
+                last = tree._apply_host_unsplit(mn, pn)
+            if last is None:
+                lens = torch.from_numpy(sel[:, RT_FILL]).to(dev)
+                m, pos = self._full_match(rows, sel, lens, current)  # hashes the fills it searches on first use
+                version = tree.version  # the matches hold until the tree's content changes
+                m, last = tree._apply(m, pos, tree.backend)
+                if host:
+                    mn, pn, last = m.numpy(), pos.numpy(), last.numpy()
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
             check = cfg.in_batch_prefix_caching_check_threshold
             grouped = T > 0 and check >= 0  # R-ORD-9 groups: (namespace, first T fill tokens), kept per row
             if host:  # capped lengths, R-ORD-9 and lpm's key on the columns' numpy views
-                mn = m.numpy()
                 num = np.minimum(mn, sel[:, RT_CAP])
                 # groups of the rows R-ORD-9 checks only (with a warm cache, few or none)
                 grp = ((lambda e: self._head_groups(rows[e], sel.sub(e), T)[0].numpy()) if grouped
                        else np.zeros(n, dtype=np.int64))
                 dep = dpolicy.deprioritize_groups_host(mn, sel[:, RT_FILL], grp, check, T)
-                perm = dpolicy.lpm_perm_host(num, dep) if policy == "lpm" else None
-                if perm is None:
-                    perm = self._ranked_perm(policy, torch.from_numpy(num), torch.from_numpy(dep), last).numpy()
-                vals = [mn, num, dep, perm, pos.numpy()]
+                if policy == "dfs-weight":  # no torch op on the host paths (see `_apply_host_unsplit`)
+                    perm = self._dfs_weight_perm_host(last)
+                else:
+                    perm = dpolicy.lpm_perm_host(num, dep)
+                    if perm is None:
+                        perm = self._ranked_perm(policy, torch.from_numpy(num), torch.from_numpy(dep),
+                                                 torch.from_numpy(last)).numpy()
+                vals = [mn, num, dep, perm, pn]
             else:
                 if grouped:
                     grp, G = self._head_groups(rows, sel, T)
@@ -811,17 +821,20 @@ class GpuScheduler(ReferenceScheduler):
         be = self.backend
         if policy == "lpm":  # lengths are token counts (< 2^31): int32 keys sort faster
             return dpolicy.lpm_order(num.to(torch.int32), dep, backend=be)
-        if self._host_paths():
-            # on the tree's own ids (dead slots have parent -1 and no requests: the root,
-            # weighing every request, sorts first among the parentless), siblings by their
-            # creation-order stamps: the child order itself, so no compaction and no ranks
-            t = self.cache.tree
-            b = t.node_bound()  # every live id is below it
-            order, parent = t._np("order")[:b], t._np("parent")[:b]
-            return torch.from_numpy(dpolicy.dfs_weight_perm_host(parent, order, last.numpy(), (b - 1).bit_length(),
-                                                                 rank_bound=int(order.max()) + 1))
-        parent, rank, remap = self._child_ranks()
+        parent, rank, remap = self._child_ranks()  # the host paths call `_dfs_weight_perm_host` instead
         return dpolicy.dfs_weight_order(parent, rank, None, remap[last], backend=be)
+
+    def _dfs_weight_perm_host(self, last: np.ndarray) -> np.ndarray:
+        """dfs-weight's order (R-ORD-10) on the host paths from the matches' last nodes `last`
+        (int64 [n], the tree's ids): int64 permutation [n]. On the tree's own ids (dead slots
+        have parent -1 and no requests: the root, weighing every request, sorts first among the
+        parentless), siblings by their creation-order stamps: the child order itself, so no
+        compaction and no ranks."""
+        t = self.cache.tree
+        b = t.node_bound()  # every live id is below it
+        order, parent = t._np("order")[:b], t._np("parent")[:b]
+        return dpolicy.dfs_weight_perm_host(parent, order, last, (b - 1).bit_length(),
+                                            rank_bound=int(order.max()) + 1)
 
     def _routing_perm_host(self, qk: np.ndarray) -> Optional[np.ndarray]:
         """R-ORD-7 on the host for queued requests with interned key ids `qk` (int64 [n], -1:
@@ -984,7 +997,7 @@ class GpuScheduler(ReferenceScheduler):
     def _child_ranks(self):
         """(parent, child_rank) over the live nodes only (compacted ids, root first) and the map
         from tree ids to compacted ids, for dfs-weight's torch forms: siblings ranked by child
-        order (the host form orders on the tree's own ids instead, `_ranked_perm`)."""
+        order (the host form orders on the tree's own ids instead, `_dfs_weight_perm_host`)."""
         t = self.cache.tree
         b = t.node_bound()  # every live id is below it
         ids = torch.nonzero(t.alive[:b]).flatten()  # root (0) first
