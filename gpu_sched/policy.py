@@ -840,16 +840,22 @@ def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: 
     ln = last_node.astype(np.int64, copy=False)
     ln = np.where((ln >= 0) & (ln < N), ln, 0)
     own = np.bincount(ln, minlength=N).astype(np.int64, copy=False)
-    s, anc = own, p64
+    # the pointer-jumping rounds on N + 1 slots: a parentless node points at slot N, which
+    # points at itself and collects (and passes on) only what no node reads; a round is a
+    # few calls without masks (a cold numpy call costs 5-9 us: benchmarks/bench_cold.py)
+    anc0 = np.empty(N + 1, dtype=np.int64)
+    np.copyto(anc0[:N], p64)
+    anc0[:N][p64 < 0] = N
+    anc0[N] = N
+    s = np.zeros(N + 1, dtype=np.float64)  # counts below 2^53 (n requests): exact as float64
+    s[:N] = own
+    anc = anc0
     for _ in range(rounds):
-        up = anc >= 0
-        if not up.any():
+        if anc.min() == N:  # every pointer at the top: a further round changes nothing
             break
-        nxt = np.zeros(N + 1, dtype=np.int64)  # slot N: the root's (discarded) share
-        np.add.at(nxt, np.where(up, anc, N), s)
-        s = s + nxt[:N]
-        anc = np.where(up, anc.take(anc, mode="clip"), -1)
-    weight = s
+        s = s + np.bincount(anc, weights=s, minlength=N + 1)
+        anc = anc.take(anc)
+    weight = s[:N].astype(np.int64)
     skey = (p64 + 1) * (n + 1) + (n - weight)
     rank64 = child_rank.astype(np.int64, copy=False)
     # by (skey, child_rank): one packed key when it fits int64, else the two keys
@@ -866,15 +872,15 @@ def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: 
     seg0 = np.maximum.accumulate(np.where(first, np.arange(N), 0))
     off = np.empty(N, dtype=np.int64)
     off[order] = excl - excl[seg0]
-    t, anc = off, p64
+    t = np.zeros(N + 1, dtype=np.int64)  # slot N stays 0: it adds nothing to whoever points at it
+    t[:N] = off
+    anc = anc0
     for _ in range(rounds):
-        up = anc >= 0
-        if not up.any():
+        if anc.min() == N:
             break
-        a = np.maximum(anc, 0)
-        t = t + np.where(up, t[a], 0)
-        anc = np.where(up, anc[a], -1)
-    base = (t + weight - own)[ln]
+        t = t + t.take(anc)
+        anc = anc.take(anc)
+    base = (t[:N] + weight - own)[ln]
     if tiebreak is not None:
         tb = tiebreak.astype(np.int64, copy=False)
         perm = host_lex_perm(base, tb)
