@@ -1287,11 +1287,12 @@ class FlatRadixTree:
         return self._apply(m, pos, be)
 
     def _apply(self, m: torch.Tensor, pos: torch.Tensor, be: str = "torch", stamp: Optional[torch.Tensor] = None,
-               cid: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+               cid: Optional[torch.Tensor] = None, ends=None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Splits and stamps of a batch whose matches (m, pos) were found on the old tree.
 
         Row i stamps with stamp[i] and a split it makes gets creation id cid[i]; by default the
-        next B clock values and creation ids (the caller that passes them advances the counters)."""
+        next B clock values and creation ids (the caller that passes them advances the counters).
+        `ends`: `_match_ends(m, pos)` when the caller has it already (not computed again)."""
         B = m.numel()
         dev = self.device
         host = be == "torch" and _host(m)
@@ -1315,7 +1316,7 @@ class FlatRadixTree:
             last = self._apply_scalar(m, pos, stamp, cid)
             if last is not None:
                 return m, last
-        X, idx = self._match_ends(m, pos)
+        X, idx = self._match_ends(m, pos) if ends is None else ends
         if idx.numel():
             if lazy_cid and cid is None:  # splits read them
                 cid = default_cid()
@@ -1347,27 +1348,29 @@ class FlatRadixTree:
         self._stamp_paths(last, stamp, be)
         return m, last
 
-    def _apply_host_unsplit(self, m: np.ndarray, pos: np.ndarray) -> Optional[np.ndarray]:
-        """`_apply(m, pos)` (this call's own stamps and creation ids) on a CPU tree for a batch
-        of more than SCALAR_BATCH matches that all end at their node's end, as numpy in and out:
-        the same clock and creation-id advance and the same stamp walk (`_stamp_paths_host`), no
-        torch op (a torch call right after other work costs 20-35 us, against 5-9 us for a numpy
-        call: `benchmarks/bench_cold.py`). m, pos: int64 [B] match lengths and last pool
-        positions. Returns the last nodes (int64 [B], 0 where m is 0), or None, having changed
-        nothing, for a batch of SCALAR_BATCH or fewer or when some match ends inside its node
-        (a split: `_apply`)."""
+    def _apply_host(self, m: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """`_apply(m, pos)` (this call's own stamps and creation ids) on a CPU tree with numpy in
+        and out: the last nodes, int64 [B]. A batch of more than SCALAR_BATCH matches that all
+        end at their node's end (no split: the usual step) takes no torch op: the same clock and
+        creation-id advance and the same stamp walk (`_stamp_paths_host`) as `_apply` (a torch
+        call right after other work costs 20-35 us, against 5-9 us for a numpy call:
+        `benchmarks/bench_cold.py`); any other batch goes through `_apply`, handed the match
+        ends found here. m, pos: int64 [B] match lengths and last pool positions."""
         B = m.size
-        if B <= SCALAR_BATCH:
-            return None
-        has, X = _match_nodes_host(self._np("owner"), m, pos)
-        if (has & (pos - self._np("key_off").take(X, mode="clip") + 1 < self._np("key_len").take(X, mode="clip"))).any():
-            return None
-        stamp = np.arange(self.clock + 1, self.clock + 1 + B, dtype=np.int64)
-        self.clock += B
-        self.next_cid += B
-        b = self.node_bound()  # every live id is below it
-        _stamp_paths_host(self._np("parent")[:b], self._np("last_access")[:b], X, stamp)
-        return X
+        if B > SCALAR_BATCH:
+            has, X = _match_nodes_host(self._np("owner"), m, pos)
+            interior = has & (pos - self._np("key_off").take(X, mode="clip") + 1 < self._np("key_len").take(X, mode="clip"))
+            if not interior.any():
+                stamp = np.arange(self.clock + 1, self.clock + 1 + B, dtype=np.int64)
+                self.clock += B
+                self.next_cid += B
+                b = self.node_bound()  # every live id is below it
+                _stamp_paths_host(self._np("parent")[:b], self._np("last_access")[:b], X, stamp)
+                return X
+            ends = (torch.from_numpy(X), torch.from_numpy(np.flatnonzero(interior)))
+        else:
+            ends = None
+        return self._apply(torch.from_numpy(m), torch.from_numpy(pos), "torch", ends=ends)[1].numpy()
 
     def _apply_scalar(self, m: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor,
                       cid: torch.Tensor) -> Optional[torch.Tensor]:

@@ -723,14 +723,19 @@ class GpuScheduler(ReferenceScheduler):
             # every row matched on the tree's current content (versions only grow and a row's is
             # one its tree had: min == version iff all equal): kept as they are, nothing to write
             current = int(sel[:, RT_MVER].min()) == tree.version
-            lens = last = None
-            if host and current and tree.backend == "torch":  # the usual step: kept matches, no split, numpy only
+            lens = None
+            numpy_apply = host and tree.backend == "torch"  # splits and stamps as numpy in and out
+            if numpy_apply and current:  # kept matches on an unchanged tree: no torch op at all
                 mn, pn = sel[:, RT_MLEN], sel[:, RT_MPOS]
-                last = tree._apply_host_unsplit(mn, pn)
-            if last is None:
+            else:
                 lens = torch.from_numpy(sel[:, RT_FILL]).to(dev)
                 m, pos = self._full_match(rows, sel, lens, current)  # hashes the fills it searches on first use
                 version = tree.version  # the matches hold until the tree's content changes
+            if numpy_apply:
+                if not current:
+                    mn, pn = m.numpy(), pos.numpy()
+                last = tree._apply_host(mn, pn)
+            else:
                 m, last = tree._apply(m, pos, tree.backend)
                 if host:
                     mn, pn, last = m.numpy(), pos.numpy(), last.numpy()
@@ -743,7 +748,7 @@ class GpuScheduler(ReferenceScheduler):
                 grp = ((lambda e: self._head_groups(rows[e], sel.sub(e), T)[0].numpy()) if grouped
                        else np.zeros(n, dtype=np.int64))
                 dep = dpolicy.deprioritize_groups_host(mn, sel[:, RT_FILL], grp, check, T)
-                if policy == "dfs-weight":  # no torch op on the host paths (see `_apply_host_unsplit`)
+                if policy == "dfs-weight":  # no torch op on the host paths (see `FlatRadixTree._apply_host`)
                     perm = self._dfs_weight_perm_host(last)
                 else:
                     perm = dpolicy.lpm_perm_host(num, dep)

@@ -740,56 +740,38 @@ def test_apply_list_equals_apply(page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_apply_host_unsplit_equals_apply(page_size):
-    """`_apply_host_unsplit` (numpy in and out, batches past SCALAR_BATCH whose matches all end
-    at node ends) returns the last nodes `_apply` returns and leaves every array, the clock and
-    the creation ids as it does; a batch where one match ends inside its node, or one of at
-    most SCALAR_BATCH matches, gets None and changes nothing."""
+def test_apply_host_equals_apply(page_size):
+    """`_apply_host` (numpy in and out) returns the last nodes `_apply`'s torch form returns and
+    leaves every node array, the clock and the creation ids as it does: for batches past
+    SCALAR_BATCH whose matches all end at node ends (its own numpy stamp walk), batches with
+    splits (`_apply` handed its match ends) and batches of SCALAR_BATCH or fewer."""
     P = page_size
     rng = np.random.default_rng(7 + page_size)
-    tree = FlatRadixTree(P, max_nodes=1024, token_capacity=16384)
+    tree = FlatRadixTree(P, max_nodes=2048, token_capacity=16384)
     seqs = [rng.integers(0, 3, int(rng.integers(1, 12)) * P).astype(np.int32) for _ in range(24)]
     for i, seq in enumerate(seqs):
         tree.insert(torch.from_numpy(seq), torch.arange(len(seq)) + 100 * i, 0)
     S = radix_module.SCALAR_BATCH
     seen = set()
-    for trial in range(30):
-        B = S + 1 + int(rng.integers(0, 40)) if trial % 5 else int(rng.integers(1, S + 1))
+    for trial in range(36):
+        B = S + 1 + int(rng.integers(0, 40)) if trial % 4 else int(rng.integers(1, S + 1))
         qs = [np.concatenate([seqs[int(rng.integers(len(seqs)))][: int(rng.integers(0, 12)) * P],
                               rng.integers(0, 3, int(rng.integers(0, 2 * P)))]) for _ in range(B)]
         t, lens = pad([q.tolist() for q in qs])
         m, pos = tree._find(t, lens, torch.zeros(B, dtype=torch.int64))
-        tree._apply(m, pos)  # the splits these matches need, made first: now every one ends at a node end
-        if trial % 3 == 0:  # and one more row ending inside a node, when the tree has such a position
-            inner = np.flatnonzero((tree.key_len.numpy() > 1) & tree.alive.numpy())
-            inner = inner[inner > 0]
-            if inner.size:
-                x = int(inner[0])
-                cut = int(tree.key_off[x]) + (int(tree.key_len[x]) // P - 1) * P - 1 if P > 1 else int(tree.key_off[x])
-                if cut >= int(tree.key_off[x]) and cut - int(tree.key_off[x]) + 1 < int(tree.key_len[x]):
-                    m = torch.cat([m, torch.tensor([1])])  # any length > 0: only the position is read
-                    pos = torch.cat([pos, torch.tensor([cut])])
+        if trial % 3:  # the splits these matches need, made first: then every one ends at a node end
+            tree._apply(m, pos)
         twin = copy.deepcopy(tree)
-        arrays = [a.clone() for a in tree._node_arrays() + [tree.alive, tree.owner]]
-        before = (tree.clock, tree.next_cid)
-        got = tree._apply_host_unsplit(m.numpy().copy(), pos.numpy().copy())
-        X, idx = twin._match_ends(m, pos)
-        if got is None:
-            assert m.numel() <= S or idx.numel() > 0
-            assert (tree.clock, tree.next_cid) == before
-            for a, b in zip(tree._node_arrays() + [tree.alive, tree.owner], arrays):
-                assert torch.equal(a, b)
-            seen.add("none-small" if m.numel() <= S else "none-split")
-            continue
-        assert m.numel() > S and idx.numel() == 0
+        kind = "small" if B <= S else ("split" if twin._match_ends(m, pos)[1].numel() else "unsplit")
+        got = tree._apply_host(m.numpy().copy(), pos.numpy().copy())
         with PM.torch_forms():
             _, want = twin._apply(m, pos)
-        assert isinstance(got, np.ndarray) and got.dtype == np.int64 and got.tolist() == want.tolist()
-        for a, b in zip(tree._node_arrays() + [tree.alive, tree.owner], twin._node_arrays() + [twin.alive, twin.owner]):
-            assert torch.equal(a, b)
-        assert (tree.clock, tree.next_cid) == (twin.clock, twin.next_cid) == (before[0] + m.numel(), before[1] + m.numel())
-        seen.add("applied")
-    assert seen == {"applied", "none-small", "none-split"}, seen
+        assert isinstance(got, np.ndarray) and got.dtype == np.int64 and got.tolist() == want.tolist(), kind
+        for x, y in zip(tree._node_arrays() + [tree.alive, tree.owner], twin._node_arrays() + [twin.alive, twin.owner]):
+            assert torch.equal(x, y), kind
+        assert (tree.clock, tree.next_cid) == (twin.clock, twin.next_cid), kind
+        seen.add(kind)
+    assert seen == {"small", "split", "unsplit"}, seen
 
 
 @pytest.mark.parametrize("vocab, L", [(2**31, 2000), (50_000, 2000), (2**20, 10_000)],

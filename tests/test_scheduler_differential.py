@@ -253,6 +253,37 @@ def run_long(name: str, seed: int, steps: int = 200, backend: str = "torch", cap
     return hits
 
 
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_long_queue_runs_take_the_numpy_apply(policy, monkeypatch):
+    """A run whose queue grows past SCALAR_BATCH (few running slots) orders through
+    `FlatRadixTree._apply_host`: batches without a split by its numpy stamp walk, batches with
+    splits by `_apply` handed the match ends it found; every step stays the reference's, cache
+    contents and stamps included (they decide evictions)."""
+    from gpu_sched.radix import SCALAR_BATCH, FlatRadixTree
+
+    seen = {"numpy": 0, "splits": 0, "longest": 0}
+    orig_host, orig_apply = FlatRadixTree._apply_host, FlatRadixTree._apply
+
+    def spy(self, m, pos):
+        seen["longest"] = max(seen["longest"], m.size)
+        seen["numpy"] += m.size > SCALAR_BATCH
+        return orig_host(self, m, pos)
+
+    def spy_apply(self, m, pos, *a, ends=None, **k):
+        if ends is not None:  # handed over by `_apply_host`: a batch with splits
+            seen["numpy"] -= 1
+            seen["splits"] += 1
+        return orig_apply(self, m, pos, *a, ends=ends, **k)
+
+    monkeypatch.setattr(FlatRadixTree, "_apply_host", spy)
+    monkeypatch.setattr(FlatRadixTree, "_apply", spy_apply)
+    monkeypatch.setitem(LONG_RUNS, "long-queue", dict(schedule_policy=policy, page_size=1, max_running_requests=3,
+                                                      chunked_prefill_size=48))
+    hits = run_long("long-queue", seed=5)
+    assert seen["longest"] > SCALAR_BATCH and seen["numpy"] > 0 and seen["splits"] > 3, seen
+    assert hits["admitted"] > 20 and hits["finished"] > 10, hits
+
+
 @pytest.mark.parametrize("name", sorted(LONG_RUNS))
 def test_200_step_runs_match_reference(name):
     hits = run_long(name, seed=0)
@@ -644,7 +675,7 @@ def test_step_pauses_the_garbage_collector_and_restores_it(monkeypatch):
 
 
 def test_dfs_weight_host_form_on_tree_ids_equals_torch_form():
-    """dfs-weight's host order (`GpuScheduler._ranked_perm` on the CPU: the tree's own ids,
+    """dfs-weight's host order (`GpuScheduler._dfs_weight_perm_host`: the tree's own ids,
     dead slots detached, siblings by creation-order stamps, no compaction) equals its torch
     form (the compacted tree of `_child_ranks`, `dfs_weight_order`'s torch passes) on caches
     with splits, evictions (dead ids among the live ones) and re-used slots, for random
@@ -673,7 +704,7 @@ def test_dfs_weight_host_form_on_tree_ids_equals_torch_form():
                 last = torch.tensor([rng.choice(few) for _ in range(rng.randrange(1, 200))])
             else:  # one request on each of some nodes: sibling weights differ by one
                 last = torch.tensor(rng.sample(live.tolist(), rng.randrange(1, live.size)))
-            got = s._ranked_perm("dfs-weight", None, None, last)
+            got = torch.from_numpy(s._dfs_weight_perm_host(last.numpy()))
             with P.torch_forms():
                 want = s._ranked_perm("dfs-weight", None, None, last)
             assert torch.equal(got, want), (seed, trial)
