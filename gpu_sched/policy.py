@@ -827,7 +827,7 @@ def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: 
                          rounds: int, tiebreak: Optional[np.ndarray] = None,
                          rank_bound: Optional[int] = None) -> np.ndarray:
     """`dfs_weight_order`'s torch form on numpy arrays (parent, child_rank int [N >= 1],
-    last_node int [n]; arguments checked by the caller), step for step: subtree weights by
+    last_node int [n]; arguments checked by the caller, parent values in [-1, N)), step for step: subtree weights by
     `rounds` pointer-jumping rounds, sibling offsets by one stable sort and a segmented
     prefix sum, starts by `rounds` more rounds, then the stable order of the request bases
     (and `tiebreak`, when given). A round after every pointer has reached the root changes
@@ -937,7 +937,11 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
         rounds = max_depth.bit_length()
     k = _kernels(backend, "dfs_weight")
     if k is None and _host(parent):
-        return torch.from_numpy(dfs_weight_perm_host(parent.numpy(), child_rank.numpy(), last_node.numpy(), rounds,
+        pn = parent.numpy()
+        if int(pn.max()) >= N:  # a host read: there is no device to sync with
+            raise ValueError(f"{where}: parent values must be node indices below N = {N} (-1: none), "
+                             f"got {int(pn.max())}")
+        return torch.from_numpy(dfs_weight_perm_host(pn, child_rank.numpy(), last_node.numpy(), rounds,
                                                      None if tiebreak is None else tiebreak.numpy()))
     # one packed sibling key (parent, -weight, child_rank) when it fits int64, else two sorts
     pack_rank = (N + 1) * (n + 1) * N <= INT64_MAX

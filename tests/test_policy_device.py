@@ -980,3 +980,14 @@ def test_in_batch_deprioritize_groups_rejects_bad_args():
             P.in_batch_deprioritize_groups(x, x, x, args["num_groups"], args["check_threshold"], args["threshold"])
     with pytest.raises((TypeError, ValueError), match="group"):
         P.in_batch_deprioritize_groups(x, x, x.float(), 2, 3, 1)
+
+
+@pytest.mark.parametrize("bad", [3, 7])
+def test_dfs_weight_order_refuses_a_parent_past_the_tree(bad):
+    """A parent index of N or more names no node: a ValueError naming the value, not an
+    IndexError (or, at exactly N, a quiet order) from inside the passes."""
+    parent = torch.tensor([-1, 0, bad])
+    with pytest.raises(ValueError, match=f"parent values must be node indices below N = 3.*got {bad}"):
+        P.dfs_weight_order(parent, torch.arange(3), None, torch.tensor([0, 1, 2, 2, 1]))
+    with pytest.raises(ValueError, match="max_depth must be an int >= 0"):
+        P.dfs_weight_order(torch.tensor([-1, 0, 1]), torch.arange(3), None, torch.tensor([2]), max_depth=-1)
