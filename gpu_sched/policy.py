@@ -825,7 +825,7 @@ def child_order_ranks(parent: torch.Tensor, order: torch.Tensor) -> torch.Tensor
 
 def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: np.ndarray,
                          rounds: int, tiebreak: Optional[np.ndarray] = None,
-                         rank_bound: Optional[int] = None) -> np.ndarray:
+                         rank_bound: Optional[int] = None, in_range: bool = False) -> np.ndarray:
     """`dfs_weight_order`'s torch form on numpy arrays (parent, child_rank int [N >= 1],
     last_node int [n]; arguments checked by the caller, parent values in [-1, N)), step for step: subtree weights by
     `rounds` pointer-jumping rounds, sibling offsets by one stable sort and a segmented
@@ -834,11 +834,14 @@ def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: 
     nothing, so the rounds stop there (about log2 of the tree depth rounds instead of log2 N).
     `rank_bound`: child_rank's values are below it (default N); any sibling sort key that
     orders siblings as their ranks do gives the same permutation (ties: by node index), e.g.
-    a tree's creation-order stamps (`GpuScheduler._dfs_weight_perm_host`). int64 permutation [n]."""
+    a tree's creation-order stamps (`GpuScheduler._dfs_weight_perm_host`). `in_range`: the
+    caller knows every last_node is in [0, N) (a tree's own ids), so they are not clamped.
+    int64 permutation [n]."""
     N, n = parent.size, last_node.size
     p64 = parent.astype(np.int64, copy=False)
     ln = last_node.astype(np.int64, copy=False)
-    ln = np.where((ln >= 0) & (ln < N), ln, 0)
+    if not in_range:  # -1 (no match) and ids outside the tree count at the root
+        ln = np.where((ln >= 0) & (ln < N), ln, 0)
     own = np.bincount(ln, minlength=N).astype(np.int64, copy=False)
     # the pointer-jumping rounds on N + 1 slots: a parentless node points at slot N, which
     # points at itself and collects (and passes on) only what no node reads; a round is a

@@ -839,7 +839,7 @@ class GpuScheduler(ReferenceScheduler):
         b = t.node_bound()  # every live id is below it
         order, parent = t._np("order")[:b], t._np("parent")[:b]
         return dpolicy.dfs_weight_perm_host(parent, order, last, (b - 1).bit_length(),
-                                            rank_bound=int(order.max()) + 1)
+                                            rank_bound=int(order.max()) + 1, in_range=True)
 
     def _routing_perm_host(self, qk: np.ndarray) -> Optional[np.ndarray]:
         """R-ORD-7 on the host for queued requests with interned key ids `qk` (int64 [n], -1:
