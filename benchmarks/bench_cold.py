@@ -27,6 +27,7 @@ checks plans).
 
 Usage:
     python benchmarks/bench_cold.py [--policy lpm] [--n 10000] [--max-prompt-len 2048 | 0 for real]
+        [--queue mooncake|synthetic] [--trace PATH] [--warm 2000] [--distinct 0]
         [--reps 15] [--sweep-mib 64] [--sleep-ms 60] [--spin-ms 1,10,60] [--skip-step] [--out rows.json]
 """
 

@@ -596,6 +596,8 @@ def main(argv=None):
         scheds.append((backend, device, s, cached, Clock(device)))
         print(f"# {backend}/{device}: warm cache {cached} tokens, KV pool {pool}, built in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
+    if args.prime:
+        print("# --prime: every timed call right after an untimed call of the same backend", flush=True)
     print(HEADER)
     print("-" * len(HEADER), flush=True)
     stopped = set()  # (backend, device, policy) past --max-seconds or out of memory
