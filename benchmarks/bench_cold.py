@@ -98,13 +98,9 @@ def timed_after(fn: Callable, pres: Dict[str, Callable], reps: int, undo: Callab
     return out
 
 
-def p90(xs: List[float]) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))]
-
-
 def row(experiment: str, condition: str, n: int, times: List[float], **extra) -> dict:
     return dict(experiment=experiment, condition=condition, n=n, median_us=statistics.median(times) * 1e6,
-                p90_us=p90(times) * 1e6, reps=len(times), **extra)
+                p90_us=bq.p90(times) * 1e6, reps=len(times), **extra)
 
 
 def parse_args(argv=None):

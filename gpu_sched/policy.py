@@ -846,10 +846,7 @@ def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: 
     # the pointer-jumping rounds on N + 1 slots: a parentless node points at slot N, which
     # points at itself and collects (and passes on) only what no node reads; a round is a
     # few calls without masks (a cold numpy call costs 5-9 us: benchmarks/bench_cold.py)
-    anc0 = np.empty(N + 1, dtype=np.int64)
-    np.copyto(anc0[:N], p64)
-    anc0[:N][p64 < 0] = N
-    anc0[N] = N
+    anc0 = np.append(np.where(p64 < 0, N, p64), N)
     s = np.zeros(N + 1, dtype=np.float64)  # counts below 2^53 (n requests): exact as float64
     s[:N] = own
     anc = anc0

@@ -1358,8 +1358,7 @@ class FlatRadixTree:
         ends found here. m, pos: int64 [B] match lengths and last pool positions."""
         B = m.size
         if B > SCALAR_BATCH:
-            has, X = _match_nodes_host(self._np("owner"), m, pos)
-            interior = has & (pos - self._np("key_off").take(X, mode="clip") + 1 < self._np("key_len").take(X, mode="clip"))
+            X, interior = self._match_ends_host(m, pos)
             if not interior.any():
                 stamp = np.arange(self.clock + 1, self.clock + 1 + B, dtype=np.int64)
                 self.clock += B
@@ -1457,14 +1456,18 @@ class FlatRadixTree:
         tensors, `policy._host`): as numpy calls on views of the tree's arrays (several times
         cheaper per call than torch's), else as torch ops."""
         if _host(m) if host is None else host:
-            pn = pos.numpy()
-            has, X = _match_nodes_host(self._np("owner"), m.numpy(), pn)
-            interior = has & (pn - self._np("key_off").take(X, mode="clip") + 1 < self._np("key_len").take(X, mode="clip"))
+            X, interior = self._match_ends_host(m.numpy(), pos.numpy())
             return torch.from_numpy(X), torch.from_numpy(np.flatnonzero(interior))
         has = m > 0
         X = torch.where(has, gather(self.owner, pos.clamp(min=0)), torch.zeros_like(m))
         cover = pos - self.key_off[X] + 1
         return X, torch.nonzero(has & (cover < self.key_len[X])).flatten()
+
+    def _match_ends_host(self, m: np.ndarray, pos: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """`_match_ends` on numpy (a CPU tree's views): the node holding each match's last token
+        (int64 [B], 0 where m is 0) and whether the match ends inside it (bool [B])."""
+        has, X = _match_nodes_host(self._np("owner"), m, pos)
+        return X, has & (pos - self._np("key_off").take(X, mode="clip") + 1 < self._np("key_len").take(X, mode="clip"))
 
     def _split_round(self, req: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor, cid: torch.Tensor,
                      be: str = "torch") -> None:
