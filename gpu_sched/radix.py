@@ -1434,11 +1434,13 @@ class FlatRadixTree:
     def _apply_list(self, m: List[int], pos: List[int]) -> List[int]:
         """`_apply` (splits and stamps, the next len(m) clock values and creation ids) of a
         batch given as Python lists of matched lengths [tokens] and last pool positions; returns
-        the last nodes as a list. A few matches on a CPU tree with the torch backend that split
-        at most one node take `_apply_walks` and no tensor is made; the others go through
-        `_apply`."""
+        the last nodes as a list. On a CPU tree with the torch backend a few matches that split
+        at most one node take `_apply_walks` and more take `_apply_host`; the others go
+        through `_apply`."""
         B = len(m)
-        if B <= SCALAR_BATCH and self._host_form():
+        if self._host_form():
+            if B > SCALAR_BATCH:
+                return self._apply_host(np.array(m, dtype=np.int64), np.array(pos, dtype=np.int64)).tolist()
             last = self._apply_walks(m, pos, range(self.clock + 1, self.clock + 1 + B),
                                      range(self.next_cid, self.next_cid + B))
             if last is not None:
@@ -1889,14 +1891,15 @@ class FlatRadixTree:
         unlock below zero (nothing changed). None elsewhere: the caller runs the torch form."""
         if not self._host_form(backend):
             return None
-        listed = isinstance(nodes, list)
+        listed = not isinstance(nodes, torch.Tensor)  # a list or a numpy array
         if (len(nodes) if listed else nodes.numel()) <= SCALAR_BATCH:
-            return self._lock_scalar(nodes if listed else nodes.tolist(), sign)
+            return self._lock_scalar(nodes if isinstance(nodes, list) else nodes.tolist(), sign)
         return self._lock_host(np.asarray(nodes, dtype=np.int64) if listed else nodes.to(torch.int64).numpy(), sign)
 
-    def lock(self, nodes: Union[torch.Tensor, List[int]], *, backend: Optional[str] = None) -> None:
-        """inc_lock_ref for each node (batched; node 0 = root is a no-op). nodes: int64 [B] or
-        a list of node ids (the host paths' form: no tensor is made for a few)."""
+    def lock(self, nodes: Union[torch.Tensor, List[int], np.ndarray], *, backend: Optional[str] = None) -> None:
+        """inc_lock_ref for each node (batched; node 0 = root is a no-op). nodes: int64 [B], or
+        a list or numpy array of node ids on a CPU tree (the host paths' forms: no tensor is
+        made)."""
         if self._lock_on_host(nodes, 1, backend) is not None:
             return
         if isinstance(nodes, list):

@@ -157,7 +157,7 @@ def _groups(n, size):
 @pytest.mark.parametrize("families", _groups(FAMILIES, GROUP), ids=lambda fs: f"families{fs[0]}-{fs[-1]}")
 @pytest.mark.parametrize("windows", ["scalar", "static"])
 def test_torch_steps_match_reference(families, windows, monkeypatch):
-    # both forms of a small admission window: the reference's loop on the window's matches
+    # both forms of a small admission window: one request at a time on the window's matches
     # and lock drops (`GpuScheduler._scalar_admission`, the default up to SCALAR_WINDOW
     # requests, first matches by scalar searches up to FIND_SCALAR_MAX rows) and the static
     # step (`admit_step`) that larger windows take, its first matches by the array search
