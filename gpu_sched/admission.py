@@ -263,13 +263,8 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     On CPU tensors with backend "torch" the same steps run as numpy calls (`_lock_drops_host`).
     """
     if backend == "torch" and _host(parent):
-        if last_node.numel() <= LOCK_WALK_MAX:  # few requests: walk their paths, not every node
-            return torch.tensor(_lock_drops_walk(parent.numpy(), key_len.numpy(), lock_ref.numpy(), alive.numpy(),
-                                                 last_node.tolist(), cover.tolist(), valid.tolist()),
-                                dtype=torch.int64)
-        return torch.from_numpy(_lock_drops_host(parent.numpy(), key_len.numpy(), lock_ref.numpy(), alive.numpy(),
-                                                 last_node.numpy(), cover.numpy(), valid.numpy(), max_depth,
-                                                 early_exit))
+        return torch.from_numpy(lock_drops_np(parent.numpy(), key_len.numpy(), lock_ref.numpy(), alive.numpy(),
+                                              last_node.numpy(), cover.numpy(), valid.numpy(), max_depth, early_exit))
     N = parent.numel()
     Q = last_node.numel()
     dev = parent.device
@@ -385,6 +380,18 @@ def _lock_drops_walk(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarr
         if alive[v] and lock_ref[v] == 0:
             drop[i] += int(key_len[v]) - mp.get(v, 0)
     return drop
+
+
+def lock_drops_np(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray,
+                  last_node: np.ndarray, cover: np.ndarray, valid: np.ndarray, max_depth: Optional[int] = None,
+                  early_exit: bool = False) -> np.ndarray:
+    """`lock_drops` with numpy in and out (a CPU tree's views; arguments as there): Python
+    walks of the requests' paths for up to LOCK_WALK_MAX requests (`_lock_drops_walk`), the
+    static form's steps as numpy calls past that (`_lock_drops_host`). int64 [Q]."""
+    if last_node.size <= LOCK_WALK_MAX:  # few requests: walk their paths, not every node
+        return np.array(_lock_drops_walk(parent, key_len, lock_ref, alive, last_node.tolist(), cover.tolist(),
+                                         valid.tolist()), dtype=np.int64)
+    return _lock_drops_host(parent, key_len, lock_ref, alive, last_node, cover, valid, max_depth, early_exit)
 
 
 def _lock_drops_host(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray,

@@ -43,7 +43,8 @@ from .row_queue import LazyList, RowQueue, rid_list
 from . import policy as dpolicy
 from .admission import (STOP_CODES, STOP_NAMES, STOP_NO_TOKEN, STOP_OTHER, STOP_PREEMPT, STOP_QUEUE_END, HeldCols,
                         QueueCols, StepConfig, StepState, _lock_drops_walk, admit_step, admit_step_host, lock_drops,
-                        preempt_select, read_step_result)
+                        lock_drops_np, preempt_select, read_step_result)
+from .radix import _match_nodes_host, _path_position_host
 
 BACKENDS = ("torch", "triton")
 #: columns of GpuScheduler's row table: fill length, output length, prompt length,
@@ -1087,6 +1088,8 @@ class GpuScheduler(ReferenceScheduler):
                 # the admitted prefix, and the refused request after it (slices: no index tensor)
                 if isinstance(matched[0], list):
                     matched = tuple(v[:na] + v[k : k + 1] if refused else v[:na] for v in matched)
+                elif isinstance(matched[0], np.ndarray):
+                    matched = tuple(np.concatenate([v[:na], v[k : k + 1]]) if refused else v[:na] for v in matched)
                 else:
                     matched = tuple(torch.cat([v[:na], v[k : k + 1]]) if refused else v[:na] for v in matched)
             self._admit_run(rest[:na], ends[:na], adder, rematch=rest[k] if refused else None, matched=matched)
@@ -1196,12 +1199,15 @@ class GpuScheduler(ReferenceScheduler):
         request's path lowers `evictable` by after the requests before it in the window locked
         theirs (`admission.lock_drops`, R-RC-6): (m, drop, evictable, matched), m and drop int64
         device tensors [Q], evictable the tree's (a device scalar), matched = (m, pos) or None
-        with the cache disabled (all zero)."""
+        with the cache disabled (all zero). On the host paths with the cache on: numpy arrays
+        and an int (`_window_drops_host`)."""
         dev = self.device
         if self.cache.disable:
             m = torch.zeros(Q, dtype=torch.int64, device=dev)
             return m, torch.zeros_like(m), torch.zeros((), dtype=torch.int64, device=dev), None
         tree = self.cache.tree
+        if self._host_paths() and tree.backend == "torch":
+            return self._window_drops_host(rows, sel)
         m, pos, nc = self._window_match(rows, sel)
         has = m > 0
         if nc is not None:  # read off the paths already
@@ -1219,6 +1225,33 @@ class GpuScheduler(ReferenceScheduler):
                           has, max_depth=1 << depth.bit_length(),  # power of two: few distinct shapes
                           backend=self.backend, early_exit=True)
         return m, drop, tree.evictable_size, (m, pos)
+
+    def _window_drops_host(self, rows: np.ndarray, sel: "_RowCols"):
+        """`_window_drops` on the host paths with the cache on, numpy in and out: the same
+        (m, drop, evictable [tokens], (m, pos)), m, drop and pos int64 numpy [Q], evictable an
+        int. Rows whose full match is known on the tree's current content are climbed to their
+        capped depth (`_path_position_host`) with no torch op (a torch call after a pause costs
+        20-35 us, a numpy one 5-9: `benchmarks/bench_cold.py`); other windows take
+        `_window_match` and read its tensors' views."""
+        tree = self.cache.tree
+        P = self.config.page_size
+        owner, key_off, key_len, parent = map(tree._np, ("owner", "key_off", "key_len", "parent"))
+        capped = np.minimum(sel[:, RT_FILL], sel[:, RT_CAP])
+        if bool((sel[:, RT_MVER] == tree.version).all()):
+            mlen = sel[:, RT_MLEN]
+            m = np.minimum(capped // P * P, mlen)
+            pos, node, cover = _path_position_host(owner, key_off, key_len, parent, mlen, sel[:, RT_MPOS], m)
+            has = m > 0
+        else:
+            mt, pt, _ = self._window_match(rows, sel)
+            m, pos = mt.numpy(), pt.numpy()
+            has, node = _match_nodes_host(owner, m, pos)
+            cover = pos - key_off.take(node, mode="clip") + 1
+        depth = int(capped.max(initial=0)) // P  # nodes on any matched path
+        b = min(1 << max(tree.node_bound() - 1, 1).bit_length(), parent.size)  # as `_window_drops`
+        drop = lock_drops_np(parent[:b], key_len[:b], tree._np("lock_ref")[:b], tree._np("alive")[:b], node, cover,
+                             has, max_depth=1 << depth.bit_length(), early_exit=True)
+        return m, drop, tree.host_int("evictable_size"), (m, pos)
 
     def _scalar_window(self, rest) -> bool:
         """Whether `_scalar_admission` decides this window: a few requests (at most
@@ -1554,9 +1587,9 @@ class GpuScheduler(ReferenceScheduler):
         if isinstance(matched[0], list):  # a small window's lists (`_window_drops_scalar`): no tensor
             m, last = matched[0], tree._apply_list(*matched)
             vals = m + last
-        elif tree._host_form() and matched[0].device.type == "cpu":  # numpy in and out (`_apply_host`)
-            m = matched[0].numpy()
-            last = tree._apply_host(m, matched[1].numpy())
+        elif isinstance(matched[0], np.ndarray) or tree._host_form() and matched[0].device.type == "cpu":
+            m = np.asarray(matched[0])  # numpy in and out (`_apply_host`; a CPU tensor's view)
+            last = tree._apply_host(m, np.asarray(matched[1]))
             vals = m.tolist() + last.tolist()
         else:
             m, last = tree._apply(matched[0], matched[1], tree.backend)
