@@ -1075,7 +1075,7 @@ class GpuScheduler(ReferenceScheduler):
                     if scfg is None:
                         scfg = StepConfig.from_config(self.config)
                     res, matched = self._static_admission(rest, adder, running_bs, scfg, wrows)
-                    vals = [res.stop, res.stop_index, res.chunk_index, int(res.batch_full), res.I, res.cur_off,
+                    vals = res if isinstance(res, list) else [res.stop, res.stop_index, res.chunk_index, int(res.batch_full), res.I, res.cur_off,
                             res.rem_input, res.rem_chunk, res.hit_tokens, res.input_tokens, int(res.decided),
                             res.admitted] + res.extend_end
             Q = len(rest)
@@ -1163,13 +1163,21 @@ class GpuScheduler(ReferenceScheduler):
                           rows: Optional[np.ndarray] = None):
         """Columns of the ordered queue's window `rest` (table rows `rows`, looked up when
         None) and the adder's budgets as device tensors, then `admit_step` (no host read
-        inside; backend "triton" runs its per-request kernels)."""
+        inside; backend "triton" runs its per-request kernels). On the host paths with the
+        cache on and no priority preemption: `_window_lead` on numpy columns, its result in
+        the read-back layout (a list)."""
         dev = self.device
         Q = len(rest)
         if rows is None:
             rows = self._rows_of(rest)
         sel = _RowCols(self._rt, rows)  # pool offsets not read: `_csr` hashes what a search needs
         host = self.backend == "torch"  # the rounds' scalar state on the host (`admit_step_host`)
+        if (host and not self.cache.disable and self._host_paths() and not self.config.enable_priority_preemption
+                and self.cache.tree.backend == "torch"):
+            # numpy matches and drops, the loop's lead by prefix sums (`_window_lead`): its
+            # read-back layout as a list
+            m, drop, ev, matched = self._window_drops_host(rows, sel)
+            return self._window_lead(rows, m, drop, int(ev), adder, running_bs, sel), matched
         cols = np.stack([sel[:, c] for c in (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN)])
         if scfg.ignore_eos_path or not self._host_paths():
             cols = torch.from_numpy(cols).to(dev)  # else numpy columns: `admit_step_host` reads those as they are
@@ -1313,8 +1321,60 @@ class GpuScheduler(ReferenceScheduler):
                 len(run)] + [r.extend_end for r in run]
         return vals, matched
 
-    def _window_loop(self, rows: np.ndarray, ms: List[int], drops: List[int], ev: int, adder,
-                     running_bs: int) -> List[int]:
+    def _window_lead(self, rows: np.ndarray, m: np.ndarray, drop: np.ndarray, ev: int, adder, running_bs: int,
+                     sel: "_RowCols") -> List[int]:
+        """`_window_loop` for a large window, its lead decided by numpy: k0 = the first request
+        that is not admitted whole with the loop going on after it (R-STEP-3 / R-ADM-1..3;
+        the budgets before request j are the start's plus exclusive prefix sums of whole
+        commits and lock drops, exactly as the loop forms them, so the checks of every request
+        up to the stop are a few array calls), then `_window_loop` from k0 with the state
+        there (it decides k0 itself and anything after: a chunk, a refusal, the batch full).
+        Some 40 numpy calls, where `admit_step_host`'s checks of every request take ~150
+        (a call after a pause costs 5-9 us whatever its size: `benchmarks/bench_cold.py`).
+        m, drop: int64 [Q] capped matches and lock drops [tokens]; ev: evictable [tokens]."""
+        cfg = self.config
+        P, clip, cap, pmax = cfg.page_size, cfg.clip_max_new_tokens, cfg.max_running_requests, cfg.prefill_max_requests
+        Q = len(rows)
+        ncan0 = len(adder.can_run)
+        RN = adder.ratio * adder.N
+        I0, cur0, rin0, rc0 = adder.I, adder.cur_off, adder.rem_input, adder.rem_chunk
+        A = self.pool.available
+        fill, out, maxn = sel[:, RT_FILL], sel[:, RT_OUT], sel[:, RT_MAXNEW]
+        ext = fill - m
+        e = ext if P == 1 else -(-ext // P) * P  # ceilP: the pages a whole admission commits
+        total = ext + np.minimum(np.maximum(maxn - out, 0), clip) + P
+        # exclusive prefix sums [Q + 1] of the whole commits (R-ADM-2: I, cur_off, rem_input)
+        # and of the lock drops and hit tokens
+        d = np.zeros((5, Q + 1), dtype=np.int64)
+        np.cumsum(np.stack([e + np.minimum(maxn, clip) + P, e + P, e, drop, m]), axis=1, out=d[:, 1:])
+        Ij, rinj = I0 + d[0], rin0 - d[2]
+        base = A + ev - d[3]  # available + evictable before request j locks its path
+        rt = (base - Ij).astype(np.float64) - RN  # D7's rem_total, as `PrefillAdder.rem_total` forms it
+        good = (rt > 0) & (base - (cur0 + d[1]) > 0) & (rinj > 0)  # budget_state() CONTINUE before j
+        if rc0 is not None:
+            rcj = rc0 - d[2]
+            good &= rcj > 0
+        bad = ~good[1:]  # the budgets after j's commit stop the loop
+        bad |= total >= rt[:-1]  # refused before the temporary lock
+        bad |= total >= (base[:-1] - drop - Ij[:-1]).astype(np.float64) - RN  # and after it
+        if rc0 is None:  # more input than rem_input once the batch holds a request
+            bad |= (e >= rinj[:-1]) & (np.arange(ncan0, ncan0 + Q) > 0)
+        else:  # a chunk, not a whole admission
+            bad |= e > rcj[:-1]
+        k0 = int(bad.argmax()) if Q else 0
+        if Q and not bad[k0]:
+            k0 = Q
+        if not good[0] or self.batch_is_full:
+            k0 = 0
+        if cap is not None:  # the batch fills at this request
+            k0 = min(k0, max(cap - running_bs - ncan0, 0))
+        if pmax is not None:  # prefill_max_requests reached at this request
+            k0 = min(k0, max(pmax - ncan0, 0))
+        lead = (k0, int(d[0, k0]), int(d[1, k0]), int(d[2, k0]), int(d[3, k0]), int(d[4, k0]), fill[:k0].tolist())
+        return self._window_loop(rows, m, drop, ev, adder, running_bs, lead)
+
+    def _window_loop(self, rows: np.ndarray, ms, drops, ev: int, adder,
+                     running_bs: int, lead=None) -> List[int]:
         """R-STEP-3 and R-ADM-1..3 over a small window with the cache on and no priority
         preemption, in `_static_admission`'s read-back layout: the loop `_admit_one` and
         `PrefillAdder.add_one_req` run, one request at a time, with the budgets as local ints
@@ -1323,7 +1383,9 @@ class GpuScheduler(ReferenceScheduler):
         from the row table (`rows`): no request object is read or written, no adder is copied.
         `ms[j]` is request j's re-match (R-STEP-3.4, D5). The reference's own loop
         (`_scalar_admission` with the cache disabled) takes 5-7 us per request; this takes
-        about 1."""
+        about 1. `lead` (from `_window_lead`): (k0, then the sums over requests 0..k0-1,
+        all admitted whole, of the I, cur_off and rem_input commits, lock drops and hit
+        tokens, and their extend ends): the loop starts at request k0 with those applied."""
         cfg = self.config
         P, clip, align = cfg.page_size, cfg.clip_max_new_tokens, cfg.truncation_align_size
         cap, pmax = cfg.max_running_requests, cfg.prefill_max_requests
@@ -1335,8 +1397,18 @@ class GpuScheduler(ReferenceScheduler):
         full = self.batch_is_full
         ends: List[int] = []
         stop, k, ci = "queue_end", len(ms), -1
+        k0 = 0
+        if lead is not None:
+            k0, dI, dC, dE, dD, hit, ends = lead
+            I, cur, rin, ev, inp, ncan = I + dI, cur + dC, rin - dE, ev - dD, dE, ncan + k0
+            if rc is not None:
+                rc -= dE
+            rows, ms, drops = rows[k0:], ms[k0:], drops[k0:]
+        if not isinstance(ms, list):
+            ms, drops = ms.tolist(), drops.tolist()
         cols = self._rt[rows[:, None], _LOOP_COLS].tolist()
-        for j, (fill, out, maxnew) in enumerate(cols):
+        for i, (fill, out, maxnew) in enumerate(cols):
+            j = k0 + i  # the window's index
             if (float(A + ev - I) - RN > 0 and A + ev - cur > 0
                     and (rin <= 0 or rc is not None and rc <= 0)):  # budget_state() is OTHER
                 stop, k = "budget_other", j
@@ -1350,12 +1422,12 @@ class GpuScheduler(ReferenceScheduler):
             if pmax is not None and ncan >= pmax:
                 stop, k = "add_other", j
                 break
-            prefix = ms[j]
+            prefix = ms[i]
             ext = fill - prefix
             total = ext + min(max(maxnew - out, 0), clip) + P
             in_paged = -(-ext // P) * P
             res = None
-            for e in (ev, ev - drops[j]):  # refused() before and after the temporary lock
+            for e in (ev, ev - drops[i]):  # refused() before and after the temporary lock
                 if total >= float(A + e - I) - RN:
                     res = "add_no_token"
                 elif rc is None and ncan and in_paged >= rin:
@@ -1383,7 +1455,7 @@ class GpuScheduler(ReferenceScheduler):
                 if res == "add_no_token":
                     full = bool(ncan or self.running)
                 break
-            ev -= drops[j]  # the lock is kept
+            ev -= drops[i]  # the lock is kept
             ends.append(end)
             ncan += 1
             e = -(-n_ext // P) * P  # _commit (R-ADM-2)
