@@ -18,7 +18,8 @@ finish / abort / seed_* / check_integrity); tests hold one against the other. Wh
     read back once and applied on the host; only priority preemption runs the per-request rules.
     On the CPU a window of up to `SCALAR_WINDOW` requests is decided instead one request at
     a time over the window's precomputed matches and lock drops (`_scalar_admission`,
-    `_window_loop`): ~4 us a request against the static step's ~300 us of array calls.
+    `_window_loop`), and on the host paths a larger one by prefix sums that find the first
+    request the loop does not simply admit, then the same loop from there (`_window_lead`).
 The engine-facing bookkeeping (KV slots of running requests) stays on the host.
 """
 
@@ -164,7 +165,7 @@ class GpuScheduler(ReferenceScheduler):
     Attributes:
         admit_window: ordered requests the admission scans first (256; with `adaptive_window`,
             an eighth more than the previous loop admitted, when it admitted any, and on the
-            host paths `FIRST_WINDOW` when it admitted none); a loop that
+            host paths `SCALAR_WINDOW` when it admitted none); a loop that
             admits them all goes on with the next window, twice as long. The sequential loop
             never reads past its stop point, so the decisions do not depend on it; the cost of
             a step's admission is then O(admitted), not O(queue).
@@ -183,13 +184,12 @@ class GpuScheduler(ReferenceScheduler):
     admit_window = 256
     #: admission windows of up to this many requests are decided one request at a time on
     #: their precomputed matches and lock drops (`_scalar_admission`: ~2.5 us a request for
-    #: the drops, ~1.5 for the decision on a CPU): cheaper than the static step's fixed cost
-    #: of some hundred array calls (~300 us) below ~100 requests (lpm at 128 waiting,
-    #: Mooncake, 38 admitted: 620 us a step with 32 here, 410 with 128)
-    SCALAR_WINDOW = 128
-    #: the first window on the host paths after a loop that admitted nothing (most likely
-    #: this one stops at once too: the drops cost ~2.5 us for every row of the window)
-    FIRST_WINDOW = 32
+    #: the drops, ~1.5 for the decision on a CPU), larger ones by `_static_admission` (on the
+    #: host paths `_window_lead`: ~60 numpy calls in all). With 128 here instead the steps
+    #: took the same time within noise (Mooncake, lpm at 128 waiting, dfs-weight / fcfs / lof
+    #: at 1k), and kept matches not on the tree's content cost the array form more (fcfs
+    #: at 1k with every window static: 400 us a step against 180)
+    SCALAR_WINDOW = 32
     #: first searches of up to this many rows at once run as scalar binary searches on the
     #: host (`FlatRadixTree._find_scalar`, ~10 lookups a row) instead of probe rounds
     FIND_SCALAR_MAX = 8
@@ -201,7 +201,7 @@ class GpuScheduler(ReferenceScheduler):
     _match_hint = None
     #: start instead with an eighth more than the previous loop's admissions, when it admitted
     #: any (steps admit similar counts: one window, not several doublings, and not a window
-    #: far past the stop point); on the host paths, with `FIRST_WINDOW` when it admitted none
+    #: far past the stop point); on the host paths, with `SCALAR_WINDOW` when it admitted none
     #: (a full KV pool refuses the first request of step after step)
     adaptive_window = True
     #: pause the cyclic garbage collector during `step` (on again after it, if it was on). A
@@ -1046,7 +1046,7 @@ class GpuScheduler(ReferenceScheduler):
                 # the previous loop admitted nothing: most likely this one stops at once too,
                 # so a small window decided one request at a time (`_scalar_admission`) comes
                 # before a static one over `admit_window` requests (~300 us at 256)
-                W = min(W, self.FIRST_WINDOW, self.SCALAR_WINDOW)
+                W = min(W, self.SCALAR_WINDOW)
         elif self.adaptive_window:
             # an eighth more than the last loop admitted, rounded up to a multiple of 1/8 of the
             # power of two at or below that (a window past the stop point is wasted work; one

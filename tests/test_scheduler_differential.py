@@ -316,7 +316,7 @@ def test_admission_windows_match_reference(name, monkeypatch):
 
 def test_window_after_a_loop_that_admitted_nothing(monkeypatch):
     """On the host paths a loop after one that admitted nothing starts with a window of
-    FIRST_WINDOW requests (decided one at a time) instead of `admit_window`: while the
+    SCALAR_WINDOW requests (decided one at a time) instead of `admit_window`: while the
     KV pool is full, step after step refuses the first request; the plans stay the reference's."""
     windows = []
     scalar, static = GpuScheduler._scalar_admission, GpuScheduler._static_admission
@@ -344,8 +344,8 @@ def test_window_after_a_loop_that_admitted_nothing(monkeypatch):
         assert plans[0].admitted == plans[1].admitted == [], plans[1].admitted
         assert plans[0].stop == plans[1].stop and list(plans[0].queue_order) == list(plans[1].queue_order)
     # after the loop that admitted four: an eighth more than that (`adaptive_window`); after
-    # the one that admitted none: FIRST_WINDOW, not admit_window (256)
-    assert windows == [("scalar", 5), ("scalar", GpuScheduler.FIRST_WINDOW)], windows
+    # the one that admitted none: SCALAR_WINDOW, not admit_window (256)
+    assert windows == [("scalar", 5), ("scalar", GpuScheduler.SCALAR_WINDOW)], windows
     plans = []
     for s in scheds:
         s.finish(["big"])
