@@ -190,6 +190,9 @@ class GpuScheduler(ReferenceScheduler):
     #: at 1k), and kept matches not on the tree's content cost the array form more (fcfs
     #: at 1k with every window static: 400 us a step against 180)
     SCALAR_WINDOW = 32
+    #: larger host windows (cache on, no priority preemption) by `_window_lead`, else by
+    #: `admit_step_host` (the tests run both)
+    LEAD_WINDOWS = True
     #: first searches of up to this many rows at once run as scalar binary searches on the
     #: host (`FlatRadixTree._find_scalar`, ~10 lookups a row) instead of probe rounds
     FIND_SCALAR_MAX = 8
@@ -1172,8 +1175,8 @@ class GpuScheduler(ReferenceScheduler):
             rows = self._rows_of(rest)
         sel = _RowCols(self._rt, rows)  # pool offsets not read: `_csr` hashes what a search needs
         host = self.backend == "torch"  # the rounds' scalar state on the host (`admit_step_host`)
-        if (host and not self.cache.disable and self._host_paths() and not self.config.enable_priority_preemption
-                and self.cache.tree.backend == "torch"):
+        if (host and self.LEAD_WINDOWS and not self.cache.disable and self._host_paths()
+                and not self.config.enable_priority_preemption and self.cache.tree.backend == "torch"):
             # numpy matches and drops, the loop's lead by prefix sums (`_window_lead`): its
             # read-back layout as a list
             m, drop, ev, matched = self._window_drops_host(rows, sel)

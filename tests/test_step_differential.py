@@ -1,7 +1,7 @@
 """Whole scheduling steps: GpuScheduler against the reference scheduler on random scenarios.
 
 2,000 scenarios (500 families of 4, `tests/_scenarios.py`) with the torch backend, once with
-each form of small admission windows, and 100 small ones with the Triton backend (interpreter on CPU). Each scenario is a complete state built
+each form of admission windows, and 100 small ones with the Triton backend (interpreter on CPU). Each scenario is a complete state built
 through the API on both schedulers: waiting queues of 0..3000 (most small), running batches of
 0..500, page sizes 1/4/16, chunking on/off, every policy, budgets drawn around the scenario's own
 demand, ignore-EOS requests with the cache disabled, priority scheduling with preemption on/off
@@ -155,16 +155,45 @@ def _groups(n, size):
 
 
 @pytest.mark.parametrize("families", _groups(FAMILIES, GROUP), ids=lambda fs: f"families{fs[0]}-{fs[-1]}")
-@pytest.mark.parametrize("windows", ["scalar", "static"])
+@pytest.mark.parametrize("windows", ["scalar", "static", "array"])
 def test_torch_steps_match_reference(families, windows, monkeypatch):
-    # both forms of a small admission window: one request at a time on the window's matches
-    # and lock drops (`GpuScheduler._scalar_admission`, the default up to SCALAR_WINDOW
-    # requests, first matches by scalar searches up to FIND_SCALAR_MAX rows) and the static
-    # step (`admit_step`) that larger windows take, its first matches by the array search
-    if windows == "static":
+    # every form of an admission window: one request at a time on the window's matches and
+    # lock drops (`GpuScheduler._scalar_admission`, the default up to SCALAR_WINDOW requests,
+    # first matches by scalar searches up to FIND_SCALAR_MAX rows); larger windows ("static":
+    # every window) by prefix sums up to the first request the loop does not simply admit,
+    # then the same loop (`_window_lead`, with the cache on and no priority preemption), or
+    # ("array") by every request's checks as arrays (`admit_step_host`), their first matches
+    # by the array search
+    if windows != "scalar":
         monkeypatch.setattr(GpuScheduler, "SCALAR_WINDOW", 0)
         monkeypatch.setattr(GpuScheduler, "FIND_SCALAR_MAX", 0)
+    if windows == "array":
+        monkeypatch.setattr(GpuScheduler, "LEAD_WINDOWS", False)
     _run_group(families, "torch", small=False)
+
+
+def test_window_lead_equals_the_loop(monkeypatch):
+    """`_window_lead`'s result equals `_window_loop` run from the window's first request, on
+    every window of 40 families' steps (every window through the lead), and the lead skips
+    requests in some of them."""
+    lead, loop = GpuScheduler._window_lead, GpuScheduler._window_loop
+    seen = Counter()
+
+    def recorded_loop(self, rows, ms, drops, ev, adder, running_bs, start=None):
+        if start is not None:  # the lead's first request left to the loop
+            seen["skipped" if 0 < start[0] < len(rows) else "none" if start[0] == 0 else "all"] += 1
+        return loop(self, rows, ms, drops, ev, adder, running_bs, start)
+
+    def checked(self, rows, m, drop, ev, adder, running_bs, sel):
+        got = lead(self, rows, m, drop, ev, adder, running_bs, sel)
+        assert got == loop(self, rows, m, drop, ev, adder, running_bs)
+        return got
+
+    monkeypatch.setattr(GpuScheduler, "SCALAR_WINDOW", 0)
+    monkeypatch.setattr(GpuScheduler, "_window_lead", checked)
+    monkeypatch.setattr(GpuScheduler, "_window_loop", recorded_loop)
+    _run_group(range(40), "torch", small=False)
+    assert seen["skipped"] > 10 and seen["none"] > 10 and seen["all"] > 0, seen
 
 
 @pytest.mark.parametrize("families", _groups(TRITON_FAMILIES, 5), ids=lambda fs: f"small{fs[0]}-{fs[-1]}")
