@@ -260,7 +260,8 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     `early_exit` (eager callers; host reads): the doubling stops at its first round that
     changes nothing (a fixed point: every later round would change nothing either, and every
     descendant is then counted), and the partial-cover part is skipped when no request has one.
-    On CPU tensors with backend "torch" the same steps run as numpy calls (`_lock_drops_host`).
+    On CPU tensors with backend "torch" the host form runs (`lock_drops_np`: Python walks of
+    the paths for up to LOCK_WALK_MAX requests, the same steps as numpy calls past that).
     """
     if backend == "torch" and _host(parent):
         return torch.from_numpy(lock_drops_np(parent.numpy(), key_len.numpy(), lock_ref.numpy(), alive.numpy(),

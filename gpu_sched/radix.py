@@ -1885,7 +1885,8 @@ class FlatRadixTree:
         self._np("evictable_size")[()] -= d
         self._np("protected_size")[()] += d
 
-    def _lock_on_host(self, nodes: Union[torch.Tensor, List[int]], sign: int, backend: Optional[str]) -> Optional[bool]:
+    def _lock_on_host(self, nodes: Union[torch.Tensor, List[int], np.ndarray], sign: int,
+                      backend: Optional[str]) -> Optional[bool]:
         """`lock` / `unlock` (sign 1 / -1) on a CPU tree with the torch backend: Python walks for
         up to `SCALAR_BATCH` nodes (`_lock_scalar`), numpy past it (`_lock_host`); False for an
         unlock below zero (nothing changed). None elsewhere: the caller runs the torch form."""

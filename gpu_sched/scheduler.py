@@ -15,7 +15,7 @@ finish / abort / seed_* / check_integrity); tests hold one against the other. Wh
     (sort keys, in-batch deprioritization, dfs-weight), with `backend` "torch" or "triton";
   * admission is one static-shaped device computation over the ordered queue
     (`gpu_sched.admission.admit_step`: prefix sums, chunks, ignore-EOS grid, stop reason, budgets),
-    read back once and applied on the host; only priority preemption runs the per-request rules.
+    read back once and applied on the host.
     On the CPU a window of up to `SCALAR_WINDOW` requests is decided instead one request at
     a time over the window's precomputed matches and lock drops (`_scalar_admission`,
     `_window_loop`), and on the host paths a larger one by prefix sums that find the first
@@ -126,29 +126,19 @@ class _Views(weakref.WeakValueDictionary):
 _ENQUEUE_TIME = operator.attrgetter("enqueue_time")
 
 
-class _WindowLocks:
-    """The cache as `PrefillAdder` reads it while `GpuScheduler._scalar_admission` decides a
-    window: `evictable_size` a Python int, and a lock handle j (the window's request j) lowers
-    it by drops[j] when j's lock count leaves zero (and raises it back when it returns to
-    zero), as the tree's own lock and unlock would."""
+class _DisabledCache:
+    """The radix cache as `PrefillAdder` reads it while `GpuScheduler._scalar_admission` runs
+    the reference's loop over a window with the cache disabled: nothing evictable, locks of
+    the root that change nothing."""
 
-    def __init__(self, disable: bool, evictable: int, drops: List[int]):
-        self.disable = disable
-        self.evictable_size = evictable
-        self._drops = drops
-        self._count = [0] * len(drops)
+    disable = True
+    evictable_size = 0
 
-    def inc_lock_ref(self, j: int) -> None:
-        c = self._count[j]
-        if c == 0:
-            self.evictable_size -= self._drops[j]
-        self._count[j] = c + 1
+    def inc_lock_ref(self, node) -> None:
+        pass
 
-    def dec_lock_ref(self, j: int) -> None:
-        c = self._count[j] - 1
-        if c == 0:
-            self.evictable_size += self._drops[j]
-        self._count[j] = c
+    def dec_lock_ref(self, node) -> None:
+        pass
 
 
 class GpuScheduler(ReferenceScheduler):
@@ -185,10 +175,9 @@ class GpuScheduler(ReferenceScheduler):
     #: admission windows of up to this many requests are decided one request at a time on
     #: their precomputed matches and lock drops (`_scalar_admission`: ~2.5 us a request for
     #: the drops, ~1.5 for the decision on a CPU), larger ones by `_static_admission` (on the
-    #: host paths `_window_lead`: ~60 numpy calls in all). With 128 here instead the steps
-    #: took the same time within noise (Mooncake, lpm at 128 waiting, dfs-weight / fcfs / lof
-    #: at 1k), and kept matches not on the tree's content cost the array form more (fcfs
-    #: at 1k with every window static: 400 us a step against 180)
+    #: host paths: numpy matches and drops, then `_window_lead`). 128 measured the same
+    #: within noise; kept matches not on the tree's current content (fcfs) cost the numpy
+    #: form more (fcfs at 1k, every window through it: 400 us a step against 180)
     SCALAR_WINDOW = 32
     #: larger host windows (cache on, no priority preemption) by `_window_lead`, else by
     #: `admit_step_host` (the tests run both)
@@ -1078,9 +1067,10 @@ class GpuScheduler(ReferenceScheduler):
                     if scfg is None:
                         scfg = StepConfig.from_config(self.config)
                     res, matched = self._static_admission(rest, adder, running_bs, scfg, wrows)
-                    vals = res if isinstance(res, list) else [res.stop, res.stop_index, res.chunk_index, int(res.batch_full), res.I, res.cur_off,
-                            res.rem_input, res.rem_chunk, res.hit_tokens, res.input_tokens, int(res.decided),
-                            res.admitted] + res.extend_end
+                    vals = res if isinstance(res, list) else (  # `_window_lead`'s list, or a StepResult
+                        [res.stop, res.stop_index, res.chunk_index, int(res.batch_full), res.I, res.cur_off,
+                         res.rem_input, res.rem_chunk, res.hit_tokens, res.input_tokens, int(res.decided),
+                         res.admitted] + res.extend_end)
             Q = len(rest)
             stop, k, ci, full, I, cur, rin, rc, hit, inp, decided, na = vals[:12]
             if not decided:
@@ -1180,7 +1170,7 @@ class GpuScheduler(ReferenceScheduler):
             # numpy matches and drops, the loop's lead by prefix sums (`_window_lead`): its
             # read-back layout as a list
             m, drop, ev, matched = self._window_drops_host(rows, sel)
-            return self._window_lead(rows, m, drop, int(ev), adder, running_bs, sel), matched
+            return self._window_lead(rows, m, drop, ev, adder, running_bs, sel), matched
         cols = np.stack([sel[:, c] for c in (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN)])
         if scfg.ignore_eos_path or not self._host_paths():
             cols = torch.from_numpy(cols).to(dev)  # else numpy columns: `admit_step_host` reads those as they are
@@ -1274,23 +1264,23 @@ class GpuScheduler(ReferenceScheduler):
 
     def _scalar_admission(self, rest, adder, running_bs: int, rows: Optional[np.ndarray] = None):
         """R-STEP-3 over a small window. With the cache on, the window's matches and lock
-        drops come from `_window_drops_scalar` and `_window_loop` decides it. Otherwise (the
-        cache disabled, where ignore-EOS requests take R-ADM-6's path) the reference's own
-        loop (`_admit_one` and `PrefillAdder.add_one_req`, one request at a time) runs on a
-        copy of the adder whose cache is a `_WindowLocks`: each request's re-match
-        (R-STEP-3.4) is its window match and locking its path lowers `evictable` by its `lock_drops` entry, which is what the tree
-        would do, since the loop locks exactly the window's requests before it. Nothing on the
-        tree changes here: `_admission_scan` applies the outcome (`_admit_run`) as it applies
-        `admit_step`'s. Returns (vals, matched) in `_static_admission`'s read-back layout."""
+        drops come from `_window_drops_scalar` (or `_window_drops` when many rows need a
+        search) and `_window_loop` decides it. With the cache disabled (ignore-EOS requests
+        take R-ADM-6's path there) the reference's own loop (`_admit_one` and
+        `PrefillAdder.add_one_req`, one request at a time) runs on a copy of the adder whose
+        cache is a `_DisabledCache`, every re-match (R-STEP-3.4) empty at the root. Nothing
+        on the tree changes here: `_admission_scan` applies the outcome (`_admit_run`) as it
+        applies `admit_step`'s. Returns (vals, matched) in `_static_admission`'s read-back
+        layout (matched None with the cache disabled)."""
         Q = len(rest)
         if rows is None:
             rows = self._rows_of(rest)
-        got = self._window_drops_scalar(rows)
-        if got is None:  # many rows whose match must be searched for, or the cache disabled
-            m, drop, ev, matched = self._window_drops(Q, rows, _RowCols(self._rt, rows))
-            got = m.tolist(), drop.tolist(), ev, matched
-        ms, drops, ev, matched = got
         if not self.cache.disable:
+            got = self._window_drops_scalar(rows)
+            if got is None:  # more rows whose match must be searched for than FIND_SCALAR_MAX
+                m, drop, ev, matched = self._window_drops(Q, rows, _RowCols(self._rt, rows))
+                got = m.tolist(), drop.tolist(), ev, matched
+            ms, drops, ev, matched = got
             return self._window_loop(rows, ms, drops, int(ev), adder, running_bs), matched
         # the budgets as the loop leaves them (the real adder takes them after): a shallow copy
         # by its __dict__ (copy.copy's __reduce_ex__ path costs a few us more)
@@ -1299,16 +1289,13 @@ class GpuScheduler(ReferenceScheduler):
         sub.can_run = list(adder.can_run)
         sub.new_chunked = None
         sub.log_hit_tokens = sub.log_input_tokens = 0
-        sub.cache = _WindowLocks(self.cache.disable, int(ev), drops)
+        sub.cache = _DisabledCache()
         start, full0 = len(sub.can_run), self.batch_is_full
         stop, k = "queue_end", Q
-        # `_rematch` reads the hint; j is the request's lock handle (with the cache disabled
-        # every drop is 0 and the node is the root, as the reference's match returns it)
-        root = self.cache.root if self.cache.disable else None
         reqs = rest.window(0, Q)[0] if isinstance(rest, RowQueue) else rest  # one lookup, not one per item
+        self._match_hint = (0, self.cache.root)  # read by `_rematch`: the disabled cache's match
         try:
             for j in range(Q):
-                self._match_hint = (ms[j], j if root is None else root)
                 reason = self._admit_one(reqs[j], sub, running_bs)
                 if reason is not None:
                     stop, k = reason, j
@@ -1322,7 +1309,7 @@ class GpuScheduler(ReferenceScheduler):
         vals = [code, k, ci, int(full), sub.I, sub.cur_off, sub.rem_input,
                 sub.rem_chunk if sub.rem_chunk is not None else 0, sub.log_hit_tokens, sub.log_input_tokens, 1,
                 len(run)] + [r.extend_end for r in run]
-        return vals, matched
+        return vals, None
 
     def _window_lead(self, rows: np.ndarray, m: np.ndarray, drop: np.ndarray, ev: int, adder, running_bs: int,
                      sel: "_RowCols") -> List[int]:
@@ -1337,6 +1324,8 @@ class GpuScheduler(ReferenceScheduler):
         m, drop: int64 [Q] capped matches and lock drops [tokens]; ev: evictable [tokens]."""
         cfg = self.config
         P, clip, cap, pmax = cfg.page_size, cfg.clip_max_new_tokens, cfg.max_running_requests, cfg.prefill_max_requests
+        if clip >= 1 << 40:  # int64 sums could wrap (the loop's Python ints cannot): no lead
+            return self._window_loop(rows, m, drop, ev, adder, running_bs)
         Q = len(rows)
         ncan0 = len(adder.can_run)
         RN = adder.ratio * adder.N
@@ -1378,8 +1367,9 @@ class GpuScheduler(ReferenceScheduler):
 
     def _window_loop(self, rows: np.ndarray, ms, drops, ev: int, adder,
                      running_bs: int, lead=None) -> List[int]:
-        """R-STEP-3 and R-ADM-1..3 over a small window with the cache on and no priority
-        preemption, in `_static_admission`'s read-back layout: the loop `_admit_one` and
+        """R-STEP-3 and R-ADM-1..3 over a window with the cache on and no priority preemption
+        (a small one whole, a large one from `_window_lead`'s first index), in
+        `_static_admission`'s read-back layout: the loop `_admit_one` and
         `PrefillAdder.add_one_req` run, one request at a time, with the budgets as local ints
         (`I`, `cur_off`, `rem_input`, `rem_chunk`), `evictable` [tokens] lowered by `drops[j]`
         while request j holds its (temporary or kept) lock, and each request's lengths read
@@ -1430,8 +1420,8 @@ class GpuScheduler(ReferenceScheduler):
             total = ext + min(max(maxnew - out, 0), clip) + P
             in_paged = -(-ext // P) * P
             res = None
-            for e in (ev, ev - drops[i]):  # refused() before and after the temporary lock
-                if total >= float(A + e - I) - RN:
+            for evict in (ev, ev - drops[i]):  # refused() before and after the temporary lock
+                if total >= float(A + evict - I) - RN:
                     res = "add_no_token"
                 elif rc is None and ncan and in_paged >= rin:
                     res = "add_other"
@@ -1645,9 +1635,12 @@ class GpuScheduler(ReferenceScheduler):
         """Apply the admissions `admit_step` decided, in queue order: the admission's capped
         matches applied in this order (splits and stamps as sequential matching; `rematch` last:
         the refused request the loop re-matched before refusing it), batched locks, extend ranges
-        and can_run. `matched`: (matched length, pool position) of run + [rematch], int64
-        device tensors or, from a small window, Python lists, found on the tree as it was at
-        admission (splits since do not move tokens, so the positions still hold). Budgets and counters come from the step's result."""
+        and can_run. `matched`: (matched length, pool position) of run + [rematch], int64:
+        device tensors, numpy arrays (`_window_drops_host`) or, from a small window, Python
+        lists, found on the tree as it was at admission (splits since do not move tokens, so
+        the positions still hold); numpy arrays and CPU tensors on a host-form tree are
+        applied by `FlatRadixTree._apply_host`. Budgets and counters come from the step's
+        result."""
         if self.cache.disable:
             root = self.cache.root
             for r, end in zip(run, ends):  # adder._admit's effect, inlined: one pass
@@ -1662,7 +1655,7 @@ class GpuScheduler(ReferenceScheduler):
         if isinstance(matched[0], list):  # a small window's lists (`_window_drops_scalar`): no tensor
             m, last = matched[0], tree._apply_list(*matched)
             vals = m + last
-        elif isinstance(matched[0], np.ndarray) or tree._host_form() and matched[0].device.type == "cpu":
+        elif isinstance(matched[0], np.ndarray) or tree._host_form() and matched[0].is_cpu:
             m = np.asarray(matched[0])  # numpy in and out (`_apply_host`; a CPU tensor's view)
             last = tree._apply_host(m, np.asarray(matched[1]))
             vals = m.tolist() + last.tolist()

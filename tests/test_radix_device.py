@@ -700,7 +700,8 @@ def test_host_views_follow_the_tensors():
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_apply_list_equals_apply(page_size):
     """`_apply_list` (a small admission window's matches as Python lists: Python walks with at
-    most one split, or `_apply` when matches end inside nodes at two or more positions)
+    most one split, `_apply` when matches end inside nodes at two or more positions, and
+    `_apply_host` past SCALAR_BATCH)
     returns the last nodes `_apply`'s torch form returns on the same matches as tensors and
     leaves every array, the clock and the creation ids as it does, over batches without
     splits, with one split position (several rows ending there too), with more, and one past

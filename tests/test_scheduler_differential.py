@@ -299,10 +299,14 @@ def test_200_step_runs_match_reference(name):
 
 
 @pytest.mark.parametrize("name", ["lpm", "fcfs-priority-preempt", "nocache-ignore-eos", "lpm-page4-mixed"])
-def test_admission_windows_match_reference(name, monkeypatch):
+@pytest.mark.parametrize("lead", [True, False], ids=["lead", "array"])
+def test_admission_windows_match_reference(name, lead, monkeypatch):
     """Admission scans windows of 2, 4, 8, ... ordered requests (`GpuScheduler.admit_window`),
     fixed or starting from the previous step's admission count (`adaptive_window`): most loops
-    cross several windows, eager and recorded, and every step stays the reference's."""
+    cross several windows, eager and recorded, and every step stays the reference's. Windows
+    past SCALAR_WINDOW on the host paths are decided by `_window_lead`, or with `lead` off by
+    `admit_step_host`."""
+    monkeypatch.setattr(GpuScheduler, "LEAD_WINDOWS", lead)
     monkeypatch.setattr(GpuScheduler, "admit_window", 2)
     monkeypatch.setattr(GpuScheduler, "adaptive_window", False)
     hits = run_long(name, seed=3)
@@ -312,6 +316,29 @@ def test_admission_windows_match_reference(name, monkeypatch):
     assert hits["admitted"] > 60, hits
     hits = run_long(name, seed=4, capture=dict(queue_capacity=32, running_capacity=32))
     assert hits["recorded"] > 10, hits
+
+
+def test_huge_max_new_tokens_decide_as_the_reference(monkeypatch):
+    """A request whose max_new_tokens (and clip_max_new_tokens) are near 2^63: a large window's
+    int64 prefix sums would wrap, so `_window_lead` leaves the window to `_window_loop`'s
+    Python ints, and the plan is the reference's (the refused request stops the loop). The
+    array forms (`admit_step_host`, `admit_step`) sum in int64 and do not handle this."""
+    monkeypatch.setattr(GpuScheduler, "SCALAR_WINDOW", 0)  # every window large
+    big = 2**63 - 1
+    cfg = SchedulerConfig(schedule_policy="fcfs", clip_max_new_tokens=big, chunked_prefill_size=None,
+                          max_prefill_tokens=10**6)
+    plans = []
+    for S in (ReferenceScheduler, GpuScheduler):
+        s = S(cfg, 100000)
+        reqs = [Request(rid=f"r{i}", prompt_ids=[7, i + 1], max_new_tokens=1) for i in range(33)]
+        reqs.append(Request(rid="reserve", prompt_ids=[9, 9, 9, 9], max_new_tokens=60000))
+        reqs.append(Request(rid="huge", prompt_ids=list(range(100, 100 + 50000)), max_new_tokens=big))
+        reqs += [Request(rid=f"t{i}", prompt_ids=[8, i + 1], max_new_tokens=1) for i in range(100)]
+        s.submit(reqs, now=0.0)
+        plans.append(s.step(1.0))
+    assert plans[0].stop == "add_no_token" and len(plans[0].admitted) == 34, (plans[0].stop, len(plans[0].admitted))
+    assert plans[1].admitted == plans[0].admitted and plans[1].stop == plans[0].stop
+    assert plans[1].budgets == plans[0].budgets
 
 
 def test_window_after_a_loop_that_admitted_nothing(monkeypatch):

@@ -155,19 +155,19 @@ def _groups(n, size):
 
 
 @pytest.mark.parametrize("families", _groups(FAMILIES, GROUP), ids=lambda fs: f"families{fs[0]}-{fs[-1]}")
-@pytest.mark.parametrize("windows", ["scalar", "static", "array"])
+@pytest.mark.parametrize("windows", ["scalar", "lead", "static"])
 def test_torch_steps_match_reference(families, windows, monkeypatch):
     # every form of an admission window: one request at a time on the window's matches and
     # lock drops (`GpuScheduler._scalar_admission`, the default up to SCALAR_WINDOW requests,
-    # first matches by scalar searches up to FIND_SCALAR_MAX rows); larger windows ("static":
-    # every window) by prefix sums up to the first request the loop does not simply admit,
+    # first matches by scalar searches up to FIND_SCALAR_MAX rows); every window as a larger
+    # one, "lead": by prefix sums up to the first request the loop does not simply admit,
     # then the same loop (`_window_lead`, with the cache on and no priority preemption), or
-    # ("array") by every request's checks as arrays (`admit_step_host`), their first matches
-    # by the array search
+    # "static": the static step's checks of every request (`admit_step_host`); their first
+    # matches by the array search
     if windows != "scalar":
         monkeypatch.setattr(GpuScheduler, "SCALAR_WINDOW", 0)
         monkeypatch.setattr(GpuScheduler, "FIND_SCALAR_MAX", 0)
-    if windows == "array":
+    if windows == "static":
         monkeypatch.setattr(GpuScheduler, "LEAD_WINDOWS", False)
     _run_group(families, "torch", small=False)
 
