@@ -833,8 +833,8 @@ def test_chunk_hashes_flat_equal_padded_prefix_hashes(every, host, vocab):
     masked to each sequence's lengths // every), empty and short sequences and token ids up to
     int32's top included; more than 2^32 - 1 tokens are refused before anything is computed.
     On the CPU both forms: numpy's (`_chunk_hashes_flat_host`) and torch's. Token ids below a
-    vocabulary's size take the host form's per-chunk sums (every * max id < 2^32), ids up to
-    2^31 - 1 its per-token reductions."""
+    vocabulary's size take the host form's per-chunk sums of unreduced terms (every * max id
+    < 2^32), ids up to 2^31 - 1 its per-chunk sums of terms reduced one by one."""
     with contextlib.nullcontext() if host else PM.torch_forms():
         _check_chunk_hashes_flat(every, vocab)
 
