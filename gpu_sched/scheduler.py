@@ -628,15 +628,24 @@ class GpuScheduler(ReferenceScheduler):
             cap_c = max(self.POOL_MIN_TOKENS // 16, 2 * need_c)
             tok = torch.zeros(cap_t, dtype=torch.int32, device=self.device)
             chs = torch.zeros(cap_c, dtype=torch.int64, device=self.device)
-            t = c = 0
-            for k in live:
-                n, toff, coff = (int(v) for v in rt[k, [RT_FILL, RT_TOFF, RT_COFF]])
-                q = n // C
-                tok[t : t + n] = self._qtok[toff : toff + n]
-                chs[c : c + q] = self._qch[coff : coff + q]
-                rt[k, RT_TOFF], rt[k, RT_COFF] = t, c
-                rt[k, RT_STAMP] = self._stamp + 1
-                t, c = t + n, c + q
+            # the live fills packed in row order: new offsets by prefix sums, one slice copy
+            # per row (numpy's on CPU pools: ~1 us a copy against torch's ~5)
+            rows = np.array(live, dtype=np.int64)
+            n = _rt_get(rt, rows, RT_FILL)
+            q = n // C
+            t0, c0 = np.cumsum(n) - n, np.cumsum(q) - q
+            if self._qtok is not None and rows.size:
+                cpu = self._qtok.device.type == "cpu"
+                new_t, new_c = (tok.numpy(), chs.numpy()) if cpu else (tok, chs)
+                old_t, old_c = self._pool_views() if cpu else (self._qtok, self._qch)
+                for a, b, ln, ca, cb, cn in zip(t0.tolist(), _rt_get(rt, rows, RT_TOFF).tolist(), n.tolist(),
+                                                c0.tolist(), _rt_get(rt, rows, RT_COFF).tolist(), q.tolist()):
+                    new_t[a : a + ln] = old_t[b : b + ln]
+                    new_c[ca : ca + cn] = old_c[cb : cb + cn]
+            _rt_set(rt, rows, RT_TOFF, t0)
+            _rt_set(rt, rows, RT_COFF, c0)
+            _rt_set(rt, rows, RT_STAMP, self._stamp + 1)
+            t, c = int(n.sum()), int(q.sum())
             self._qtok, self._qch, self._qtop = tok, chs, [t, c]
             self._stamp += 1
         t, c = self._qtop
