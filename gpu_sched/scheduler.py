@@ -732,21 +732,18 @@ class GpuScheduler(ReferenceScheduler):
             # one its tree had: min == version iff all equal): kept as they are, nothing to write
             current = int(sel[:, RT_MVER].min()) == tree.version
             lens = None
-            numpy_apply = host and tree.backend == "torch"  # splits and stamps as numpy in and out
-            if numpy_apply and current:  # kept matches on an unchanged tree: no torch op at all
+            if host and current:  # kept matches on an unchanged tree: no torch op at all
                 mn, pn = sel[:, RT_MLEN], sel[:, RT_MPOS]
             else:
                 lens = torch.from_numpy(sel[:, RT_FILL]).to(dev)
                 m, pos = self._full_match(rows, sel, lens, current)  # hashes the fills it searches on first use
                 version = tree.version  # the matches hold until the tree's content changes
-            if numpy_apply:
+            if host:  # splits and stamps with numpy in and out (the tree takes this scheduler's backend)
                 if not current:
                     mn, pn = m.numpy(), pos.numpy()
                 last = tree._apply_host(mn, pn)
             else:
                 m, last = tree._apply(m, pos, tree.backend)
-                if host:
-                    mn, pn, last = m.numpy(), pos.numpy(), last.numpy()
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
             check = cfg.in_batch_prefix_caching_check_threshold
             grouped = T > 0 and check >= 0  # R-ORD-9 groups: (namespace, first T fill tokens), kept per row
@@ -1075,11 +1072,7 @@ class GpuScheduler(ReferenceScheduler):
                 else:
                     if scfg is None:
                         scfg = StepConfig.from_config(self.config)
-                    res, matched = self._static_admission(rest, adder, running_bs, scfg, wrows)
-                    vals = res if isinstance(res, list) else (  # `_window_lead`'s list, or a StepResult
-                        [res.stop, res.stop_index, res.chunk_index, int(res.batch_full), res.I, res.cur_off,
-                         res.rem_input, res.rem_chunk, res.hit_tokens, res.input_tokens, int(res.decided),
-                         res.admitted] + res.extend_end)
+                    vals, matched = self._static_admission(rest, adder, running_bs, scfg, wrows)
             Q = len(rest)
             stop, k, ci, full, I, cur, rin, rc, hit, inp, decided, na = vals[:12]
             if not decided:
@@ -1166,19 +1159,20 @@ class GpuScheduler(ReferenceScheduler):
         """Columns of the ordered queue's window `rest` (table rows `rows`, looked up when
         None) and the adder's budgets as device tensors, then `admit_step` (no host read
         inside; backend "triton" runs its per-request kernels). On the host paths with the
-        cache on and no priority preemption: `_window_lead` on numpy columns, its result in
-        the read-back layout (a list)."""
+        cache on and no priority preemption: `_window_lead` on the numpy matches and drops
+        `_window_drops` gives there. Returns (vals, matched): vals = [stop code, stop index,
+        chunk index (-1: none), batch full, I, cur_off, rem_input, rem_chunk, hit tokens, input
+        tokens, decided, admitted count] + the admitted requests' extend ends (the read-back
+        layout `_admission_scan` reads, `_scalar_admission`'s and `_window_loop`'s too)."""
         dev = self.device
         Q = len(rest)
         if rows is None:
             rows = self._rows_of(rest)
         sel = _RowCols(self._rt, rows)  # pool offsets not read: `_csr` hashes what a search needs
         host = self.backend == "torch"  # the rounds' scalar state on the host (`admit_step_host`)
-        if (host and self.LEAD_WINDOWS and not self.cache.disable and self._host_paths()
-                and not self.config.enable_priority_preemption and self.cache.tree.backend == "torch"):
-            # numpy matches and drops, the loop's lead by prefix sums (`_window_lead`): its
-            # read-back layout as a list
-            m, drop, ev, matched = self._window_drops_host(rows, sel)
+        if (self.LEAD_WINDOWS and not self.cache.disable and self._host_paths()
+                and not self.config.enable_priority_preemption):
+            m, drop, ev, matched = self._window_drops(Q, rows, sel)
             return self._window_lead(rows, m, drop, ev, adder, running_bs, sel), matched
         cols = np.stack([sel[:, c] for c in (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN)])
         if scfg.ignore_eos_path or not self._host_paths():
@@ -1200,9 +1194,11 @@ class GpuScheduler(ReferenceScheduler):
                                            dtype=np.int64).reshape(len(hs), 4).T.copy()).to(dev)
             held = HeldCols(valid=torch.ones(len(hs), dtype=torch.bool, device=dev), max_new=hc[0], out_len=hc[1],
                             prompt_len=hc[2], ignore_eos=hc[3] != 0)
-        if host:
-            return admit_step_host(scfg, st, q, held), matched
-        return read_step_result(admit_step(scfg, st, q, held, None, backend=self.backend, early_exit=True)), matched
+        res = (admit_step_host(scfg, st, q, held) if host
+               else read_step_result(admit_step(scfg, st, q, held, None, backend=self.backend, early_exit=True)))
+        return ([res.stop, res.stop_index, res.chunk_index, int(res.batch_full), res.I, res.cur_off, res.rem_input,
+                 res.rem_chunk, res.hit_tokens, res.input_tokens, int(res.decided), res.admitted] + res.extend_end,
+                matched)
 
     def _window_drops(self, Q: int, rows: np.ndarray, sel: "_RowCols"):
         """The admission window's capped matches (`_window_match`) and what locking each
@@ -1216,7 +1212,7 @@ class GpuScheduler(ReferenceScheduler):
             m = torch.zeros(Q, dtype=torch.int64, device=dev)
             return m, torch.zeros_like(m), torch.zeros((), dtype=torch.int64, device=dev), None
         tree = self.cache.tree
-        if self._host_paths() and tree.backend == "torch":
+        if self._host_paths():  # the tree takes this scheduler's backend: torch here
             return self._window_drops_host(rows, sel)
         m, pos, nc = self._window_match(rows, sel)
         has = m > 0
@@ -1385,7 +1381,7 @@ class GpuScheduler(ReferenceScheduler):
         from the row table (`rows`): no request object is read or written, no adder is copied.
         `ms[j]` is request j's re-match (R-STEP-3.4, D5). The reference's own loop
         (`_scalar_admission` with the cache disabled) takes 5-7 us per request; this takes
-        about 1. `lead` (from `_window_lead`): (k0, then the sums over requests 0..k0-1,
+        about 2. `lead` (from `_window_lead`): (k0, then the sums over requests 0..k0-1,
         all admitted whole, of the I, cur_off and rem_input commits, lock drops and hit
         tokens, and their extend ends): the loop starts at request k0 with those applied."""
         cfg = self.config
@@ -1420,7 +1416,7 @@ class GpuScheduler(ReferenceScheduler):
             if full:
                 stop, k = "batch_full", j
                 break
-            # add_one_req (R-ADM-3) with prefix ms[j]
+            # add_one_req (R-ADM-3) with prefix ms[i]
             if pmax is not None and ncan >= pmax:
                 stop, k = "add_other", j
                 break
