@@ -1903,8 +1903,8 @@ class FlatRadixTree:
         made)."""
         if self._lock_on_host(nodes, 1, backend) is not None:
             return
-        if isinstance(nodes, list):
-            nodes = torch.tensor(nodes, dtype=torch.int64)
+        if not isinstance(nodes, torch.Tensor):  # a list or numpy array outside the host form
+            nodes = torch.as_tensor(np.asarray(nodes, dtype=np.int64))
         u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))
         if u.numel() == 0:
             return
@@ -1914,7 +1914,7 @@ class FlatRadixTree:
         self.protected_size += delta
         self.lock_ref[u] = ref + c
 
-    def unlock(self, nodes: Union[torch.Tensor, List[int]], *, backend: Optional[str] = None) -> None:
+    def unlock(self, nodes: Union[torch.Tensor, List[int], np.ndarray], *, backend: Optional[str] = None) -> None:
         """dec_lock_ref for each node (batched; nodes as for `lock`). Raises RuntimeError on a
         negative lock_ref (nothing changed)."""
         ok = self._lock_on_host(nodes, -1, backend)
@@ -1922,8 +1922,8 @@ class FlatRadixTree:
             if not ok:
                 raise RuntimeError("unlock below zero: lock_ref would become negative")
             return
-        if isinstance(nodes, list):
-            nodes = torch.tensor(nodes, dtype=torch.int64)
+        if not isinstance(nodes, torch.Tensor):  # a list or numpy array outside the host form
+            nodes = torch.as_tensor(np.asarray(nodes, dtype=np.int64))
         u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))
         if u.numel() == 0:
             return

@@ -649,12 +649,22 @@ def test_batched_lock_unlock_forms_agree(n):
     def state(t):
         return t.lock_ref.clone(), int(t.evictable_size), int(t.protected_size)
 
-    twin, start = copy.deepcopy(tree), state(tree)
+    twin, start, base = copy.deepcopy(tree), state(tree), copy.deepcopy(tree)
     tree.lock(nodes)
     with PM.torch_forms():
         twin.lock(nodes)
     assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(state(tree), state(twin)))
     assert int(tree.protected_size) > 0
+    for forms in (contextlib.nullcontext, PM.torch_forms):  # node ids as a numpy array and a list
+        for ids in (nodes.numpy(), nodes.tolist()):
+            other = copy.deepcopy(base)
+            with forms():
+                other.lock(ids)
+            assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+                       for a, b in zip(state(tree), state(other)))
+            with forms():
+                other.unlock(ids)
+            assert torch.equal(state(other)[0], start[0]) and state(other)[1:] == start[1:]
     held = nodes[nodes > 0]
     for t, forms in ((tree, contextlib.nullcontext), (twin, PM.torch_forms)):
         before = state(t)
