@@ -255,8 +255,10 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     node v adds
     `key_len - (largest partial cover of v by a request before F(v))` to request F(v); a
     partial cover adds what it covers beyond earlier partial covers of the same node, unless an
-    earlier request covered the node whole. `backend` "triton" finds F with one walk per
-    request and atomics (`gpu_sched.kernels.radix.path_min`: one launch; max_depth unused).
+    earlier request covered the node whole. `backend` "triton" runs it all in
+    `gpu_sched.kernels.radix.lock_drops`: F by one atomic walk per request, the node and
+    partial-cover gains by atomics and one program over the requests sorted by node (four
+    launches and a sort instead of ~75 tensor ops; max_depth and early_exit unused).
     `early_exit` (eager callers; host reads): the doubling stops at its first round that
     changes nothing (a fixed point: every later round would change nothing either, and every
     descendant is then counted), and the partial-cover part is skipped when no request has one.
@@ -266,6 +268,11 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     if backend == "torch" and _host(parent):
         return torch.from_numpy(lock_drops_np(parent.numpy(), key_len.numpy(), lock_ref.numpy(), alive.numpy(),
                                               last_node.numpy(), cover.numpy(), valid.numpy(), max_depth, early_exit))
+    if backend == "triton":  # four launches and a sort (`kernels.radix.lock_drops`)
+        from .kernels.radix import lock_drops as lock_drops_triton
+
+        return lock_drops_triton(parent.contiguous(), key_len.contiguous(), lock_ref.contiguous(), alive.contiguous(),
+                                 last_node.contiguous(), cover.contiguous(), valid.contiguous())
     N = parent.numel()
     Q = last_node.numel()
     dev = parent.device
@@ -278,27 +285,21 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     par_last = parent[ln]
     start = torch.where(full, ln, par_last)
     INF = Q
-    if backend == "triton":
-        from .kernels.radix import path_min
-
-        f = torch.full((N,), INF, dtype=torch.int64, device=dev)
-        path_min(torch.where(valid & (start > 0), start, -1).contiguous(), parent.contiguous(), alive.contiguous(), f)
-    else:
-        start = torch.where(valid & (start > 0), start, D)
-        f = torch.full((N + 1,), INF, dtype=torch.int64, device=dev)
-        f = f.scatter_reduce(0, start, idx, reduce="amin", include_self=True)
-        real = torch.arange(N + 1, device=dev) < N
-        par_ext = torch.cat([parent, parent.new_full((1,), -1)])
-        alive_ext = torch.cat([alive, alive.new_zeros(1)])
-        anc = torch.where(real & alive_ext & (par_ext >= 0), par_ext, D)
-        rounds = (N - 1).bit_length() if max_depth is None else min((N - 1).bit_length(), int(max_depth).bit_length())
-        for _ in range(max(1, rounds)):
-            g = f.scatter_reduce(0, anc, f, reduce="amin", include_self=True)
-            if early_exit and torch.equal(g, f):
-                break
-            f = g
-            anc = anc[anc]
-        f = f[:N]
+    start = torch.where(valid & (start > 0), start, D)
+    f = torch.full((N + 1,), INF, dtype=torch.int64, device=dev)
+    f = f.scatter_reduce(0, start, idx, reduce="amin", include_self=True)
+    real = torch.arange(N + 1, device=dev) < N
+    par_ext = torch.cat([parent, parent.new_full((1,), -1)])
+    alive_ext = torch.cat([alive, alive.new_zeros(1)])
+    anc = torch.where(real & alive_ext & (par_ext >= 0), par_ext, D)
+    rounds = (N - 1).bit_length() if max_depth is None else min((N - 1).bit_length(), int(max_depth).bit_length())
+    for _ in range(max(1, rounds)):
+        g = f.scatter_reduce(0, anc, f, reduce="amin", include_self=True)
+        if early_exit and torch.equal(g, f):
+            break
+        f = g
+        anc = anc[anc]
+    f = f[:N]
     any_partial = not early_exit or bool(partial.any())  # else every match ends at its node's end
     mp = 0
     if any_partial:  # largest partial cover of each node by a request before its F

@@ -29,6 +29,9 @@ torch code with `backend="torch" | "triton"`. Results are identical to the torch
   node up to the root with `atomic_max` on `last_access`, stopping where a larger stamp of the
   batch already stands (its writer walks on; the final maxima are the same).
 - `path_counts`: lock counts (R-RC-6). Same walk with `atomic_add` of 1 per node, root excluded.
+- `lock_drops`: the lock-aware evictable drops of an admission window (R-RC-6, SPEC section 8):
+  the first request per node by one `atomic_min` walk per request, node gains by `atomic_add`
+  to that request, partial covers by one program over the requests sorted by node.
 - `evict_rank`: per-parent candidate count and largest candidate position of one eviction round
   (R-RC-7), with `atomic_add` / `atomic_max`.
 
@@ -406,40 +409,136 @@ def stamp_paths(nodes: torch.Tensor, stamp: torch.Tensor, parent: torch.Tensor, 
         _stamp_paths_kernel[grid_1d(n, BLOCK)](nodes, stamp, parent, last_access, n, BLOCK=BLOCK, num_warps=warps)
 
 
+# ---- lock-aware evictable drops (R-RC-6, SPEC section 8) ------------------------------------------
 @triton.jit
-def _path_min_kernel(start_ptr, parent_ptr, alive_ptr, f_ptr, n, BLOCK: tl.constexpr):
+def _lock_first_kernel(parent_ptr, key_len_ptr, alive_ptr, last_ptr, cover_ptr, valid_ptr, f_ptr, key_ptr, n, N,
+                       BLOCK: tl.constexpr):
+    """Per request: its path's start (its last node if covered whole, else that node's
+    parent) and its partial-cover sort key (the node, or N when none); then a walk from the
+    start up through live parents with atomic_min of the request's index into f (F(v): the
+    first request whose path holds node v), which stops at a node already holding a smaller
+    index: that index's walk goes on up, so the nodes above end with a smaller minimum anyway."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    cur = tl.load(start_ptr + offs, mask=mask, other=-1)
+    valid = mask & (tl.load(valid_ptr + offs, mask=mask, other=0) != 0)
+    ln = tl.load(last_ptr + offs, mask=mask, other=0)
+    ln = tl.minimum(tl.maximum(tl.where(valid, ln, 0), 0), N - 1)
+    cover = tl.load(cover_ptr + offs, mask=mask, other=0)
+    full = valid & (cover >= tl.load(key_len_ptr + ln, mask=mask, other=0))
+    partial = valid & ~full
+    start = tl.where(full, ln, tl.load(parent_ptr + ln, mask=mask, other=-1))
+    tl.store(key_ptr + offs, tl.where(partial, ln, N), mask=mask)
+    cur = tl.where(valid & (start > 0), start, -1)
     active = mask & (cur >= 0)
     while tl.reduce(active.to(tl.int32), 0, _MAX) > 0:
         old = tl.atomic_min(f_ptr + cur, offs, mask=active)
-        # a smaller rank there was written by a walk that goes on up (or hands over to an
-        # even smaller one), so the nodes above end with a smaller minimum anyway: stop
         active = active & (old > offs)
         up = active & (tl.load(alive_ptr + cur, mask=active, other=0) != 0)
         cur = tl.load(parent_ptr + cur, mask=up, other=-1)
         active = up & (cur >= 0)
 
 
-def path_min(start: torch.Tensor, parent: torch.Tensor, alive: torch.Tensor, f: torch.Tensor,
-             *, block: Optional[int] = None) -> None:
-    """f[v] = min(f[v], i) for every request i and every node v on the path from start[i]
-    (>= 0; -1 for none) up through parents while the node is alive and has one, in place: the
-    first request (by index) whose path holds each node, as `gpu_sched.admission.lock_drops`
-    needs it. One walk per request with atomics instead of pointer-doubling rounds; a walk
-    stops at a node already holding a smaller index (int64 throughout; alive bool)."""
-    where = "path_min"
-    check_tensor(where, "start", start, (torch.int64,))
-    dev = check_launch_device(where, _path_min_kernel, start)
-    n = start.numel()
-    check_tensor(where, "parent", parent, (torch.int64,), device=dev)
-    check_tensor(where, "alive", alive, (torch.bool,), numel=parent.numel(), device=dev)
-    check_tensor(where, "f", f, (torch.int64,), numel=parent.numel(), device=dev)
+@triton.jit
+def _lock_early_kernel(key_ptr, cover_ptr, f_ptr, mp_ptr, n, N, BLOCK: tl.constexpr):
+    """mp[v] = the largest partial cover of node v by a request before F(v) (atomic_max)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    key = tl.load(key_ptr + offs, mask=mask, other=N)
+    partial = mask & (key < N)
+    early = partial & (offs < tl.load(f_ptr + key, mask=partial, other=0))
+    tl.atomic_max(mp_ptr + key, tl.load(cover_ptr + offs, mask=early, other=0), mask=early)
+
+
+@triton.jit
+def _lock_gain_kernel(key_len_ptr, lock_ref_ptr, alive_ptr, f_ptr, mp_ptr, drop_ptr, N, INF, BLOCK: tl.constexpr):
+    """Per node v (root excluded) alive, unlocked and on some request's whole-covered path:
+    key_len - mp[v] added to the drop of F(v), its first such request (atomic_add)."""
+    v = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = v < N
+    f = tl.load(f_ptr + v, mask=mask, other=INF)
+    ok = (mask & (v != 0) & (f < INF) & (tl.load(alive_ptr + v, mask=mask, other=0) != 0)
+          & (tl.load(lock_ref_ptr + v, mask=mask, other=1) == 0))
+    w = tl.load(key_len_ptr + v, mask=ok, other=0) - tl.load(mp_ptr + v, mask=ok, other=0)
+    tl.atomic_add(drop_ptr + f, w, mask=ok)
+
+
+@triton.jit
+def _lock_partial_kernel(order_ptr, key_ptr, cover_ptr, valid_ptr, lock_ref_ptr, f_ptr, drop_ptr, out_ptr, n, N,
+                         BLOCK: tl.constexpr):
+    """One program over the requests sorted by (partial-cover node, index): each partial
+    cover adds what it covers beyond the largest earlier partial cover of its node (a
+    segmented exclusive running max: the segment number packed above the cover, so one plain
+    running max, carried from block to block) when its node is unlocked and no earlier
+    request covered the node whole; out = drop + that gain, 0 for a request without a match."""
+    BIG: tl.constexpr = 1 << 32
+    zero = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), 0)
+    carry_grp = zero
+    carry_run = zero
+    for s in range(0, n, BLOCK):
+        k = s + tl.arange(0, BLOCK).to(tl.int64)
+        m = k < n
+        has_prev = m & (k > 0)
+        o = tl.load(order_ptr + k, mask=m, other=0)
+        op = tl.load(order_ptr + k - 1, mask=has_prev, other=0)
+        key = tl.load(key_ptr + o, mask=m, other=N)
+        key_p = tl.load(key_ptr + op, mask=has_prev, other=-1)
+        first = key != key_p
+        grp = carry_grp + tl.cumsum(first.to(tl.int64), 0)
+        prev_cover = tl.where(first | (key_p >= N), 0, tl.load(cover_ptr + op, mask=has_prev & ~first, other=0))
+        v = tl.where(m, grp * BIG + prev_cover, 0)
+        run = tl.maximum(tl.associative_scan(v, 0, _MAX), carry_run)
+        excl = run - grp * BIG
+        partial = m & (key < N)
+        cover = tl.load(cover_ptr + o, mask=m, other=0)
+        pok = partial & (tl.load(lock_ref_ptr + key, mask=partial, other=1) == 0) \
+            & (tl.load(f_ptr + key, mask=partial, other=0) > o)
+        gain = tl.where(pok, tl.maximum(cover - excl, 0), 0)
+        valid = tl.load(valid_ptr + o, mask=m, other=0) != 0
+        tl.store(out_ptr + o, tl.where(valid, tl.load(drop_ptr + o, mask=m, other=0) + gain, 0), mask=m)
+        carry_grp = tl.reduce(tl.where(m, grp, 0), 0, _MAX)
+        carry_run = tl.reduce(run, 0, _MAX)
+
+
+def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tensor, alive: torch.Tensor,
+               last_node: torch.Tensor, cover: torch.Tensor, valid: torch.Tensor, *,
+               block: Optional[int] = None) -> torch.Tensor:
+    """`gpu_sched.admission.lock_drops` (R-RC-6; SPEC section 8) in four launches and a sort:
+    each request's path start and the first request per node by one atomic walk per request,
+    the largest partial cover of each node before its first whole cover
+    (atomic_max), each unlocked node's tokens added to its first request (atomic_add), then
+    the partial covers' gains in one program over the requests sorted by node (`torch.sort`,
+    stable). No host read. Node arrays int64 [N] (alive bool), N >= 1; requests int64 [Q]
+    (valid bool); covers below 2^32. Returns int64 [Q]."""
+    where = "lock_drops"
+    check_tensor(where, "parent", parent, (torch.int64,))
+    dev = check_launch_device(where, _lock_first_kernel, parent)
+    N = parent.numel()
+    if N < 1:
+        raise ValueError(f"{where}: the tree needs at least its root, got {N} nodes")
+    for name, t in (("key_len", key_len), ("lock_ref", lock_ref)):
+        check_tensor(where, name, t, (torch.int64,), numel=N, device=dev)
+    check_tensor(where, "alive", alive, (torch.bool,), numel=N, device=dev)
+    check_tensor(where, "last_node", last_node, (torch.int64,), device=dev)
+    Q = last_node.numel()
+    check_tensor(where, "cover", cover, (torch.int64,), numel=Q, device=dev)
+    check_tensor(where, "valid", valid, (torch.bool,), numel=Q, device=dev)
     BLOCK, warps = _req_block(block)
-    if n:
-        _path_min_kernel[grid_1d(n, BLOCK)](start, parent, alive.view(torch.uint8), f, n, BLOCK=BLOCK,
-                                            num_warps=warps)
+    f = torch.full((N,), Q, dtype=torch.int64, device=dev)
+    mp = torch.zeros(N, dtype=torch.int64, device=dev)
+    drop = torch.zeros(Q, dtype=torch.int64, device=dev)
+    key = torch.empty(Q, dtype=torch.int64, device=dev)
+    out = torch.empty(Q, dtype=torch.int64, device=dev)
+    if Q == 0:
+        return out
+    alive8, valid8 = alive.view(torch.uint8), valid.view(torch.uint8)
+    _lock_first_kernel[grid_1d(Q, BLOCK)](parent, key_len, alive8, last_node, cover, valid8, f, key, Q, N,
+                                          BLOCK=BLOCK, num_warps=warps)
+    _lock_early_kernel[grid_1d(Q, BLOCK)](key, cover, f, mp, Q, N, BLOCK=BLOCK, num_warps=warps)
+    NB, nwarps = block_config(block)
+    _lock_gain_kernel[grid_1d(N, NB)](key_len, lock_ref, alive8, f, mp, drop, N, Q, BLOCK=NB, num_warps=nwarps)
+    order = torch.sort(key, stable=True).indices
+    _lock_partial_kernel[(1,)](order, key, cover, valid8, lock_ref, f, drop, out, Q, N, BLOCK=NB, num_warps=nwarps)
+    return out
 
 
 @triton.jit

@@ -22,6 +22,7 @@ from gpu_sched import admission as S  # noqa: E402
 from gpu_sched.kernels import admission as KA  # noqa: E402
 from gpu_sched.kernels import ignore_eos as KE  # noqa: E402
 from gpu_sched.kernels import preempt as KP  # noqa: E402
+from gpu_sched.kernels import radix as KR  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 i64 = torch.int64
@@ -248,7 +249,7 @@ def test_first_admission_then_no_token_marks_batch_full():
 @pytest.mark.parametrize("seed", range(24))
 def test_lock_drops_triton_walks_equal_rounds(seed):
     """`lock_drops` with backend "triton" (first request per node by one atomic walk per
-    request, `kernels.radix.path_min`) equals the brute-force sequential locking and the torch
+    request, `kernels.radix.lock_drops`) equals the brute-force sequential locking and the torch
     pointer-doubling rounds; with some nodes dead too (a walk stops after a dead node, as the
     rounds' ancestor table does)."""
     import sys
@@ -265,6 +266,39 @@ def test_lock_drops_triton_walks_equal_rounds(seed):
     assert got == want
     dead = t([i > 0 and rng.random() < 0.2 for i in range(N)], torch.bool)
     assert torch.equal(S.lock_drops(*args, ~dead, *req, backend="triton"), S.lock_drops(*args, ~dead, *req))
+
+
+@pytest.mark.parametrize("block", [16, None])
+@pytest.mark.parametrize("seed", range(6))
+def test_lock_drops_triton_crowded_partial_covers(seed, block):
+    """Many requests ending inside the same few nodes, in blocks of 16: the partial covers'
+    running maximum per node is carried across the sorted program's blocks (a cover that
+    dips below an earlier one in another block gains nothing), and nodes covered whole by an
+    earlier request give later partial covers nothing; equal to the brute-force sequential
+    locking and to the torch form."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_step_core import brute_drops
+
+    rng = random.Random(100 + seed)
+    N = 6
+    parent = [-1, 0, 1, 1, 0, 4]
+    key_len = [0] + [rng.randrange(8, 20) for _ in range(1, N)]
+    lock_ref = [1, 0, 0, rng.choice([0, 1]), 0, 0]
+    Q = rng.choice([40, 100])
+    last = [rng.choice([2, 3, 5, 5, 1]) for _ in range(Q)]
+    valid = [rng.random() < 0.9 for _ in range(Q)]
+    # mostly partial covers (below key_len), a few whole ones, some after many partial ones
+    cover = [rng.randint(1, key_len[v] - 1) if rng.random() < 0.85 or i < Q // 2 else key_len[v]
+             for i, v in enumerate(last)]
+    last = [v if ok else 0 for v, ok in zip(last, valid)]
+    cover = [c if ok else 0 for c, ok in zip(cover, valid)]
+    args = (t(parent), t(key_len), t(lock_ref), torch.ones(N, dtype=torch.bool, device=DEV), t(last), t(cover),
+            t(valid, torch.bool))
+    want = brute_drops(parent, key_len, lock_ref, last, cover, valid)
+    got = KR.lock_drops(*args, block=block)
+    assert got.tolist() == want
+    assert torch.equal(got, S.lock_drops(*args))
 
 
 @pytest.mark.parametrize("chunked", [False, True])
