@@ -332,6 +332,31 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     return torch.where(valid, drop + torch.where(pok, pgain, 0), 0)
 
 
+def match_lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tensor, alive: torch.Tensor,
+                     owner: torch.Tensor, key_off: torch.Tensor, m: torch.Tensor, pos: torch.Tensor,
+                     valid: torch.Tensor, max_depth: Optional[int] = None, backend: str = "torch",
+                     early_exit: bool = False) -> torch.Tensor:
+    """`lock_drops` of requests given by their matches (R-RC-6; SPEC section 8): request i holds
+    a match when valid[i] and m[i] > 0 (matched length [tokens]), whose last token sits at pool
+    position pos[i] of the tree's node owner[pos[i]], pos[i] - key_off[node] + 1 tokens into
+    it. Node arrays [N] as `lock_drops` (a prefix of the tree's); `owner` and `key_off` the
+    tree's whole arrays; m, pos int64 [Q], valid bool [Q]. backend "triton" reads the matches
+    in the kernels' first launch (`kernels.radix.lock_drops_matched`); else the node and cover
+    by tensor ops, then `lock_drops`. int64 [Q]."""
+    if backend == "triton":
+        from .kernels.radix import lock_drops_matched
+
+        return lock_drops_matched(parent.contiguous(), key_len.contiguous(), lock_ref.contiguous(), alive.contiguous(),
+                                  owner.contiguous(), key_off.contiguous(), m.contiguous(), pos.contiguous(),
+                                  valid.contiguous())
+    has = valid & (m > 0)
+    p = torch.where(has, pos, 0)
+    node = torch.where(has, owner[p], 0)
+    cover = p - key_off[node] + 1
+    return lock_drops(parent, key_len, lock_ref, alive, node, cover, has, max_depth=max_depth, backend=backend,
+                      early_exit=early_exit)
+
+
 LOCK_WALK_MAX = 64  # `lock_drops` on the host: up to this many requests, Python walks of their paths
 
 

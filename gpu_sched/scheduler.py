@@ -44,7 +44,7 @@ from .row_queue import LazyList, RowQueue, rid_list
 from . import policy as dpolicy
 from .admission import (STOP_CODES, STOP_NAMES, STOP_NO_TOKEN, STOP_OTHER, STOP_PREEMPT, STOP_QUEUE_END, HeldCols,
                         QueueCols, StepConfig, StepState, _lock_drops_walk, admit_step, admit_step_host, lock_drops,
-                        lock_drops_np, preempt_select, read_step_result)
+                        lock_drops_np, match_lock_drops, preempt_select, read_step_result)
 from .radix import _match_nodes_host, _path_position_host
 
 BACKENDS = ("torch", "triton")
@@ -1215,21 +1215,18 @@ class GpuScheduler(ReferenceScheduler):
         if self._host_paths():  # the tree takes this scheduler's backend: torch here
             return self._window_drops_host(rows, sel)
         m, pos, nc = self._window_match(rows, sel)
-        has = m > 0
-        if nc is not None:  # read off the paths already
-            node, cover = nc
-        else:
-            p = torch.where(has, pos, 0)
-            node = torch.where(has, tree.owner[p], 0)
-            cover = p - tree.key_off[node] + 1
         # nodes on any matched path
         depth = int(np.minimum(sel[:, RT_FILL], sel[:, RT_CAP]).max(initial=0)) // self.config.page_size
         # live node ids lie below node_bound(): scan that prefix, rounded up to a power of
         # two (few distinct shapes), not the whole capacity
         b = min(1 << max(tree.node_bound() - 1, 1).bit_length(), tree.parent.numel())
-        drop = lock_drops(tree.parent[:b], tree.key_len[:b], tree.lock_ref[:b], tree.alive[:b], node, cover,
-                          has, max_depth=1 << depth.bit_length(),  # power of two: few distinct shapes
-                          backend=self.backend, early_exit=True)
+        arrays = (tree.parent[:b], tree.key_len[:b], tree.lock_ref[:b], tree.alive[:b])
+        bound = 1 << depth.bit_length()  # power of two: few distinct shapes
+        if nc is not None:  # read off the paths already
+            drop = lock_drops(*arrays, *nc, m > 0, max_depth=bound, backend=self.backend, early_exit=True)
+        else:  # the node and cover of each match found with the drops (one launch on triton)
+            drop = match_lock_drops(*arrays, tree.owner, tree.key_off, m, pos, torch.ones_like(m, dtype=torch.bool),
+                                    max_depth=bound, backend=self.backend, early_exit=True)
         return m, drop, tree.evictable_size, (m, pos)
 
     def _window_drops_host(self, rows: np.ndarray, sel: "_RowCols"):

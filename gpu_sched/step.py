@@ -42,7 +42,7 @@ import torch
 
 from . import policy as dpolicy
 from .config import _check_int
-from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, lock_drops
+from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, match_lock_drops
 from .scheduler import (RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
                         RT_RKEY, RT_STAMP, RT_TIME, RT_TOFF, _rt_get, _RowCols)
 
@@ -325,13 +325,9 @@ class StepGraph:
             om, opos = tree.find_static(tok, w_toff, capped, w_ns, ch, w_coff, self.max_len, backend=be)
             self.m_cap.copy_(om)
             self.pos_cap.copy_(opos)
-            has = ovalid & (om > 0)
-            p = torch.where(has, opos, 0)
-            node = torch.where(has, tree.owner[p], 0)
-            cover = p - tree.key_off[node] + 1
             b = self._node_span()
-            drop = lock_drops(tree.parent[:b], tree.key_len[:b], tree.lock_ref[:b], tree.alive[:b], node, cover, has,
-                              max_depth=self.max_len // cfg.page_size, backend=be)
+            drop = match_lock_drops(tree.parent[:b], tree.key_len[:b], tree.lock_ref[:b], tree.alive[:b], tree.owner,
+                                    tree.key_off, om, opos, ovalid, max_depth=self.max_len // cfg.page_size, backend=be)
             ev = tree.evictable_size
         else:
             om, drop = zeros, zeros

@@ -411,19 +411,32 @@ def stamp_paths(nodes: torch.Tensor, stamp: torch.Tensor, parent: torch.Tensor, 
 
 # ---- lock-aware evictable drops (R-RC-6, SPEC section 8) ------------------------------------------
 @triton.jit
-def _lock_first_kernel(parent_ptr, key_len_ptr, alive_ptr, last_ptr, cover_ptr, valid_ptr, f_ptr, key_ptr, n, N,
-                       BLOCK: tl.constexpr):
+def _lock_first_kernel(parent_ptr, key_len_ptr, alive_ptr, last_ptr, cover_ptr, valid_ptr, f_ptr, key_ptr,
+                       owner_ptr, key_off_ptr, m_ptr, pos_ptr, n, N, FROM_MATCH: tl.constexpr, BLOCK: tl.constexpr):
     """Per request: its path's start (its last node if covered whole, else that node's
-    parent) and its partial-cover sort key (the node, or N when none); then a walk from the
+    parent) and its partial-cover sort key (the node, or N when none); with FROM_MATCH the
+    last node and cover come from the match (length m, last pool position pos: the node
+    `owner` holds there, and how far into it) and are written to last / cover / valid
+    (valid: m > 0 where valid was set) for the later launches. Then a walk from the
     start up through live parents with atomic_min of the request's index into f (F(v): the
     first request whose path holds node v), which stops at a node already holding a smaller
     index: that index's walk goes on up, so the nodes above end with a smaller minimum anyway."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     valid = mask & (tl.load(valid_ptr + offs, mask=mask, other=0) != 0)
-    ln = tl.load(last_ptr + offs, mask=mask, other=0)
+    if FROM_MATCH:
+        valid = valid & (tl.load(m_ptr + offs, mask=mask, other=0) > 0)
+        p = tl.load(pos_ptr + offs, mask=valid, other=0)
+        node = tl.load(owner_ptr + p, mask=valid, other=0)
+        cover = tl.where(valid, p - tl.load(key_off_ptr + node, mask=valid, other=0) + 1, 0)
+        ln = tl.where(valid, node, 0)
+        tl.store(last_ptr + offs, ln, mask=mask)
+        tl.store(cover_ptr + offs, cover, mask=mask)
+        tl.store(valid_ptr + offs, valid.to(tl.uint8), mask=mask)
+    else:
+        ln = tl.load(last_ptr + offs, mask=mask, other=0)
+        cover = tl.load(cover_ptr + offs, mask=mask, other=0)
     ln = tl.minimum(tl.maximum(tl.where(valid, ln, 0), 0), N - 1)
-    cover = tl.load(cover_ptr + offs, mask=mask, other=0)
     full = valid & (cover >= tl.load(key_len_ptr + ln, mask=mask, other=0))
     partial = valid & ~full
     start = tl.where(full, ln, tl.load(parent_ptr + ln, mask=mask, other=-1))
@@ -504,12 +517,40 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
                block: Optional[int] = None) -> torch.Tensor:
     """`gpu_sched.admission.lock_drops` (R-RC-6; SPEC section 8) in four launches and a sort:
     each request's path start and the first request per node by one atomic walk per request,
-    the largest partial cover of each node before its first whole cover
-    (atomic_max), each unlocked node's tokens added to its first request (atomic_add), then
-    the partial covers' gains in one program over the requests sorted by node (`torch.sort`,
-    stable). No host read. Node arrays int64 [N] (alive bool), N >= 1; requests int64 [Q]
-    (valid bool); covers below 2^32. Returns int64 [Q]."""
+    the largest partial cover of each node before its first whole cover (atomic_max), each
+    unlocked node's tokens added to its first request (atomic_add), then the partial covers'
+    gains in one program over the requests sorted by node (`torch.sort`, stable). No host
+    read. Node arrays int64 [N] (alive bool), N >= 1; requests int64 [Q] (valid bool);
+    covers below 2^32. Returns int64 [Q]."""
     where = "lock_drops"
+    dev, N, Q = _check_lock_args(where, parent, key_len, lock_ref, alive, last_node)
+    check_tensor(where, "cover", cover, (torch.int64,), numel=Q, device=dev)
+    check_tensor(where, "valid", valid, (torch.bool,), numel=Q, device=dev)
+    return _lock_drops_launch(parent, key_len, lock_ref, alive, last_node, cover, valid, None, N, Q, block)
+
+
+def lock_drops_matched(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tensor, alive: torch.Tensor,
+                       owner: torch.Tensor, key_off: torch.Tensor, m: torch.Tensor, pos: torch.Tensor,
+                       valid: torch.Tensor, *, block: Optional[int] = None) -> torch.Tensor:
+    """`lock_drops` of requests given by their matches (`gpu_sched.admission.match_lock_drops`):
+    request i holds a match when valid[i] and m[i] > 0, ending at pool position pos[i], in the
+    node owner[pos[i]], pos[i] - key_off[node] + 1 tokens into it; read in the first launch
+    (no tensor ops before it). Node arrays [N] as `lock_drops`; owner and key_off the tree's
+    whole arrays (int64); m, pos int64 [Q], valid bool [Q]. Returns int64 [Q]."""
+    where = "lock_drops_matched"
+    dev, N, Q = _check_lock_args(where, parent, key_len, lock_ref, alive, m)
+    check_tensor(where, "owner", owner, (torch.int64,), device=dev)
+    check_tensor(where, "key_off", key_off, (torch.int64,), device=dev)
+    check_tensor(where, "pos", pos, (torch.int64,), numel=Q, device=dev)
+    check_tensor(where, "valid", valid, (torch.bool,), numel=Q, device=dev)
+    last = torch.empty(Q, dtype=torch.int64, device=dev)
+    cover = torch.empty(Q, dtype=torch.int64, device=dev)
+    has = valid.clone()
+    return _lock_drops_launch(parent, key_len, lock_ref, alive, last, cover, has, (owner, key_off, m, pos), N, Q,
+                              block)
+
+
+def _check_lock_args(where, parent, key_len, lock_ref, alive, req):
     check_tensor(where, "parent", parent, (torch.int64,))
     dev = check_launch_device(where, _lock_first_kernel, parent)
     N = parent.numel()
@@ -518,10 +559,13 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     for name, t in (("key_len", key_len), ("lock_ref", lock_ref)):
         check_tensor(where, name, t, (torch.int64,), numel=N, device=dev)
     check_tensor(where, "alive", alive, (torch.bool,), numel=N, device=dev)
-    check_tensor(where, "last_node", last_node, (torch.int64,), device=dev)
-    Q = last_node.numel()
-    check_tensor(where, "cover", cover, (torch.int64,), numel=Q, device=dev)
-    check_tensor(where, "valid", valid, (torch.bool,), numel=Q, device=dev)
+    check_tensor(where, "requests", req, (torch.int64,), device=dev)
+    return dev, N, req.numel()
+
+
+def _lock_drops_launch(parent, key_len, lock_ref, alive, last_node, cover, valid, match, N: int, Q: int,
+                       block: Optional[int]) -> torch.Tensor:
+    dev = parent.device
     BLOCK, warps = _req_block(block)
     f = torch.full((N,), Q, dtype=torch.int64, device=dev)
     mp = torch.zeros(N, dtype=torch.int64, device=dev)
@@ -531,8 +575,9 @@ def lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torch.Tens
     if Q == 0:
         return out
     alive8, valid8 = alive.view(torch.uint8), valid.view(torch.uint8)
-    _lock_first_kernel[grid_1d(Q, BLOCK)](parent, key_len, alive8, last_node, cover, valid8, f, key, Q, N,
-                                          BLOCK=BLOCK, num_warps=warps)
+    owner, key_off, m, pos = match if match is not None else (parent, parent, last_node, last_node)
+    _lock_first_kernel[grid_1d(Q, BLOCK)](parent, key_len, alive8, last_node, cover, valid8, f, key, owner, key_off,
+                                          m, pos, Q, N, FROM_MATCH=match is not None, BLOCK=BLOCK, num_warps=warps)
     _lock_early_kernel[grid_1d(Q, BLOCK)](key, cover, f, mp, Q, N, BLOCK=BLOCK, num_warps=warps)
     NB, nwarps = block_config(block)
     _lock_gain_kernel[grid_1d(N, NB)](key_len, lock_ref, alive8, f, mp, drop, N, Q, BLOCK=NB, num_warps=nwarps)

@@ -301,6 +301,39 @@ def test_lock_drops_triton_crowded_partial_covers(seed, block):
     assert torch.equal(got, S.lock_drops(*args))
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_match_lock_drops_forms_agree(seed):
+    """`match_lock_drops` (requests given by match length and last pool position) with backend
+    "triton" (the node and cover read in the first launch, `kernels.radix.lock_drops_matched`)
+    and in the torch form equal the brute-force locking of the same paths; a request with a
+    match but valid false, or valid with an empty match, locks nothing."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_step_core import brute_drops, random_lock_case
+
+    rng, parent, key_len, lock_ref, last, cover, valid = random_lock_case(seed)
+    N, Q = len(parent), len(last)
+    key_off, top = [], 3  # each node's pool range, with gaps; owner marks them
+    for v in range(N):
+        key_off.append(top)
+        top += key_len[v] + rng.randrange(3)
+    owner = [-1] * (top + 2)
+    for v in range(N):
+        for j in range(key_len[v]):
+            owner[key_off[v] + j] = v
+    m = [rng.randrange(1, 50) if ok else 0 for ok in valid]
+    pos = [key_off[v] + c - 1 if ok else rng.choice([-1, 0]) for v, c, ok in zip(last, cover, valid)]
+    flags = list(valid)
+    for i in range(Q):  # a match the caller marks invalid, or a valid row with no match: ignored
+        if rng.random() < 0.15:
+            flags[i] = not valid[i]
+    args = (t(parent), t(key_len), t(lock_ref), torch.ones(N, dtype=torch.bool, device=DEV), t(owner), t(key_off),
+            t(m), t(pos), t(flags, torch.bool))
+    want = brute_drops(parent, key_len, lock_ref, last, cover, [f and k > 0 for f, k in zip(flags, m)])
+    assert S.match_lock_drops(*args, backend="triton").tolist() == want
+    assert S.match_lock_drops(*args).tolist() == want
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_admission_prepare_blocks_carry_prefix_sums(chunked):
     """`admission_prepare` with blocks of 16 over 100 requests (the prefix sums carried from
