@@ -184,6 +184,9 @@ class StepResult(NamedTuple):
     hit_tokens: torch.Tensor  # added to log_hit_tokens by this call
     input_tokens: torch.Tensor  # added to log_input_tokens by this call
     decided: torch.Tensor  # 0-d bool: the rounds reached the loop's end
+    #: backend "triton": the scalars above packed as int64 [RESULT_LEN] (`kernels.admission.R_*`,
+    #: the fields above are views of it), so a read-back or a recorded step takes them in one op
+    packed: Optional[torch.Tensor] = None
 
 
 # ---- small helpers ------------------------------------------------------------------------------
@@ -909,10 +912,13 @@ def read_step_result(res: StepResult) -> HostStepResult:
     """`admit_step`'s tensor result as a `HostStepResult`, in one read-back (the admitted
     entries are a prefix of the queue: the loop admits in order until it stops)."""
     i64 = torch.int64
-    head = torch.stack([res.admitted.sum(), res.stop_index, res.stop, res.chunk_index, res.chunk_len,
-                        res.batch_full.to(i64), res.inflight_end, res.inflight_left.to(i64), res.I, res.cur_off,
-                        res.rem_input, res.rem_chunk, res.evictable, res.hit_tokens, res.input_tokens,
-                        res.decided.to(i64)])
+    if res.packed is not None:  # the same 16 values, packed in this order (`kernels.admission.R_*`)
+        head = res.packed[:16]
+    else:
+        head = torch.stack([res.admitted.sum(), res.stop_index, res.stop, res.chunk_index, res.chunk_len,
+                            res.batch_full.to(i64), res.inflight_end, res.inflight_left.to(i64), res.I, res.cur_off,
+                            res.rem_input, res.rem_chunk, res.evictable, res.hit_tokens, res.input_tokens,
+                            res.decided.to(i64)])
     vals = torch.cat([head, res.extend_end]).tolist()
     na = vals[0]
     return HostStepResult(na, vals[16 : 16 + na], *vals[1:5], bool(vals[5]), vals[6], bool(vals[7]), *vals[8:15],
@@ -1078,11 +1084,10 @@ def _admit_step_triton(cfg: StepConfig, st: StepState, q: QueueCols, held: Optio
     cont = lambda x: x.contiguous()  # noqa: E731
     p = KA.admission_prepare(cfg, cont(q.fill_len), cont(q.out_len), cont(q.prompt_len), cont(q.max_new),
                              cont(q.prefix_len), cont(q.drop), cont(q.ignore_eos), sv, st.ratio, c is not None)
-    ar = torch.arange(Q + 1, device=dev)
-    valid = ar < q.n
-    A = st.available
     fail = no_fail = torch.zeros(Q + 1, dtype=torch.bool, device=dev)
     if cfg.ignore_eos_path:
+        valid = torch.arange(Q + 1, device=dev) < q.n
+        A = st.available
         q_left, q_occ = eos_states(p.maxn, p.out, p.prompt, p.ie, st.ratio)
         h_left, h_occ, h_valid = _held_states(held, c, st.ratio, dev)
     state, spare, end_vec = p.state, torch.empty_like(p.state), p.fill.clone()
@@ -1098,14 +1103,12 @@ def _admit_step_triton(cfg: StepConfig, st: StepState, q: QueueCols, held: Optio
         state, spare = spare, state
         if early_exit and r + 1 < cfg.rounds and bool(state[KA.ST_DONE]):
             break
-    (_, _, _, _, done, chunk_idx, chunk_len, k_fin, stop_fin, kind_fin, I_fin, cur_fin, rin_fin, rc_fin, ev_fin,
-     full_fin) = state.unbind(0)
-    in_tokens, inflight_end, inflight_left, rin_loop = p.extra.unbind(0)
-    admitted = valid & ((ar < k_fin) | ((ar == k_fin) & (kind_fin != KIND_NONE)))
-    hit = torch.where(admitted & ~p.iep, p.pre, 0).sum()
+    # the result read off the final state in one launch; the fields are views of its buffers
+    r = KA.admission_result(cfg, state, p.extra, p.pre, p.iep, sv, p.rn)
+    v, fl = r.iv, r.flags
     return StepResult(
-        admitted=admitted[:Q], extend_start=p.pre[:Q], extend_end=end_vec[:Q], stop_index=k_fin, stop=stop_fin,
-        chunk_index=chunk_idx, chunk_len=chunk_len, batch_full=full_fin != 0, inflight_end=inflight_end,
-        inflight_left=inflight_left != 0, I=I_fin, cur_off=cur_fin, rem_input=rin_fin, rem_chunk=rc_fin,
-        evictable=ev_fin, rem_total=(A + ev_fin - I_fin).to(torch.float64) - p.rn, cur_rem=A + ev_fin - cur_fin,
-        hit_tokens=hit, input_tokens=in_tokens + (rin_loop - rin_fin), decided=done != 0)
+        admitted=r.admitted[:Q], extend_start=p.pre[:Q], extend_end=end_vec[:Q], stop_index=v[KA.R_STOP_INDEX],
+        stop=v[KA.R_STOP], chunk_index=v[KA.R_CHUNK_INDEX], chunk_len=v[KA.R_CHUNK_LEN], batch_full=fl[0],
+        inflight_end=v[KA.R_INFLIGHT_END], inflight_left=fl[1], I=v[KA.R_I], cur_off=v[KA.R_CUR],
+        rem_input=v[KA.R_RIN], rem_chunk=v[KA.R_RC], evictable=v[KA.R_EV], rem_total=r.rem_total,
+        cur_rem=v[KA.R_CUR_REM], hit_tokens=v[KA.R_HIT], input_tokens=v[KA.R_INPUT], decided=fl[2], packed=v)

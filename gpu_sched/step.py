@@ -51,6 +51,9 @@ GRAPH_POLICIES = ("fcfs", "lof", "routing-key", "lpm", "dfs-weight", "random")
 #: output head: stop, stop_index, chunk_index, batch_full, I, cur_off, rem_input, rem_chunk,
 #: hit_tokens, input_tokens, decided, admitted count, inflight_end, inflight_left
 HEAD = 14
+#: those fields' places in `kernels.admission.admission_result`'s int64 output (`R_*`; input
+#: tokens without the in-flight chunk's own, which the host's adder counts itself)
+_HEAD_PACKED = (2, 1, 3, 5, 8, 9, 10, 11, 13, 17, 15, 0, 6, 7)
 # queue int64 rows
 _Q_FILL, _Q_OUT, _Q_PROMPT, _Q_MAXNEW, _Q_IE, _Q_PRIO, _Q_CAP, _Q_NS, _Q_TOFF, _Q_COFF = range(10)
 _Q_ROWS = 10
@@ -132,6 +135,9 @@ class StepGraph:
         self.sc = torch.zeros(_S_LEN, dtype=torch.int64, device=dev)
         self.ratio = torch.zeros((), dtype=torch.float64, device=dev)
         self.out = torch.zeros(HEAD + 4 * self.Q, dtype=torch.int64, device=dev)
+        self._pad = torch.zeros(self.Q - self.W, dtype=torch.int64, device=dev)  # extend ends past the window
+        # the head's fields in `kernels.admission.admission_result`'s packing (the triton backend)
+        self._head_idx = torch.tensor(_HEAD_PACKED, dtype=torch.int64, device=dev)
         # full-length match (queue order) for the host's splits and stamps after the read-back
         self.m_full = torch.zeros(self.Q, dtype=torch.int64, device=dev)
         self.pos_full = torch.zeros(self.Q, dtype=torch.int64, device=dev)
@@ -347,14 +353,18 @@ class StepGraph:
                               max_new=sc[_S_CMAXNEW], out_len=sc[_S_COUT], prompt_len=sc[_S_CPROMPT],
                               ignore_eos=sc[_S_CIE] != 0)
         res = admit_step(scfg, st, q, held, chunked, backend=be)
-        # the host's adder counts the in-flight chunk's input tokens itself (add_chunked_req)
-        P = cfg.page_size
-        in_flight = torch.where(chunked.present, (res.inflight_end - chunked.prefix_len + P - 1) // P * P, 0)
-        head = torch.stack([res.stop, res.stop_index, res.chunk_index, res.batch_full.to(i64), res.I, res.cur_off,
-                            res.rem_input, res.rem_chunk, res.hit_tokens, res.input_tokens - in_flight, res.decided.to(i64),
-                            res.admitted.sum(), res.inflight_end, res.inflight_left.to(i64)])
-        ends = torch.cat([res.extend_end, res.extend_end.new_zeros(Q - W)])
-        self.out.copy_(torch.cat([head, perm, ends, m_full, dep.to(i64)]))
+        if res.packed is not None:  # triton: the head's values packed by the result launch, one gather
+            head = res.packed.index_select(0, self._head_idx)
+        else:
+            # the host's adder counts the in-flight chunk's input tokens itself (add_chunked_req)
+            P = cfg.page_size
+            in_flight = torch.where(chunked.present, (res.inflight_end - chunked.prefix_len + P - 1) // P * P, 0)
+            head = torch.stack([res.stop, res.stop_index, res.chunk_index, res.batch_full.to(i64), res.I,
+                                res.cur_off, res.rem_input, res.rem_chunk, res.hit_tokens, res.input_tokens - in_flight,
+                                res.decided.to(i64), res.admitted.sum(), res.inflight_end, res.inflight_left.to(i64)])
+        # straight into the output buffer: head, order, extend ends (zero past the window), full
+        # matches, deprioritized flags
+        torch.cat([head, perm, res.extend_end, self._pad, m_full, dep.to(i64)], out=self.out)
         self.m_full.copy_(m_full)
         self.pos_full.copy_(pos_full)
 

@@ -537,3 +537,103 @@ def admission_prepare(cfg, fill, out, prompt, maxn, pre, drop, ie, sv: torch.Ten
     fl = flags.unbind(0)
     return Prepared(c[0], c[1], c[2], c[3], c[4], c[5], fl[0], c[6], c[7], c[8], c[9], c[10], c[11], c[12],
                     c[13], fl[1], base, state, sc, rn, extra)
+
+
+# ---- the result, read off the final state ----------------------------------------------------------
+#: `admission_result`'s int64 outputs (`R_*`): the admitted count first, then as
+#: `gpu_sched.admission.read_step_result` reads a StepResult, then the two the recorded step adds
+(R_COUNT, R_STOP_INDEX, R_STOP, R_CHUNK_INDEX, R_CHUNK_LEN, R_FULL, R_INFLIGHT_END, R_INFLIGHT_LEFT, R_I, R_CUR,
+ R_RIN, R_RC, R_EV, R_HIT, R_INPUT, R_DONE, R_CUR_REM, R_INPUT_NEW) = range(18)
+RESULT_LEN = 18
+
+
+@triton.jit
+def _result_kernel(state_ptr, extra_ptr, pre_ptr, iep_ptr, sv_ptr, rn_ptr, adm_ptr, iv_ptr, flag_ptr, rem_ptr,
+                   L, P: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.load(sv_ptr + 10)  # SV_N
+    k_fin = tl.load(state_ptr + 7)  # ST_K
+    kind_fin = tl.load(state_ptr + 9)  # ST_KIND
+    zero = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), 0)
+    count = zero
+    hit = zero
+    for s in range(0, L, BLOCK):
+        j = s + tl.arange(0, BLOCK).to(tl.int64)
+        m = j < L
+        adm = m & (j < n) & ((j < k_fin) | ((j == k_fin) & (kind_fin != 0)))
+        tl.store(adm_ptr + j, adm.to(tl.uint8), mask=m)
+        iep = tl.load(iep_ptr + j, mask=m, other=1) != 0
+        count += tl.sum(adm.to(tl.int64), 0)
+        hit += tl.sum(tl.where(adm & ~iep, tl.load(pre_ptr + j, mask=m, other=0), 0), 0)
+    A = tl.load(sv_ptr + 0)  # SV_A
+    I = tl.load(state_ptr + 10)
+    cur = tl.load(state_ptr + 11)
+    rin = tl.load(state_ptr + 12)
+    ev = tl.load(state_ptr + 14)
+    full = tl.load(state_ptr + 15)
+    done = tl.load(state_ptr + 4)
+    inflight_end = tl.load(extra_ptr + 1)
+    inflight_left = tl.load(extra_ptr + 2)
+    input_tokens = tl.load(extra_ptr + 0) + (tl.load(extra_ptr + 3) - rin)
+    # the in-flight chunk's own input tokens, page-rounded (the host's adder counts them itself)
+    x = inflight_end - tl.load(sv_ptr + 13)  # SV_C_PREFIX
+    in_flight = tl.where(tl.load(sv_ptr + 11) != 0, _floor_div(x + P - 1, P) * P, 0)  # SV_C_PRESENT
+    tl.store(iv_ptr + 0, count)
+    tl.store(iv_ptr + 1, k_fin)
+    tl.store(iv_ptr + 2, tl.load(state_ptr + 8))  # ST_STOP
+    tl.store(iv_ptr + 3, tl.load(state_ptr + 5))  # ST_CHUNK_IDX
+    tl.store(iv_ptr + 4, tl.load(state_ptr + 6))  # ST_CHUNK_LEN
+    tl.store(iv_ptr + 5, (full != 0).to(tl.int64))
+    tl.store(iv_ptr + 6, inflight_end)
+    tl.store(iv_ptr + 7, (inflight_left != 0).to(tl.int64))
+    tl.store(iv_ptr + 8, I)
+    tl.store(iv_ptr + 9, cur)
+    tl.store(iv_ptr + 10, rin)
+    tl.store(iv_ptr + 11, tl.load(state_ptr + 13))  # ST_RC
+    tl.store(iv_ptr + 12, ev)
+    tl.store(iv_ptr + 13, hit)
+    tl.store(iv_ptr + 14, input_tokens)
+    tl.store(iv_ptr + 15, (done != 0).to(tl.int64))
+    tl.store(iv_ptr + 16, A + ev - cur)
+    tl.store(iv_ptr + 17, input_tokens - in_flight)
+    tl.store(flag_ptr + 0, (full != 0).to(tl.uint8))
+    tl.store(flag_ptr + 1, (inflight_left != 0).to(tl.uint8))
+    tl.store(flag_ptr + 2, (done != 0).to(tl.uint8))
+    tl.store(rem_ptr, (A + ev - I).to(tl.float64) - tl.load(rn_ptr))
+
+
+class AdmissionResult(NamedTuple):
+    """`admission_result`'s outputs: the admitted mask over the padded queue and the scalars."""
+
+    admitted: torch.Tensor  # bool [Q+1]
+    iv: torch.Tensor  # int64 [RESULT_LEN] (`R_*`)
+    flags: torch.Tensor  # bool [3]: batch full, in-flight chunk left, rounds decided
+    rem_total: torch.Tensor  # float64 0-d (D7)
+
+
+def admission_result(cfg, state: torch.Tensor, extra: torch.Tensor, pre: torch.Tensor, iep: torch.Tensor,
+                     sv: torch.Tensor, rn: torch.Tensor, *, block: Optional[int] = None) -> AdmissionResult:
+    """What `gpu_sched.admission.admit_step` returns, read off the rounds' final state in one
+    single-program launch: the admitted mask (valid entries before the stop index, and the
+    one at it when it was admitted), the hit tokens of the admitted entries (those on the
+    ignore-EOS path, `iep`, count none, as in `admit_step`'s torch form), the
+    counts, budgets and flags, the D7 float64 total, and
+    the input tokens without the in-flight chunk's own (page-rounded; the recorded step's
+    figure). state int64 [STATE_LEN], extra int64 [EXTRA_LEN], pre int64 [Q+1], iep bool
+    [Q+1], sv int64 [SV_LEN] (the loop's inputs), rn float64 0-d."""
+    where = "admission_result"
+    check_tensor(where, "pre", pre, (torch.int64,))
+    dev = check_launch_device(where, _result_kernel, pre)
+    L = pre.numel()
+    check_tensor(where, "iep", iep, (torch.bool,), numel=L, device=dev)
+    check_tensor(where, "state", state, (torch.int64,), numel=STATE_LEN, device=dev)
+    check_tensor(where, "extra", extra, (torch.int64,), numel=EXTRA_LEN, device=dev)
+    check_tensor(where, "sv", sv, (torch.int64,), numel=SV_LEN, device=dev)
+    check_tensor(where, "rn", rn, (torch.float64,), ndim=rn.dim(), numel=1, device=dev)
+    BLOCK, warps = block_config(block)
+    adm = torch.empty(L, dtype=torch.bool, device=dev)
+    iv = torch.empty(RESULT_LEN, dtype=torch.int64, device=dev)
+    flags = torch.empty(3, dtype=torch.bool, device=dev)
+    rem = torch.empty((), dtype=torch.float64, device=dev)
+    _result_kernel[(1,)](state, extra, pre, iep.view(torch.uint8), sv, rn, adm.view(torch.uint8), iv,
+                         flags.view(torch.uint8), rem, L, P=cfg.page_size, BLOCK=BLOCK, num_warps=warps)
+    return AdmissionResult(adm, iv, flags, rem)

@@ -178,7 +178,19 @@ def test_admit_step_triton_backend_equals_torch():
         for early in (False, True):
             got = S.admit_step(scfg, st, q, held, chunked, backend="triton", early_exit=early)
             for name, g, w in zip(S.StepResult._fields, got, want):
-                assert torch.equal(g, w), f"seed {seed} early_exit={early}: {name} {g} != {w}"
+                if name != "packed":
+                    assert torch.equal(g, w), f"seed {seed} early_exit={early}: {name} {g} != {w}"
+            # the packed scalars (one read-back) hold the same values, in `read_step_result`'s order
+            assert want.packed is None
+            assert S.read_step_result(got) == S.read_step_result(want), (seed, early)
+            packed = {"COUNT": want.admitted.sum(), "STOP_INDEX": want.stop_index, "STOP": want.stop,
+                      "CHUNK_INDEX": want.chunk_index, "CHUNK_LEN": want.chunk_len, "FULL": want.batch_full,
+                      "INFLIGHT_END": want.inflight_end, "INFLIGHT_LEFT": want.inflight_left, "I": want.I,
+                      "CUR": want.cur_off, "RIN": want.rem_input, "RC": want.rem_chunk, "EV": want.evictable,
+                      "HIT": want.hit_tokens, "INPUT": want.input_tokens, "DONE": want.decided,
+                      "CUR_REM": want.cur_rem}
+            for name, w in packed.items():
+                assert int(got.packed[getattr(KA, "R_" + name)]) == int(w), (seed, early, name)
         seen.add(("stop", int(want.stop)))
         seen.add(("chunk", int(want.chunk_index) >= 0))
     # the rounds met chunks and several ways to stop
@@ -371,3 +383,14 @@ def test_admission_prepare_blocks_carry_prefix_sums(chunked):
     assert p.sc.tolist() == p.base.tolist()[:9]
     assert p.state.tolist() == [0, 0, 0, 0, 0, -1, 0, 0, 0, 0, I, cur, rin, rc, 300, 0]
     assert float(p.rn) == rn
+
+
+def test_recorded_head_reads_the_packed_result_fields():
+    """The recorded step gathers its output head from `admission_result`'s packed scalars by
+    the fixed places `step._HEAD_PACKED`: they name the head's fields in its order."""
+    from gpu_sched.step import _HEAD_PACKED, HEAD
+
+    names = ["STOP", "STOP_INDEX", "CHUNK_INDEX", "FULL", "I", "CUR", "RIN", "RC", "HIT", "INPUT_NEW", "DONE",
+             "COUNT", "INFLIGHT_END", "INFLIGHT_LEFT"]
+    assert len(names) == HEAD
+    assert _HEAD_PACKED == tuple(getattr(KA, "R_" + n) for n in names)

@@ -480,7 +480,7 @@ def test_admit_step_compiles_fullgraph():
     fn = torch.compile(lambda a, b, c, d: admit_step(cfg, a, b, c, d), fullgraph=True, backend="eager")
     got, want = fn(st, q, held, ch), admit_step(cfg, st, q, held, ch)
     for a, b in zip(got, want):
-        assert torch.equal(a, b)
+        assert (a is None and b is None) or torch.equal(a, b)  # `packed`: None on the torch backend
 
 
 # ---- CUDA graph capture of the step (fixed capacities) ----------------------------------------------
@@ -556,7 +556,7 @@ def test_admit_step_graph_replay_equals_eager(name):
             out = call()
         want = admit_step(scfg, *unflatten(flat))
         for field, g, w in zip(StepResult._fields, out, want):
-            assert torch.equal(g, w), f"{name} seed {seed}: {field} {g} != {w}"
+            assert (g is None and w is None) or torch.equal(g, w), f"{name} seed {seed}: {field} {g} != {w}"
         steps += 1
         if steps == 50:
             break
