@@ -56,6 +56,7 @@ from typing import List, NamedTuple, Optional
 import numpy as np
 import torch
 
+from .kernels._utils import check_tensor
 from .policy import _host
 
 STOP_NONE = 0
@@ -740,7 +741,7 @@ def _queue_sums(cfg: StepConfig, q: QueueCols, n) -> _QueueSums:
 
 def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[HeldCols] = None,
                chunked: Optional[ChunkedCols] = None, backend: str = "torch",
-               early_exit: bool = False) -> StepResult:
+               early_exit: bool = False, sv: Optional[torch.Tensor] = None) -> StepResult:
     """R-ADM-5 (the in-flight chunked request, if given) and R-STEP-3 over the ordered queue,
     exactly as the sequential loop decides; see the module doc. `held` is needed only with
     `cfg.ignore_eos_path`. The loop stops with `STOP_PREEMPT` where a full batch would try
@@ -748,11 +749,16 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
     runs the per-request checks and the ignore-EOS grid as Triton kernels (`gpu_sched.kernels`).
     `early_exit`: skip the rounds left once the loop's end is reached (a round after that
     changes nothing), at the cost of one host read per round: for eager callers, never inside
-    a recorded graph."""
+    a recorded graph. `sv` (backend "triton" only): the loop's scalar inputs already packed,
+    int64 [SV_LEN] in `kernels.admission`'s SV_* order (a recorded step gathers them in one
+    op); then the scalars of `st` are not read but its ratio (and its available budget on the
+    ignore-EOS path), nor `q.n`, nor those of `chunked` but on the ignore-EOS path."""
     if backend not in ("torch", "triton"):
         raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
     if backend == "triton":
-        return _admit_step_triton(cfg, st, q, held, chunked, early_exit)
+        return _admit_step_triton(cfg, st, q, held, chunked, early_exit, sv)
+    if sv is not None:
+        raise ValueError("admit_step: packed scalars (sv) are for backend 'triton'")
     P = cfg.page_size
     Q = q.fill_len.numel()
     dev = q.fill_len.device
@@ -1063,7 +1069,7 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
 
 
 def _admit_step_triton(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[HeldCols],
-                       chunked: Optional[ChunkedCols], early_exit: bool) -> StepResult:
+                       chunked: Optional[ChunkedCols], early_exit: bool, sv: Optional[torch.Tensor] = None) -> StepResult:
     """`admit_step` with backend "triton": the same computation in a few launches. Before the
     rounds, `kernels.admission.admission_prepare` (the in-flight chunk, padded columns, prefix
     sums, the loop's constants and state); per round, the per-request checks
@@ -1074,20 +1080,23 @@ def _admit_step_triton(cfg: StepConfig, st: StepState, q: QueueCols, held: Optio
     Q = q.fill_len.numel()
     dev = q.fill_len.device
     i64 = torch.int64
-    zero = torch.zeros((), dtype=i64, device=dev)
     c = chunked
-    sv = torch.stack([st.available, st.evictable, st.I, st.cur_off, st.rem_input,
-                      st.rem_chunk if cfg.chunking else zero, st.N, st.can_run, st.running_bs,
-                      st.batch_full.to(i64), q.n,
-                      c.present.to(i64) if c is not None else zero, c.fill_len if c is not None else zero,
-                      c.prefix_len if c is not None else zero, c.max_new if c is not None else zero]).to(i64)
+    if sv is None:
+        zero = torch.zeros((), dtype=i64, device=dev)
+        sv = torch.stack([st.available, st.evictable, st.I, st.cur_off, st.rem_input,
+                          st.rem_chunk if cfg.chunking else zero, st.N, st.can_run, st.running_bs,
+                          st.batch_full.to(i64), q.n,
+                          c.present.to(i64) if c is not None else zero, c.fill_len if c is not None else zero,
+                          c.prefix_len if c is not None else zero, c.max_new if c is not None else zero]).to(i64)
+    else:
+        check_tensor("admit_step", "sv", sv, (i64,), numel=KA.SV_LEN, device=dev)
     cont = lambda x: x.contiguous()  # noqa: E731
     p = KA.admission_prepare(cfg, cont(q.fill_len), cont(q.out_len), cont(q.prompt_len), cont(q.max_new),
                              cont(q.prefix_len), cont(q.drop), cont(q.ignore_eos), sv, st.ratio, c is not None)
     fail = no_fail = torch.zeros(Q + 1, dtype=torch.bool, device=dev)
     if cfg.ignore_eos_path:
-        valid = torch.arange(Q + 1, device=dev) < q.n
-        A = st.available
+        valid = torch.arange(Q + 1, device=dev) < sv[KA.SV_N]
+        A = sv[KA.SV_A]
         q_left, q_occ = eos_states(p.maxn, p.out, p.prompt, p.ie, st.ratio)
         h_left, h_occ, h_valid = _held_states(held, c, st.ratio, dev)
     state, spare, end_vec = p.state, torch.empty_like(p.state), p.fill.clone()

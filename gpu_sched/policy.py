@@ -672,6 +672,23 @@ def head_hashes(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return acc[:, 0] * 2**31 + acc[:, 1]
 
 
+def head_hashes_pool(tok: torch.Tensor, toff: torch.Tensor, fill: torch.Tensor, T: int,
+                     *, backend: str = "torch") -> torch.Tensor:
+    """`head_hashes` of each request's first T fill tokens, read from a token pool (R-ORD-9):
+    request i's fill starts at tok[toff[i]] (positions clamped into the pool; an empty pool
+    reads token 0) and min(fill[i], T) of them count. tok int32 [K]; toff, fill int64 [n];
+    T >= 1. backend "triton": one launch (`kernels.sort_keys.head_hashes_pool`); else a
+    gather of the [n, T] heads and `head_hashes`. int64 [n]."""
+    dev = toff.device
+    if backend == "triton":
+        from .kernels.sort_keys import head_hashes_pool as kernel
+
+        return kernel(tok.contiguous(), toff.contiguous(), fill.contiguous(), _hash_weights(T, dev), _HASH_MOD)
+    cols = (toff[:, None] + torch.arange(T, device=dev)).clamp(0, max(tok.numel() - 1, 0))
+    heads = tok[cols] if tok.numel() else torch.zeros((toff.numel(), T), dtype=torch.int32, device=dev)
+    return head_hashes(heads, torch.minimum(fill, torch.full_like(fill, T)))
+
+
 def head_hashes_host(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """`head_hashes` on numpy arrays (the host paths: a new request's group id in its first
     step, without ~20 small torch ops): tokens int [n, T] (ids in [0, 2^31-1]), lengths int

@@ -59,8 +59,13 @@ _Q_FILL, _Q_OUT, _Q_PROMPT, _Q_MAXNEW, _Q_IE, _Q_PRIO, _Q_CAP, _Q_NS, _Q_TOFF, _
 _Q_ROWS = 10
 # scalar slots
 (_S_N, _S_AVAIL, _S_I, _S_CUR, _S_RIN, _S_RC, _S_NRES, _S_RBS, _S_FULL, _S_NHELD,
- _S_CPRES, _S_CFILL, _S_CPRE, _S_CMAXNEW, _S_COUT, _S_CPROMPT, _S_CIE) = range(17)
-_S_LEN = 17
+ _S_CPRES, _S_CFILL, _S_CPRE, _S_CMAXNEW, _S_COUT, _S_CPROMPT, _S_CIE, _S_ZERO, _S_NW) = range(19)
+_S_LEN = 19
+#: `kernels.admission.admission_prepare`'s scalar inputs (SV_* order) as places in the scalar
+#: slots with the tree's evictable size appended (at _S_LEN): one gather on the triton backend;
+#: the second form for a config without chunked prefill (rem_chunk 0)
+_SV_FROM_SC = tuple((_S_AVAIL, _S_LEN, _S_I, _S_CUR, _S_RIN, rc, _S_NRES, _S_ZERO, _S_RBS, _S_FULL, _S_NW, _S_CPRES,
+                     _S_CFILL, _S_CPRE, _S_CMAXNEW) for rc in (_S_RC, _S_ZERO))
 
 
 class StepOutput(NamedTuple):
@@ -133,6 +138,7 @@ class StepGraph:
         self._ar = torch.arange(self.Q, dtype=torch.int64, device=dev)
         self.rperm = self._ar.clone()
         self.sc = torch.zeros(_S_LEN, dtype=torch.int64, device=dev)
+        self._sv_idx = [torch.tensor(ix, dtype=torch.int64, device=dev) for ix in _SV_FROM_SC]
         self.ratio = torch.zeros((), dtype=torch.float64, device=dev)
         self.out = torch.zeros(HEAD + 4 * self.Q, dtype=torch.int64, device=dev)
         self._pad = torch.zeros(self.Q - self.W, dtype=torch.int64, device=dev)  # extend ends past the window
@@ -219,7 +225,7 @@ class StepGraph:
                        adder.rem_chunk if adder.rem_chunk is not None else 0, adder.N, len(run), int(batch_full),
                        len(run), int(c is not None),
                        *((c.fill_len, c.prefix_len, c.max_new, c.out_len, c.prompt_len, int(c.req.ignore_eos))
-                         if c is not None else (0,) * 6)], dtype=np.int64)
+                         if c is not None else (0,) * 6), 0, min(n, self.W)], dtype=np.int64)
         self.hi.copy_(torch.from_numpy(hi))
         self.sc.copy_(torch.from_numpy(sc))
         self.ratio.fill_(float(adder.ratio))
@@ -290,9 +296,7 @@ class StepGraph:
                                                 backend=be)
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
             if T > 0:
-                cols = (toff[:, None] + torch.arange(T, device=dev)).clamp(0, max(tok.numel() - 1, 0))
-                heads = tok[cols] if tok.numel() else torch.zeros((Q, T), dtype=torch.int32, device=dev)
-                hh = dpolicy.head_hashes(heads, torch.minimum(fill, torch.full_like(fill, T)))
+                hh = dpolicy.head_hashes_pool(tok, toff, fill, T, backend=be)
             else:
                 hh = zeros
             dep = dpolicy.in_batch_deprioritize(m_full, fill, ns, hh, cfg.in_batch_prefix_caching_check_threshold,
@@ -339,20 +343,26 @@ class StepGraph:
             om, drop = zeros, zeros
             ev = torch.zeros((), dtype=i64, device=dev)
         scfg = StepConfig.from_config(cfg)
+        sv = None
+        if be == "triton":  # the loop's scalars in one gather; st's and chunked's then read only where noted
+            sv = torch.cat([sc, ev.reshape(1)]).index_select(0, self._sv_idx[0 if scfg.chunking else 1])
+        packed = sv is not None
         st = StepState(available=sc[_S_AVAIL], evictable=ev, I=sc[_S_I], cur_off=sc[_S_CUR], rem_input=sc[_S_RIN],
-                       rem_chunk=sc[_S_RC], ratio=self.ratio, N=sc[_S_NRES], can_run=torch.zeros_like(n),
-                       running_bs=sc[_S_RBS], batch_full=sc[_S_FULL] != 0)
-        q = QueueCols(n=torch.clamp(n, max=W), fill_len=w_fill, out_len=w_out, prompt_len=w_prompt,
-                      max_new=w_maxn, prefix_len=om, drop=drop, ignore_eos=w_ie != 0)
+                       rem_chunk=sc[_S_RC], ratio=self.ratio, N=sc[_S_NRES],
+                       can_run=sc[_S_ZERO] if packed else torch.zeros_like(n), running_bs=sc[_S_RBS],
+                       batch_full=sc[_S_FULL] if packed else sc[_S_FULL] != 0)
+        q = QueueCols(n=sc[_S_NW] if packed else torch.clamp(n, max=W), fill_len=w_fill, out_len=w_out,
+                      prompt_len=w_prompt, max_new=w_maxn, prefix_len=om, drop=drop, ignore_eos=w_ie != 0)
         held = None
         if scfg.ignore_eos_path:
             h = self.hi
             held = HeldCols(valid=torch.arange(self.R, device=dev) < sc[_S_NHELD], max_new=h[0], out_len=h[1],
                             prompt_len=h[2], ignore_eos=h[3] != 0)
-        chunked = ChunkedCols(present=sc[_S_CPRES] != 0, fill_len=sc[_S_CFILL], prefix_len=sc[_S_CPRE],
-                              max_new=sc[_S_CMAXNEW], out_len=sc[_S_COUT], prompt_len=sc[_S_CPROMPT],
-                              ignore_eos=sc[_S_CIE] != 0)
-        res = admit_step(scfg, st, q, held, chunked, backend=be)
+        flags = not packed or scfg.ignore_eos_path  # the ignore-EOS grid reads the chunk's flags
+        chunked = ChunkedCols(present=sc[_S_CPRES] != 0 if flags else sc[_S_CPRES], fill_len=sc[_S_CFILL],
+                              prefix_len=sc[_S_CPRE], max_new=sc[_S_CMAXNEW], out_len=sc[_S_COUT],
+                              prompt_len=sc[_S_CPROMPT], ignore_eos=sc[_S_CIE] != 0 if flags else sc[_S_CIE])
+        res = admit_step(scfg, st, q, held, chunked, backend=be, sv=sv)
         if res.packed is not None:  # triton: the head's values packed by the result launch, one gather
             head = res.packed.index_select(0, self._head_idx)
         else:

@@ -322,3 +322,47 @@ def deprio_by_group(prefix_len: torch.Tensor, fill_len: torch.Tensor, group: tor
     _group_later_kernel[grid_1d(n, BLOCK)](*args, out.view(torch.uint8), n, check_threshold, threshold,
                                            BLOCK=BLOCK, num_warps=warps)
     return out
+
+
+@triton.jit
+def _head_hash_kernel(tok_ptr, toff_ptr, fill_ptr, w_ptr, out_ptr, n, ntok, T, M, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    start = tl.load(toff_ptr + offs, mask=mask, other=0)
+    length = tl.minimum(tl.load(fill_ptr + offs, mask=mask, other=0), T)
+    h1 = tl.zeros([BLOCK], tl.int64)
+    h2 = tl.zeros([BLOCK], tl.int64)
+    top = tl.maximum(ntok - 1, 0)
+    for t in range(0, T):
+        live = mask & (t < length)
+        p = tl.minimum(tl.maximum(start + t, 0), top)
+        x = tl.where(live, tl.load(tok_ptr + p, mask=live, other=0).to(tl.int64) + 1, 0)
+        h1 = (h1 + x * tl.load(w_ptr + 2 * t).to(tl.int64) % M) % M  # each term reduced: sums stay below 2^32
+        h2 = (h2 + x * tl.load(w_ptr + 2 * t + 1).to(tl.int64) % M) % M
+    tl.store(out_ptr + offs, h1 * 2147483648 + h2, mask=mask)
+
+
+def head_hashes_pool(tok: torch.Tensor, toff: torch.Tensor, fill: torch.Tensor, weights: torch.Tensor, modulus: int,
+                     *, block: Optional[int] = None) -> torch.Tensor:
+    """int64 [n]: `gpu_sched.policy.head_hashes` of each request's first T = weights.shape[0]
+    fill tokens read straight from the token pool (R-ORD-9's groups): request i's tokens at
+    tok[toff[i] + t] (positions clamped into the pool; an empty pool reads token 0), the first
+    min(fill[i], T) counting. tok int32 [K]; toff, fill int64 [n]; weights float64 [T, 2]
+    (base^t mod p, below 2^31: `policy._hash_weights`); modulus p. Each term is reduced mod p
+    before its sum (int64 exact); the same values as the torch form's float64 matmuls."""
+    where = "head_hashes_pool"
+    check_tensor(where, "toff", toff, (torch.int64,))
+    dev = check_launch_device(where, _head_hash_kernel, toff)
+    n = toff.numel()
+    check_tensor(where, "tok", tok, (torch.int32,), device=dev)
+    check_tensor(where, "fill", fill, (torch.int64,), numel=n, device=dev)
+    check_tensor(where, "weights", weights, (torch.float64,), ndim=2, device=dev)
+    if weights.shape[1] != 2:
+        raise ValueError(f"{where}: weights must be [T, 2], got {tuple(weights.shape)}")
+    BLOCK, warps = block_config(block)
+    if tok.numel() == 0:  # an empty pool reads as token 0
+        tok = torch.zeros(1, dtype=torch.int32, device=dev)
+    out = torch.empty(n, dtype=torch.int64, device=dev)
+    _head_hash_kernel[grid_1d(n, BLOCK)](tok, toff, fill, weights, out, n, tok.numel(), weights.shape[0], modulus,
+                                         BLOCK=BLOCK, num_warps=warps)
+    return out

@@ -286,3 +286,32 @@ def test_launchers_reject_bad_arguments():
         DW.own_counts(i64, 0)
     with pytest.raises(ValueError, match="block must be a power of two"):
         SK.lpm_keys(i64, torch.zeros(8, dtype=torch.bool), block=100)
+
+
+@pytest.mark.parametrize("T", [1, 8, 70])
+@pytest.mark.parametrize("seed", range(3))
+def test_head_hashes_pool_forms_agree(T, seed):
+    """R-ORD-9's head hashes read from a token pool: the kernel (`head_hashes_pool`, one
+    launch), the torch form (a gather of the heads, then `head_hashes`'s float64 matmuls in
+    chunks of 64 positions) and the host form agree, for fills shorter and longer than T,
+    empty fills, starts whose T positions run past the pool's end (clamped), token ids up to
+    2^31 - 1, and an empty pool (token 0)."""
+    from gpu_sched import policy as P
+
+    rng = random.Random(seed * 10 + T)
+    K = rng.choice([40, 300])
+    tok = torch.tensor([rng.choice([0, 1, 2**31 - 1, rng.randrange(2**31)]) for _ in range(K)], dtype=torch.int32)
+    n = 33
+    toff = torch.tensor([rng.choice([0, K - 1, K - 3, rng.randrange(K)]) for _ in range(n)], dtype=torch.int64)
+    fill = torch.tensor([rng.choice([0, 1, T - 1, T, T + 5, rng.randrange(100)]) for _ in range(n)], dtype=torch.int64)
+    fill = fill.clamp(min=0)
+    for pool in (tok, tok[:0]):
+        want = P.head_hashes_pool(pool, toff, fill, T)
+        for block in (16, None):
+            got = SK.head_hashes_pool(pool, toff, fill, P._hash_weights(T, toff.device), P._HASH_MOD, block=block)
+            assert_equal(got, want, f"T={T} pool={pool.numel()} block={block}")
+        assert torch.equal(P.head_hashes_pool(pool, toff, fill, T, backend="triton"), want)
+        if pool.numel():  # the host form on the same heads
+            cols = (toff[:, None] + torch.arange(T)).clamp(0, pool.numel() - 1)
+            host = P.head_hashes_host(pool[cols].cpu().numpy(), fill.clamp(max=T).cpu().numpy())
+            assert want.tolist() == host.tolist()

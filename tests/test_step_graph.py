@@ -89,7 +89,7 @@ def test_recorded_step_runs_match_reference(name):
 
 
 @cpu_runs
-@pytest.mark.parametrize("name", ["lpm-page4-mixed", "dfs-weight", "routing-key"])
+@pytest.mark.parametrize("name", ["lpm-page4-mixed", "dfs-weight", "routing-key", "nocache-ignore-eos"])
 def test_recorded_step_runs_triton(name):
     """The recorded step's triton kernels (the interpreter on a CPU) over 40 steps."""
     hits = run_long(name, seed=4, steps=40, backend="triton", capture=dict(queue_capacity=32, running_capacity=24))
@@ -178,9 +178,9 @@ class NoHostRead(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _loaded_graph(cfg: SchedulerConfig, seed: int):
+def _loaded_graph(cfg: SchedulerConfig, seed: int, backend: str = "torch"):
     rng = random.Random(seed)
-    s = GpuScheduler(cfg, 4000)
+    s = GpuScheduler(cfg, 4000, backend=backend)
     g = s.capture(queue_capacity=64, running_capacity=16, max_len=512)
     base = [rng.randrange(7) for _ in range(200)]
     s.seed_cache(base[:150])
@@ -195,11 +195,14 @@ def _loaded_graph(cfg: SchedulerConfig, seed: int):
 
 @pytest.mark.parametrize("policy,extra", [("lpm", {}), ("fcfs", {"enable_priority_scheduling": True}),
                                           ("lof", {}), ("lpm", {"disable_radix_cache": True}), ("dfs-weight", {}),
-                                          ("routing-key", {}), ("random", {})])
+                                          ("routing-key", {}), ("random", {}),
+                                          ("lpm", {"backend": "triton"}), ("fcfs", {"backend": "triton"})])
 def test_step_has_no_host_read(policy, extra):
+    extra = dict(extra)
+    backend = extra.pop("backend", "torch")
     cfg = SchedulerConfig(schedule_policy=policy, chunked_prefill_size=64, max_prefill_tokens=256,
                           in_batch_prefix_caching_deprioritize_threshold=8, **extra)
-    s, g = _loaded_graph(cfg, 3)
+    s, g = _loaded_graph(cfg, 3, backend)
     before = g.out.clone()
     with NoHostRead():
         g.compute()
