@@ -1093,13 +1093,14 @@ def _admit_step_triton(cfg: StepConfig, st: StepState, q: QueueCols, held: Optio
     cont = lambda x: x.contiguous()  # noqa: E731
     p = KA.admission_prepare(cfg, cont(q.fill_len), cont(q.out_len), cont(q.prompt_len), cont(q.max_new),
                              cont(q.prefix_len), cont(q.drop), cont(q.ignore_eos), sv, st.ratio, c is not None)
-    fail = no_fail = torch.zeros(Q + 1, dtype=torch.bool, device=dev)
+    # the checks read `fail` on the ignore-EOS path only (elsewhere any bool column will do)
+    fail = no_fail = torch.zeros(Q + 1, dtype=torch.bool, device=dev) if cfg.ignore_eos_path else p.ie
     if cfg.ignore_eos_path:
         valid = torch.arange(Q + 1, device=dev) < sv[KA.SV_N]
         A = sv[KA.SV_A]
         q_left, q_occ = eos_states(p.maxn, p.out, p.prompt, p.ie, st.ratio)
         h_left, h_occ, h_valid = _held_states(held, c, st.ratio, dev)
-    state, spare, end_vec = p.state, torch.empty_like(p.state), p.fill.clone()
+    state, spare, end_vec = p.state, torch.empty_like(p.state), p.end
     for r in range(cfg.rounds):
         if cfg.ignore_eos_path:  # R-ADM-6 reservation scan, c_j = cur_rem_j - ceilP(ext_j)
             cj = (A + p.ev - (p.base[KA.B_CUR] + state[KA.ST_CC] + p.exC)) - p.e

@@ -136,6 +136,10 @@ class StepGraph:
         self._rk_loaded = None  # the rank array last uploaded
         # random (R-ORD-6): the step's permutation of the queue, padding after it in place
         self._ar = torch.arange(self.Q, dtype=torch.int64, device=dev)
+        # read-only constants of `_compute`: no match, no position, nothing deprioritized
+        self._zeros = torch.zeros(self.Q, dtype=torch.int64, device=dev)
+        self._no_pos = torch.full((self.Q,), -1, dtype=torch.int64, device=dev)
+        self._no_dep = torch.zeros(self.Q, dtype=torch.bool, device=dev)
         self.rperm = self._ar.clone()
         self.sc = torch.zeros(_S_LEN, dtype=torch.int64, device=dev)
         self._sv_idx = [torch.tensor(ix, dtype=torch.int64, device=dev) for ix in _SV_FROM_SC]
@@ -277,9 +281,9 @@ class StepGraph:
         qi, sc = self.store.index_select(1, self.sidx), self.sc
         fill, outl, prompt, maxn, ie, prio, cap, ns, toff, coff = qi.unbind(0)
         n = sc[_S_N]
-        ar = torch.arange(Q, device=dev)
+        ar = self._ar  # the constants are buffers made once (never written): no kernel each
         valid = ar < n
-        zeros = torch.zeros(Q, dtype=i64, device=dev)
+        zeros = self._zeros
         cache_on = not s.cache.disable
         policy = cfg.effective_policy
         tree = s.cache.tree
@@ -289,8 +293,8 @@ class StepGraph:
                 tok = torch.zeros(0, dtype=torch.int32, device=dev)
                 ch = torch.zeros(0, dtype=i64, device=dev)
         # ---- ordering (R-ORD) ----
-        dep = torch.zeros(Q, dtype=torch.bool, device=dev)
-        m_full, pos_full = zeros, zeros - 1
+        dep = self._no_dep
+        m_full, pos_full = zeros, self._no_pos
         if policy in ("lpm", "dfs-weight"):
             m_full, pos_full = tree.find_static(tok, toff, torch.where(valid, fill, 0), ns, ch, coff, self.max_len,
                                                 backend=be)

@@ -338,7 +338,7 @@ EXTRA_LEN = 4
 @triton.jit
 def _prepare_kernel(fill_ptr, out_ptr, prompt_ptr, maxn_ptr, pre_ptr, drop_ptr, ie_ptr, sv_ptr, ratio_ptr,
                     fill_o, out_o, prompt_o, maxn_o, pre_o, drop_o, ie_o, e_o, wI_o, wC_o, exI_o, exC_o, exE_o,
-                    exD_o, ev_o, iep_o, base_ptr, state_ptr, sc_ptr, rn_ptr, extra_ptr, Q, clip,
+                    exD_o, ev_o, iep_o, end_o, base_ptr, state_ptr, sc_ptr, rn_ptr, extra_ptr, Q, clip,
                     P: tl.constexpr, CHUNKED: tl.constexpr, IE_PATH: tl.constexpr, BLOCK: tl.constexpr):
     # one program: the budgets after the in-flight chunk (R-ADM-5), then the padded columns and
     # their exclusive prefix sums block by block, carrying the running totals
@@ -453,6 +453,7 @@ def _prepare_kernel(fill_ptr, out_ptr, prompt_ptr, maxn_ptr, pre_ptr, drop_ptr, 
         cE += tl.sum(xE, 0)
         cD += tl.sum(xD, 0)
         tl.store(fill_o + offs, fill, mask=m)
+        tl.store(end_o + offs, fill, mask=m)  # the extend ends, which the rounds overwrite for chunks
         tl.store(out_o + offs, out, mask=m)
         tl.store(prompt_o + offs, prompt, mask=m)
         tl.store(maxn_o + offs, maxn, mask=m)
@@ -492,6 +493,7 @@ class Prepared(NamedTuple):
     exD: torch.Tensor
     ev: torch.Tensor
     iep: torch.Tensor  # bool
+    end: torch.Tensor  # the fill again: the extend ends `admission_round` writes in place
     base: torch.Tensor  # int64 [BASE_LEN]
     state: torch.Tensor  # int64 [STATE_LEN]
     sc: torch.Tensor  # int64 [9]
@@ -521,7 +523,7 @@ def admission_prepare(cfg, fill, out, prompt, maxn, pre, drop, ie, sv: torch.Ten
     check_tensor(where, "ratio", ratio, (torch.float64,), ndim=ratio.dim(), numel=1, device=dev)
     BLOCK, warps = block_config(block)
     L = Q + 1
-    cols = torch.empty((14, L), dtype=torch.int64, device=dev)
+    cols = torch.empty((15, L), dtype=torch.int64, device=dev)
     flags = torch.empty((2, L), dtype=torch.bool, device=dev)
     base = torch.empty(BASE_LEN, dtype=torch.int64, device=dev)
     state = torch.empty(STATE_LEN, dtype=torch.int64, device=dev)
@@ -532,11 +534,12 @@ def admission_prepare(cfg, fill, out, prompt, maxn, pre, drop, ie, sv: torch.Ten
     u8 = flags.view(torch.uint8)
     _prepare_kernel[(1,)](fill, out, prompt, maxn, pre, drop, ie.view(torch.uint8), sv, ratio,
                           c[0], c[1], c[2], c[3], c[4], c[5], u8[0], c[6], c[7], c[8], c[9], c[10], c[11], c[12],
-                          c[13], u8[1], base, state, sc, rn, extra, Q, cfg.clip, P=cfg.page_size, CHUNKED=chunked,
-                          IE_PATH=cfg.ignore_eos_path, BLOCK=BLOCK, num_warps=warps, **_no_fma(_prepare_kernel))
+                          c[13], u8[1], c[14], base, state, sc, rn, extra, Q, cfg.clip, P=cfg.page_size,
+                          CHUNKED=chunked, IE_PATH=cfg.ignore_eos_path, BLOCK=BLOCK, num_warps=warps,
+                          **_no_fma(_prepare_kernel))
     fl = flags.unbind(0)
     return Prepared(c[0], c[1], c[2], c[3], c[4], c[5], fl[0], c[6], c[7], c[8], c[9], c[10], c[11], c[12],
-                    c[13], fl[1], base, state, sc, rn, extra)
+                    c[13], fl[1], c[14], base, state, sc, rn, extra)
 
 
 # ---- the result, read off the final state ----------------------------------------------------------

@@ -412,12 +412,13 @@ def stamp_paths(nodes: torch.Tensor, stamp: torch.Tensor, parent: torch.Tensor, 
 # ---- lock-aware evictable drops (R-RC-6, SPEC section 8) ------------------------------------------
 @triton.jit
 def _lock_first_kernel(parent_ptr, key_len_ptr, alive_ptr, last_ptr, cover_ptr, valid_ptr, f_ptr, key_ptr,
-                       owner_ptr, key_off_ptr, m_ptr, pos_ptr, n, N, FROM_MATCH: tl.constexpr, BLOCK: tl.constexpr):
+                       owner_ptr, key_off_ptr, m_ptr, pos_ptr, has_ptr, n, N, FROM_MATCH: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """Per request: its path's start (its last node if covered whole, else that node's
     parent) and its partial-cover sort key (the node, or N when none); with FROM_MATCH the
     last node and cover come from the match (length m, last pool position pos: the node
     `owner` holds there, and how far into it) and are written to last / cover / valid
-    (valid: m > 0 where valid was set) for the later launches. Then a walk from the
+    (`has`: valid and m > 0) for the later launches. Then a walk from the
     start up through live parents with atomic_min of the request's index into f (F(v): the
     first request whose path holds node v), which stops at a node already holding a smaller
     index: that index's walk goes on up, so the nodes above end with a smaller minimum anyway."""
@@ -432,7 +433,7 @@ def _lock_first_kernel(parent_ptr, key_len_ptr, alive_ptr, last_ptr, cover_ptr, 
         ln = tl.where(valid, node, 0)
         tl.store(last_ptr + offs, ln, mask=mask)
         tl.store(cover_ptr + offs, cover, mask=mask)
-        tl.store(valid_ptr + offs, valid.to(tl.uint8), mask=mask)
+        tl.store(has_ptr + offs, valid.to(tl.uint8), mask=mask)
     else:
         ln = tl.load(last_ptr + offs, mask=mask, other=0)
         cover = tl.load(cover_ptr + offs, mask=mask, other=0)
@@ -545,9 +546,9 @@ def lock_drops_matched(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: to
     check_tensor(where, "valid", valid, (torch.bool,), numel=Q, device=dev)
     last = torch.empty(Q, dtype=torch.int64, device=dev)
     cover = torch.empty(Q, dtype=torch.int64, device=dev)
-    has = valid.clone()
-    return _lock_drops_launch(parent, key_len, lock_ref, alive, last, cover, has, (owner, key_off, m, pos), N, Q,
-                              block)
+    has = torch.empty(Q, dtype=torch.bool, device=dev)
+    return _lock_drops_launch(parent, key_len, lock_ref, alive, last, cover, valid,
+                              (owner, key_off, m, pos, has), N, Q, block)
 
 
 def _check_lock_args(where, parent, key_len, lock_ref, alive, req):
@@ -575,9 +576,12 @@ def _lock_drops_launch(parent, key_len, lock_ref, alive, last_node, cover, valid
     if Q == 0:
         return out
     alive8, valid8 = alive.view(torch.uint8), valid.view(torch.uint8)
-    owner, key_off, m, pos = match if match is not None else (parent, parent, last_node, last_node)
+    owner, key_off, m, pos, has = match if match is not None else (parent, parent, last_node, last_node, valid)
+    has8 = has.view(torch.uint8)  # the later launches' valid: written by the first from the matches
     _lock_first_kernel[grid_1d(Q, BLOCK)](parent, key_len, alive8, last_node, cover, valid8, f, key, owner, key_off,
-                                          m, pos, Q, N, FROM_MATCH=match is not None, BLOCK=BLOCK, num_warps=warps)
+                                          m, pos, has8, Q, N, FROM_MATCH=match is not None, BLOCK=BLOCK,
+                                          num_warps=warps)
+    valid8 = has8
     _lock_early_kernel[grid_1d(Q, BLOCK)](key, cover, f, mp, Q, N, BLOCK=BLOCK, num_warps=warps)
     NB, nwarps = block_config(block)
     _lock_gain_kernel[grid_1d(N, NB)](key_len, lock_ref, alive8, f, mp, drop, N, Q, BLOCK=NB, num_warps=nwarps)

@@ -367,8 +367,9 @@ def test_admission_prepare_blocks_carry_prefix_sums(chunked):
     e = -torch.div(-(pad(fill) - pad(pre)), 4, rounding_mode="floor") * 4
     wI, wC = e + pad(maxn).clamp(max=50) + 4, e + 4
     ex = lambda x: torch.cumsum(x * vm, 0) - x * vm  # noqa: E731
-    for name, want in (("fill", pad(fill)), ("pre", pad(pre)), ("drop", pad(drop)), ("ie", pad(ie)), ("e", e),
-                       ("wI", wI), ("wC", wC), ("exI", ex(wI)), ("exC", ex(wC)), ("exE", ex(e)), ("exD", ex(pad(drop))),
+    for name, want in (("fill", pad(fill)), ("end", pad(fill)), ("pre", pad(pre)), ("drop", pad(drop)),
+                       ("ie", pad(ie)), ("e", e), ("wI", wI), ("wC", wC), ("exI", ex(wI)), ("exC", ex(wC)),
+                       ("exE", ex(e)), ("exD", ex(pad(drop))),
                        ("ev", 300 - ex(pad(drop)))):
         assert torch.equal(getattr(p, name).cpu(), want), name
     rn = 0.7 * 3.0
