@@ -325,7 +325,12 @@ class StepGraph:
             else:
                 perm = ar
             # padding last, the order of the real entries kept
-            perm = perm[torch.sort((~valid[perm]).to(torch.int8), stable=True).indices]
+            if be == "triton":  # one launch, no sort
+                from .kernels.sort_keys import valid_first
+
+                perm = valid_first(perm.contiguous(), n)
+            else:
+                perm = perm[torch.sort((~valid[perm]).to(torch.int8), stable=True).indices]
         # ---- admission (R-STEP-3) on the first W ordered entries ----
         W = self.W
         pw = perm[:W]
@@ -379,8 +384,9 @@ class StepGraph:
         # straight into the output buffer: head, order, extend ends (zero past the window), full
         # matches, deprioritized flags
         torch.cat([head, perm, res.extend_end, self._pad, m_full, dep.to(i64)], out=self.out)
-        self.m_full.copy_(m_full)
-        self.pos_full.copy_(pos_full)
+        if policy in ("lpm", "dfs-weight"):  # the host applies these matches' splits and stamps (only then)
+            self.m_full.copy_(m_full)
+            self.pos_full.copy_(pos_full)
 
     def _dfs_weight_perm(self, m_full: torch.Tensor, pos_full: torch.Tensor) -> torch.Tensor:
         """R-ORD-10 on the tree as it is, before the full matches' splits (the host applies those

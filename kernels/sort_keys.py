@@ -366,3 +366,34 @@ def head_hashes_pool(tok: torch.Tensor, toff: torch.Tensor, fill: torch.Tensor, 
     _head_hash_kernel[grid_1d(n, BLOCK)](tok, toff, fill, weights, out, n, tok.numel(), weights.shape[0], modulus,
                                          BLOCK=BLOCK, num_warps=warps)
     return out
+
+
+@triton.jit
+def _valid_first_kernel(perm_ptr, n_ptr, out_ptr, Q, BLOCK: tl.constexpr):
+    n = tl.load(n_ptr)
+    zero = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), 0)
+    carry = zero
+    for s in range(0, Q, BLOCK):
+        k = s + tl.arange(0, BLOCK).to(tl.int64)
+        m = k < Q
+        p = tl.load(perm_ptr + k, mask=m, other=0)
+        v = (m & (p < n)).to(tl.int64)
+        before = carry + tl.cumsum(v, 0) - v  # valid entries before k
+        tl.store(out_ptr + tl.where(v != 0, before, n + (k - before)), p, mask=m)
+        carry += tl.sum(v, 0)
+
+
+def valid_first(perm: torch.Tensor, n: torch.Tensor, *, block: Optional[int] = None) -> torch.Tensor:
+    """int64 [Q]: the permutation `perm` of 0..Q-1 with its entries below n (the real queue
+    entries; n an int64 0-d tensor on the device, 0 <= n <= Q) first and the padding after
+    them, each part in perm's order (a stable partition, as a stable sort by `perm >= n`).
+    One program over the blocks, carrying the count of real entries: no sort, no host read."""
+    where = "valid_first"
+    check_tensor(where, "perm", perm, (torch.int64,))
+    dev = check_launch_device(where, _valid_first_kernel, perm)
+    check_tensor(where, "n", n, (torch.int64,), ndim=0, device=dev, contiguous=False)
+    BLOCK, warps = block_config(block)
+    Q = perm.numel()
+    out = torch.empty(Q, dtype=torch.int64, device=dev)
+    _valid_first_kernel[(1,)](perm, n, out, Q, BLOCK=BLOCK, num_warps=warps)
+    return out

@@ -315,3 +315,18 @@ def test_head_hashes_pool_forms_agree(T, seed):
             cols = (toff[:, None] + torch.arange(T)).clamp(0, pool.numel() - 1)
             host = P.head_hashes_host(pool[cols].cpu().numpy(), fill.clamp(max=T).cpu().numpy())
             assert want.tolist() == host.tolist()
+
+
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+def test_valid_first_is_a_stable_partition(n, block):
+    """`valid_first`: the entries of a permutation below the real count first, padding after,
+    each part in its order (the recorded step's "padding last"), against the stable sort it
+    replaces, for every real count from none to all, across blocks."""
+    rng = random.Random(n)
+    perm = list(range(n))
+    rng.shuffle(perm)
+    p = torch.tensor(perm, dtype=torch.int64)
+    for real in sorted({0, 1, n // 2, max(n - 1, 0), n}):
+        want = p[torch.sort((p >= real).to(torch.int8), stable=True).indices]
+        got = SK.valid_first(p, torch.tensor(real, dtype=torch.int64), block=block)
+        assert_equal(got, want, f"n={n} real={real}")
