@@ -1,0 +1,39 @@
+"""benchmarks/count_launches.py: the recorded step's kernel count (the figure that stands in for
+its GPU cost on a machine without one) is counted, and stays where the fused kernels put it."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+pytest.importorskip("triton")
+import count_launches  # noqa: E402
+
+
+def test_recorded_step_launch_counts(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    count_launches.main(["--policies", "fcfs,lpm", "--n", "16", "--queue", "synthetic", "--warm", "20",
+                         "--by-site", "--out", str(out)])
+    rows = {r["policy"]: r for r in json.loads(out.read_text())}
+    for pol, most in (("fcfs", 40), ("lpm", 55)):  # 37 and 51 when written (session 38); 157 and 192 before
+        r = rows[pol]
+        total = r["torch_ops"] + r["triton_launches"]
+        assert 0 < r["torch_ops"] and 0 < r["triton_launches"] and total <= most, (pol, r["sites"], r["triton"])
+        # the fused launches are the ones counted: lock drops, the admission result
+        assert {"_lock_first_kernel", "_result_kernel", "_prepare_kernel"} <= set(r["triton"]), r["triton"]
+    assert "_head_hash_kernel" in rows["lpm"]["triton"]
+    assert "[triton] _result_kernel" in capsys.readouterr().out
+
+
+def test_counter_skips_views_and_counts_kernels():
+    import torch
+
+    x = torch.arange(8)
+    with count_launches.LaunchCounter("line") as c:
+        y = x.view(2, 4)[0]  # views: no kernel
+        z = (y + 1) * 2  # two kernels
+        torch.where(z > 3, z, 0)  # compare and where (the 0 wrapped: no kernel)
+    assert sum(c.ops.values()) == 4, c.ops
+    assert c.sites == {"?": 4}  # no gpu_sched frame calls them
