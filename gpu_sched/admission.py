@@ -185,8 +185,10 @@ class StepResult(NamedTuple):
     hit_tokens: torch.Tensor  # added to log_hit_tokens by this call
     input_tokens: torch.Tensor  # added to log_input_tokens by this call
     decided: torch.Tensor  # 0-d bool: the rounds reached the loop's end
-    #: backend "triton": the scalars above packed as int64 [RESULT_LEN] (`kernels.admission.R_*`,
-    #: the fields above are views of it), so a read-back or a recorded step takes them in one op
+    #: backend "triton": the int64 scalars above packed as int64 [RESULT_LEN]
+    #: (`kernels.admission.R_*`; those fields are views of it, so none may be written in place:
+    #: the mask, the columns, the flags and rem_total live in buffers of their own), so a
+    #: read-back or a recorded step takes them in one op. None on the torch backend.
     packed: Optional[torch.Tensor] = None
 
 

@@ -136,9 +136,8 @@ class StepGraph:
         self._rk_loaded = None  # the rank array last uploaded
         # random (R-ORD-6): the step's permutation of the queue, padding after it in place
         self._ar = torch.arange(self.Q, dtype=torch.int64, device=dev)
-        # read-only constants of `_compute`: no match, no position, nothing deprioritized
+        # read-only constants of `_compute`: no match, nothing deprioritized
         self._zeros = torch.zeros(self.Q, dtype=torch.int64, device=dev)
-        self._no_pos = torch.full((self.Q,), -1, dtype=torch.int64, device=dev)
         self._no_dep = torch.zeros(self.Q, dtype=torch.bool, device=dev)
         self.rperm = self._ar.clone()
         self.sc = torch.zeros(_S_LEN, dtype=torch.int64, device=dev)
@@ -294,7 +293,7 @@ class StepGraph:
                 ch = torch.zeros(0, dtype=i64, device=dev)
         # ---- ordering (R-ORD) ----
         dep = self._no_dep
-        m_full, pos_full = zeros, self._no_pos
+        m_full, pos_full = zeros, None  # matched only for lpm / dfs-weight
         if policy in ("lpm", "dfs-weight"):
             m_full, pos_full = tree.find_static(tok, toff, torch.where(valid, fill, 0), ns, ch, coff, self.max_len,
                                                 backend=be)

@@ -565,7 +565,7 @@ def _result_kernel(state_ptr, extra_ptr, pre_ptr, iep_ptr, sv_ptr, rn_ptr, adm_p
         adm = m & (j < n) & ((j < k_fin) | ((j == k_fin) & (kind_fin != 0)))
         tl.store(adm_ptr + j, adm.to(tl.uint8), mask=m)
         iep = tl.load(iep_ptr + j, mask=m, other=1) != 0
-        count += tl.sum(adm.to(tl.int64), 0)
+        count += tl.sum((adm & (j < L - 1)).to(tl.int64), 0)  # the queue's Q entries, not the pad
         hit += tl.sum(tl.where(adm & ~iep, tl.load(pre_ptr + j, mask=m, other=0), 0), 0)
     A = tl.load(sv_ptr + 0)  # SV_A
     I = tl.load(state_ptr + 10)

@@ -417,8 +417,8 @@ def _lock_first_kernel(parent_ptr, key_len_ptr, alive_ptr, last_ptr, cover_ptr, 
     """Per request: its path's start (its last node if covered whole, else that node's
     parent) and its partial-cover sort key (the node, or N when none); with FROM_MATCH the
     last node and cover come from the match (length m, last pool position pos: the node
-    `owner` holds there, and how far into it) and are written to last / cover / valid
-    (`has`: valid and m > 0) for the later launches. Then a walk from the
+    `owner` holds there, and how far into it); the cover and `has` (valid and m > 0) are
+    written for the later launches (which read the node as the sort key). Then a walk from the
     start up through live parents with atomic_min of the request's index into f (F(v): the
     first request whose path holds node v), which stops at a node already holding a smaller
     index: that index's walk goes on up, so the nodes above end with a smaller minimum anyway."""
@@ -431,7 +431,6 @@ def _lock_first_kernel(parent_ptr, key_len_ptr, alive_ptr, last_ptr, cover_ptr, 
         node = tl.load(owner_ptr + p, mask=valid, other=0)
         cover = tl.where(valid, p - tl.load(key_off_ptr + node, mask=valid, other=0) + 1, 0)
         ln = tl.where(valid, node, 0)
-        tl.store(last_ptr + offs, ln, mask=mask)
         tl.store(cover_ptr + offs, cover, mask=mask)
         tl.store(has_ptr + offs, valid.to(tl.uint8), mask=mask)
     else:
@@ -544,10 +543,10 @@ def lock_drops_matched(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: to
     check_tensor(where, "key_off", key_off, (torch.int64,), device=dev)
     check_tensor(where, "pos", pos, (torch.int64,), numel=Q, device=dev)
     check_tensor(where, "valid", valid, (torch.bool,), numel=Q, device=dev)
-    last = torch.empty(Q, dtype=torch.int64, device=dev)
     cover = torch.empty(Q, dtype=torch.int64, device=dev)
     has = torch.empty(Q, dtype=torch.bool, device=dev)
-    return _lock_drops_launch(parent, key_len, lock_ref, alive, last, cover, valid,
+    # the last node is read off the match in the first launch: `m` stands in for its column
+    return _lock_drops_launch(parent, key_len, lock_ref, alive, m, cover, valid,
                               (owner, key_off, m, pos, has), N, Q, block)
 
 

@@ -347,7 +347,9 @@ def head_hashes_pool(tok: torch.Tensor, toff: torch.Tensor, fill: torch.Tensor, 
     """int64 [n]: `gpu_sched.policy.head_hashes` of each request's first T = weights.shape[0]
     fill tokens read straight from the token pool (R-ORD-9's groups): request i's tokens at
     tok[toff[i] + t] (positions clamped into the pool; an empty pool reads token 0), the first
-    min(fill[i], T) counting. tok int32 [K]; toff, fill int64 [n]; weights float64 [T, 2]
+    min(fill[i], T) counting. tok int32 [K] (ids in [0, 2^31 - 1], as `head_hashes` takes them:
+    Triton's `%` truncates where torch's floors, which only a negative id would show); toff,
+    fill int64 [n]; weights float64 [T, 2]
     (base^t mod p, below 2^31: `policy._hash_weights`); modulus p. Each term is reduced mod p
     before its sum (int64 exact); the same values as the torch form's float64 matmuls."""
     where = "head_hashes_pool"
