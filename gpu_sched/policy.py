@@ -539,26 +539,34 @@ def random_order(n: int, generator: torch.Generator, *, backend: str = "torch") 
 
 # ---- R-ORD-8 lpm -------------------------------------------------------------------------------
 def lpm_order(matched: torch.Tensor, deprioritized: torch.Tensor,
-              *, backend: str = "torch", block: Optional[int] = None) -> torch.Tensor:
+              *, cap: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None,
+              backend: str = "torch", block: Optional[int] = None) -> torch.Tensor:
     """R-ORD-8: stable order by `-matched` (capped match lengths, int32/int64 [n] >= 0), the
-    deprioritized requests (bool [n], R-ORD-9) last in queue order."""
+    deprioritized requests (bool [n], R-ORD-9) last in queue order. `cap` (int [n]): the
+    lengths are min(matched, cap) (max_prefix_len, R-STEP-3.4); `valid` (bool [n]): a request
+    that is not valid sorts with the deprioritized (a padded queue's padding); backend
+    "triton" reads both in its key launch."""
     where = "lpm_order"
     check_tensor(where, "matched", matched, INT_DTYPES, contiguous=False)
     check_tensor(where, "deprioritized", deprioritized, (torch.bool,), numel=matched.numel(),
                  device=matched.device, contiguous=False)
     k = _kernels(backend, "sort_keys")
-    if k is None and _host(matched):
+    if k is not None:
+        return _stable_perm(k.lpm_keys(_contig(matched), _contig(deprioritized),
+                                       cap=None if cap is None else _contig(cap),
+                                       valid=None if valid is None else _contig(valid), block=block))
+    if cap is not None:
+        matched = torch.minimum(matched, cap)
+    if valid is not None:
+        deprioritized = deprioritized | ~valid
+    if _host(matched):
         perm = lpm_perm_host(matched.numpy(), deprioritized.numpy())
         if perm is not None:
             return torch.from_numpy(perm)
-    if k is None:
-        # in matched's own dtype: ~m = -m-1 < 0 for m >= 0, so 0 puts the deprioritized last,
-        # and the keys span only max(m) + 1 (int32 sorts ~2x faster than int64 in torch; on the
-        # CPU the span and the index pack into one value, `host_perm`)
-        key = torch.where(deprioritized, 0, ~matched)
-    else:
-        key = k.lpm_keys(_contig(matched), _contig(deprioritized), block=block)
-    return _stable_perm(key)
+    # in matched's own dtype: ~m = -m-1 < 0 for m >= 0, so 0 puts the deprioritized last, and
+    # the keys span only max(m) + 1 (int32 sorts ~2x faster than int64 in torch; on the CPU the
+    # span and the index pack into one value, `host_perm`)
+    return _stable_perm(torch.where(deprioritized, 0, ~matched))
 
 
 def lpm_perm_host(matched: np.ndarray, deprioritized: np.ndarray) -> Optional[np.ndarray]:

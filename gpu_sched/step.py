@@ -305,7 +305,7 @@ class StepGraph:
             dep = dpolicy.in_batch_deprioritize(m_full, fill, ns, hh, cfg.in_batch_prefix_caching_check_threshold,
                                                 T, backend=be) & valid
             if policy == "lpm":
-                perm = dpolicy.lpm_order(torch.minimum(m_full, cap), dep | ~valid, backend=be)
+                perm = dpolicy.lpm_order(m_full, dep, cap=cap, valid=valid, backend=be)
                 if cfg.lpm_fallback_queue_len is not None:  # R-ORD-2: above the limit, queue order
                     perm = torch.where(n > cfg.lpm_fallback_queue_len, ar, perm)
             else:  # padding matches nothing: at the root with tiebreak 0, behind the real requests

@@ -180,24 +180,38 @@ def routing_keys(key_id: torch.Tensor, key_rank: torch.Tensor, counts: torch.Ten
 
 # ---- lpm ------------------------------------------------------------------------------------
 @triton.jit
-def _lpm_keys_kernel(matched_ptr, deprio_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _lpm_keys_kernel(matched_ptr, deprio_ptr, cap_ptr, valid_ptr, out_ptr, n, HAS_CAP: tl.constexpr,
+                     HAS_VALID: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(matched_ptr + offs, mask=mask, other=0).to(tl.int64)
-    d = tl.load(deprio_ptr + offs, mask=mask, other=0)
-    tl.store(out_ptr + offs, tl.where(d != 0, 0x7FFFFFFFFFFFFFFF, ~x), mask=mask)
+    if HAS_CAP:
+        x = tl.minimum(x, tl.load(cap_ptr + offs, mask=mask, other=0).to(tl.int64))
+    d = tl.load(deprio_ptr + offs, mask=mask, other=0) != 0
+    if HAS_VALID:
+        d = d | (tl.load(valid_ptr + offs, mask=mask, other=0) == 0)
+    tl.store(out_ptr + offs, tl.where(d, 0x7FFFFFFFFFFFFFFF, ~x), mask=mask)
 
 
-def lpm_keys(matched: torch.Tensor, deprioritized: torch.Tensor, *, block: Optional[int] = None) -> torch.Tensor:
-    """R-ORD-8 keys int64 [n]: INT64_MAX for a deprioritized request, else `~matched`."""
+def lpm_keys(matched: torch.Tensor, deprioritized: torch.Tensor, *, cap: Optional[torch.Tensor] = None,
+             valid: Optional[torch.Tensor] = None, block: Optional[int] = None) -> torch.Tensor:
+    """R-ORD-8 keys int64 [n]: INT64_MAX for a deprioritized request (or, when `valid` bool [n]
+    is given, one that is not valid), else `~min(matched, cap)` (`cap` int [n], optional)."""
     where = "lpm_keys"
     check_tensor(where, "matched", matched, INT_DTYPES)
     dev = check_launch_device(where, _lpm_keys_kernel, matched)
     n = matched.numel()
     check_tensor(where, "deprioritized", deprioritized, (torch.bool,), numel=n, device=dev)
+    if cap is not None:
+        check_tensor(where, "cap", cap, INT_DTYPES, numel=n, device=dev)
+    if valid is not None:
+        check_tensor(where, "valid", valid, (torch.bool,), numel=n, device=dev)
     BLOCK, warps = block_config(block)
     out = torch.empty(n, dtype=torch.int64, device=dev)
-    _lpm_keys_kernel[grid_1d(n, BLOCK)](matched, deprioritized.view(torch.uint8), out, n,
+    d8 = deprioritized.view(torch.uint8)
+    _lpm_keys_kernel[grid_1d(n, BLOCK)](matched, d8, matched if cap is None else cap,
+                                        d8 if valid is None else valid.view(torch.uint8), out, n,
+                                        HAS_CAP=cap is not None, HAS_VALID=valid is not None,
                                         BLOCK=BLOCK, num_warps=warps)
     return out
 

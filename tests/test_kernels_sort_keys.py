@@ -142,6 +142,29 @@ def test_lpm_keys(n, block):
     assert_equal(keys, [INT64_MAX if d else -x - 1 for x, d in zip(matched, dep)], "lpm keys")
 
 
+@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
+def test_lpm_keys_with_cap_and_valid(n, block):
+    """lpm keys with the cap (min(matched, cap)) and the padding (not valid: last, as the
+    deprioritized) read in the launch, and `lpm_order` with them in every form: the same
+    permutation as capping and masking first."""
+    from gpu_sched import policy as P
+
+    rng = random.Random(n * 13 + 1)
+    matched = torch.tensor([rng.choice([0, 3, 9, 2**40]) for _ in range(n)], dtype=torch.int64)
+    cap = torch.tensor([rng.choice([0, 4, 2**41]) for _ in range(n)], dtype=torch.int64)
+    dep = torch.tensor([rng.random() < 0.2 for _ in range(n)], dtype=torch.bool)
+    valid = torch.tensor([rng.random() < 0.8 for _ in range(n)], dtype=torch.bool)
+    keys = SK.lpm_keys(matched, dep, cap=cap, valid=valid, block=block)
+    want_keys = [INT64_MAX if d or not v else -min(x, c) - 1
+                 for x, c, d, v in zip(matched.tolist(), cap.tolist(), dep.tolist(), valid.tolist())]
+    assert_equal(keys, want_keys, "lpm keys (cap, valid)")
+    want = P.lpm_order(torch.minimum(matched, cap).cpu(), (dep | ~valid).cpu())
+    assert torch.equal(P.lpm_order(matched, dep, cap=cap, valid=valid, backend="triton").cpu(), want)
+    assert torch.equal(P.lpm_order(matched.cpu(), dep.cpu(), cap=cap.cpu(), valid=valid.cpu()), want)
+    with P.torch_forms():
+        assert torch.equal(P.lpm_order(matched.cpu(), dep.cpu(), cap=cap.cpu(), valid=valid.cpu()), want)
+
+
 # ---- R-ORD-9 -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
 @pytest.mark.parametrize("check,T", [(-1, 4), (0, 4), (5, 0), (5, 4), (2**40, 1)])
