@@ -973,7 +973,9 @@ class GpuScheduler(ReferenceScheduler):
                 ok, pos = tree.check_matches(lens, hint[0], hint[1], hint[2], backend=be)
             m = torch.where(ok, hint[0], 0)
             miss = torch.nonzero(~ok).flatten()
-        else:
+        else:  # no row was matched before: all are searched (numpy's arange, no torch op)
+            if len(rows):
+                return self._search_rows(rows, sel, np.arange(len(rows), dtype=np.int64))
             m = pos = None
             miss = torch.arange(len(rows), device=dev)
         if miss.numel():
