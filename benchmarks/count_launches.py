@@ -15,9 +15,10 @@ Triton launches, and with `--by-site` where the torch ops come from (file:functi
 file:function:line op with `--by-line`).
 
 Usage:
-    TRITON_INTERPRET=1 python benchmarks/count_launches.py [--policies fcfs,lpm,...] [--n 256]
+    python benchmarks/count_launches.py [--policies fcfs,lpm,...] [--n 256]
         [--backend triton|torch] [--queue mooncake|synthetic] [--by-site | --by-line] [--out rows.json]
-Rows are data (STYLE practice 9): `--out` appends one row per policy to a JSON list.
+Without CUDA it sets TRITON_INTERPRET=1 itself (before triton is imported). Rows are data
+(STYLE practice 9): `--out` appends one row per policy to a JSON list.
 """
 
 from __future__ import annotations
