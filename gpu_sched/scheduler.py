@@ -973,18 +973,12 @@ class GpuScheduler(ReferenceScheduler):
                 ok, pos = tree.check_matches(lens, hint[0], hint[1], hint[2], backend=be)
             m = torch.where(ok, hint[0], 0)
             miss = torch.nonzero(~ok).flatten()
-        else:  # no row was matched before: all are searched (numpy's arange, no torch op)
-            if len(rows):
-                return self._search_rows(rows, sel, np.arange(len(rows), dtype=np.int64))
-            m = pos = None
-            miss = torch.arange(len(rows), device=dev)
-        if miss.numel():
-            fm, fp = self._search_rows(rows, sel, miss.cpu().numpy())
-            if m is None:
-                m, pos = fm, fp
-            else:
+            if miss.numel():
+                fm, fp = self._search_rows(rows, sel, miss.cpu().numpy())
                 m, pos = m.index_copy(0, miss, fm), pos.index_copy(0, miss, fp)
-        return m, pos
+            return m, pos
+        # no row was matched before (the caller has at least one): all are searched
+        return self._search_rows(rows, sel, np.arange(len(rows), dtype=np.int64))
 
     def _search_rows(self, rows: np.ndarray, sel: "_RowCols", mi: np.ndarray):
         """`_full_match`'s search of the rows at `mi` (int64 [k] indices into `rows`) on the

@@ -51,9 +51,10 @@ GRAPH_POLICIES = ("fcfs", "lof", "routing-key", "lpm", "dfs-weight", "random")
 #: output head: stop, stop_index, chunk_index, batch_full, I, cur_off, rem_input, rem_chunk,
 #: hit_tokens, input_tokens, decided, admitted count, inflight_end, inflight_left
 HEAD = 14
-#: those fields' places in `kernels.admission.admission_result`'s int64 output (`R_*`; input
-#: tokens without the in-flight chunk's own, which the host's adder counts itself)
-_HEAD_PACKED = (2, 1, 3, 5, 8, 9, 10, 11, 13, 17, 15, 0, 6, 7)
+#: those fields by their names in `kernels.admission.admission_result`'s int64 output (`R_*`;
+#: INPUT_NEW: input tokens without the in-flight chunk's own, which the host's adder counts)
+_HEAD_FIELDS = ("STOP", "STOP_INDEX", "CHUNK_INDEX", "FULL", "I", "CUR", "RIN", "RC", "HIT", "INPUT_NEW", "DONE",
+                "COUNT", "INFLIGHT_END", "INFLIGHT_LEFT")
 # queue int64 rows
 _Q_FILL, _Q_OUT, _Q_PROMPT, _Q_MAXNEW, _Q_IE, _Q_PRIO, _Q_CAP, _Q_NS, _Q_TOFF, _Q_COFF = range(10)
 _Q_ROWS = 10
@@ -145,8 +146,14 @@ class StepGraph:
         self.ratio = torch.zeros((), dtype=torch.float64, device=dev)
         self.out = torch.zeros(HEAD + 4 * self.Q, dtype=torch.int64, device=dev)
         self._pad = torch.zeros(self.Q - self.W, dtype=torch.int64, device=dev)  # extend ends past the window
-        # the head's fields in `kernels.admission.admission_result`'s packing (the triton backend)
-        self._head_idx = torch.tensor(_HEAD_PACKED, dtype=torch.int64, device=dev)
+        # the head's fields in `kernels.admission.admission_result`'s packing (the triton backend
+        # only: the torch backend imports no kernel module)
+        self._head_idx = None
+        if sched.backend == "triton":
+            from .kernels import admission as KA
+
+            self._head_idx = torch.tensor([getattr(KA, "R_" + f) for f in _HEAD_FIELDS], dtype=torch.int64,
+                                          device=dev)
         # full-length match (queue order) for the host's splits and stamps after the read-back
         self.m_full = torch.zeros(self.Q, dtype=torch.int64, device=dev)
         self.pos_full = torch.zeros(self.Q, dtype=torch.int64, device=dev)
@@ -355,12 +362,12 @@ class StepGraph:
         if be == "triton":  # the loop's scalars in one gather; st's and chunked's then read only where noted
             sv = torch.cat([sc, ev.reshape(1)]).index_select(0, self._sv_idx[0 if scfg.chunking else 1])
         packed = sv is not None
+        # can_run (0) and the window's count min(n, W) are host-written slots: views, no op
         st = StepState(available=sc[_S_AVAIL], evictable=ev, I=sc[_S_I], cur_off=sc[_S_CUR], rem_input=sc[_S_RIN],
-                       rem_chunk=sc[_S_RC], ratio=self.ratio, N=sc[_S_NRES],
-                       can_run=sc[_S_ZERO] if packed else torch.zeros_like(n), running_bs=sc[_S_RBS],
-                       batch_full=sc[_S_FULL] if packed else sc[_S_FULL] != 0)
-        q = QueueCols(n=sc[_S_NW] if packed else torch.clamp(n, max=W), fill_len=w_fill, out_len=w_out,
-                      prompt_len=w_prompt, max_new=w_maxn, prefix_len=om, drop=drop, ignore_eos=w_ie != 0)
+                       rem_chunk=sc[_S_RC], ratio=self.ratio, N=sc[_S_NRES], can_run=sc[_S_ZERO],
+                       running_bs=sc[_S_RBS], batch_full=sc[_S_FULL] if packed else sc[_S_FULL] != 0)
+        q = QueueCols(n=sc[_S_NW], fill_len=w_fill, out_len=w_out, prompt_len=w_prompt, max_new=w_maxn,
+                      prefix_len=om, drop=drop, ignore_eos=w_ie != 0)
         held = None
         if scfg.ignore_eos_path:
             h = self.hi

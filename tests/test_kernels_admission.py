@@ -388,10 +388,10 @@ def test_admission_prepare_blocks_carry_prefix_sums(chunked):
 
 def test_recorded_head_reads_the_packed_result_fields():
     """The recorded step gathers its output head from `admission_result`'s packed scalars by
-    the fixed places `step._HEAD_PACKED`: they name the head's fields in its order."""
-    from gpu_sched.step import _HEAD_PACKED, HEAD
+    the names `step._HEAD_FIELDS`: they name the head's fields in its order."""
+    from gpu_sched.step import _HEAD_FIELDS, HEAD
 
     names = ["STOP", "STOP_INDEX", "CHUNK_INDEX", "FULL", "I", "CUR", "RIN", "RC", "HIT", "INPUT_NEW", "DONE",
              "COUNT", "INFLIGHT_END", "INFLIGHT_LEFT"]
     assert len(names) == HEAD
-    assert _HEAD_PACKED == tuple(getattr(KA, "R_" + n) for n in names)
+    assert _HEAD_FIELDS == tuple(names) and all(hasattr(KA, "R_" + n) for n in names)
