@@ -1184,22 +1184,44 @@ class FlatRadixTree:
         return torch.where(found, gather(self.hvals, slot), out)
 
     def find_static(self, tok: torch.Tensor, tok_start: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
-                    ch: torch.Tensor, ch_start: torch.Tensor, max_len: int, *,
+                    ch: torch.Tensor, ch_start: torch.Tensor, max_len: int, *, cap: Optional[torch.Tensor] = None,
+                    valid: Optional[torch.Tensor] = None, out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                     backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Matched length and last pool position (R-RC-4, no splits or stamps) of B queries in
         CSR form, with static shapes and no host read: a CUDA graph can hold it.
 
         Args:
             tok: int32 [T] token pool; ch: int64 [K] chunk-hash pool (as `match_csr`).
-            tok_start, lengths, ns, ch_start: int64 [B]; lengths[i] <= max_len [tokens].
+            tok_start, lengths, ns, ch_start: int64 [B]; each query's length (after `cap` and
+                `valid`) <= max_len [tokens].
             max_len: bound on every length (fixes the number of search rounds).
+            cap: int64 [B] or None: query i is min(lengths[i], cap[i]) clamped at 0 tokens
+                (R-STEP-3.4's max_prefix_len cap).
+            valid: bool [B] or None: query i is empty where valid[i] is False (padding).
+            out: (matched, position) int64 [B] buffers to write, else new tensors.
         Returns:
             (matched int64 [B] [tokens, multiples of P], position int64 [B], -1 for none).
+        On backend "triton" the capping, the padding and the chunk counts are read in the one
+        search launch (`kernels.radix.find_static`); the torch form forms them first.
         """
         be = self._be(backend)
+        if be == "triton":
+            return self._kernels().find_static(
+                tok, tok_start, lengths, ns, ch, ch_start, self.hkeys, self.hvals, page_size=self.P,
+                chunk_pages=self.chunk_pages, B1=self.B1, B2=self.B2, max_probe=self.max_probe, cap=cap,
+                valid=valid, out=out)
+        if cap is not None:
+            lengths = torch.minimum(lengths, cap).clamp(min=0)
+        if valid is not None:
+            lengths = torch.where(valid, lengths, 0)
         count = lengths // self.C
-        return self._find_csr(tok, tok_start, lengths, lengths, ns, ch, ch_start, count, int(max_len) // self.C,
-                              be, static=True)
+        m, pos = self._find_csr(tok, tok_start, lengths, lengths, ns, ch, ch_start, count, int(max_len) // self.C,
+                                be, static=True)
+        if out is None:
+            return m, pos
+        out[0].copy_(m)
+        out[1].copy_(pos)
+        return out
 
     def path_position(self, m: torch.Tensor, pos: torch.Tensor, d: torch.Tensor,
                       nodes: bool = False):

@@ -302,8 +302,9 @@ class StepGraph:
         dep = self._no_dep
         m_full, pos_full = zeros, None  # matched only for lpm / dfs-weight
         if policy in ("lpm", "dfs-weight"):
-            m_full, pos_full = tree.find_static(tok, toff, torch.where(valid, fill, 0), ns, ch, coff, self.max_len,
-                                                backend=be)
+            # straight into the buffers the host reads these matches from (no copy after)
+            m_full, pos_full = tree.find_static(tok, toff, fill, ns, ch, coff, self.max_len, valid=valid,
+                                                out=(self.m_full, self.pos_full), backend=be)
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
             if T > 0:
                 hh = dpolicy.head_hashes_pool(tok, toff, fill, T, backend=be)
@@ -346,10 +347,8 @@ class StepGraph:
          w_coff) = torch.index_select(qi, 1, pw).unbind(0)
         zeros = zeros[:W]
         if cache_on:  # the match capped at max_prefix_len (R-STEP-3.4)
-            capped = torch.where(ovalid, torch.minimum(w_fill, w_cap).clamp(min=0), 0)
-            om, opos = tree.find_static(tok, w_toff, capped, w_ns, ch, w_coff, self.max_len, backend=be)
-            self.m_cap.copy_(om)
-            self.pos_cap.copy_(opos)
+            om, opos = tree.find_static(tok, w_toff, w_fill, w_ns, ch, w_coff, self.max_len, cap=w_cap, valid=ovalid,
+                                        out=(self.m_cap, self.pos_cap), backend=be)
             b = self._node_span()
             drop = match_lock_drops(tree.parent[:b], tree.key_len[:b], tree.lock_ref[:b], tree.alive[:b], tree.owner,
                                     tree.key_off, om, opos, ovalid, max_depth=self.max_len // cfg.page_size, backend=be)
@@ -390,9 +389,6 @@ class StepGraph:
         # straight into the output buffer: head, order, extend ends (zero past the window), full
         # matches, deprioritized flags
         torch.cat([head, perm, res.extend_end, self._pad, m_full, dep.to(i64)], out=self.out)
-        if policy in ("lpm", "dfs-weight"):  # the host applies these matches' splits and stamps (only then)
-            self.m_full.copy_(m_full)
-            self.pos_full.copy_(pos_full)
 
     def _dfs_weight_perm(self, m_full: torch.Tensor, pos_full: torch.Tensor) -> torch.Tensor:
         """R-ORD-10 on the tree as it is, before the full matches' splits (the host applies those

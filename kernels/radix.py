@@ -14,7 +14,8 @@ torch code with `backend="torch" | "triton"`. Results are identical to the torch
   extension inside the next chunk by rolling the two modular hashes from the chunk-boundary hash.
   Queries come in CSR form (a flat token pool with per-row start and readable span, and a flat
   chunk-hash pool with per-row start and count), so a padded [B, L] batch is the special case
-  start = i * L. Gives (matched length, pool position of its last token or -1).
+  start = i * L. Gives (matched length, pool position of its last token or -1). `find_static`
+  is the same launch for a recorded step: it caps, pads and counts each row's length itself.
 - `table_insert`: the claim/commit rounds of the open-addressing insert. Round r: every pending
   key whose slot is free (EMPTY or TOMB) claims it with `atomic_max(claim[slot], tag + i)`; after
   the launch boundary the claimant with the largest index wins and writes key and value, the
@@ -136,13 +137,23 @@ def probe(h: torch.Tensor, hkeys: torch.Tensor, hvals: torch.Tensor, max_probe: 
 # ("PassManager::run failed" in TritonGPUCoalesce); page sizes >= 16 default to chunk_pages 1.
 @triton.jit(do_not_specialize=["chunk_pages"])
 def _find_kernel(tok_ptr, tok_start_ptr, tok_span_ptr, len_ptr, ns_ptr, ch_ptr, ch_start_ptr, ch_cnt_ptr,
-                 hkeys_ptr, hvals_ptr, d_ptr, pos_ptr, n, H, max_probe, P, C, chunk_pages, B1, B2,
-                 BLOCK: tl.constexpr):
+                 hkeys_ptr, hvals_ptr, d_ptr, pos_ptr, cap_ptr, valid_ptr, n, H, max_probe, P, C, chunk_pages, B1, B2,
+                 STATIC: tl.constexpr, HAS_CAP: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    Lq = tl.load(len_ptr + offs, mask=mask, other=0) // P * P
+    L = tl.load(len_ptr + offs, mask=mask, other=0)
+    if STATIC:  # `find_static`: the length capped and zeroed here; span = length, count = length // C
+        if HAS_CAP:
+            L = tl.maximum(tl.minimum(L, tl.load(cap_ptr + offs, mask=mask, other=0)), 0)
+        if HAS_VALID:
+            L = tl.where(tl.load(valid_ptr + offs, mask=mask, other=0) != 0, L, 0)
+        ccnt = L // C
+        tspan = L
+    else:
+        ccnt = tl.load(ch_cnt_ptr + offs, mask=mask, other=0)
+        tspan = tl.load(tok_span_ptr + offs, mask=mask, other=0)
+    Lq = L // P * P
     cstart = tl.load(ch_start_ptr + offs, mask=mask, other=0)
-    ccnt = tl.load(ch_cnt_ptr + offs, mask=mask, other=0)
     cmax = tl.maximum(ccnt - 1, 0)
     # binary search for the deepest present chunk boundary
     lo = tl.zeros([BLOCK], tl.int64)
@@ -171,7 +182,6 @@ def _find_kernel(tok_ptr, tok_start_ptr, tok_span_ptr, len_ptr, ns_ptr, ch_ptr, 
     s1 = tl.where(lo > 0, seed_h >> 31, tl.where(r1 < 0, r1 + 2147483647, r1))
     s2 = tl.where(lo > 0, seed_h & 2147483647, tl.where(r2 < 0, r2 + 2147483629, r2))
     tbase = tok_ptr + tl.load(tok_start_ptr + offs, mask=mask, other=0)
-    tspan = tl.load(tok_span_ptr + offs, mask=mask, other=0)
     tlast = tl.maximum(tspan - 1, 0)
     has_tok = tspan > 0
     alive = mask & (d + P <= Lq)
@@ -196,6 +206,14 @@ def _find_kernel(tok_ptr, tok_start_ptr, tok_span_ptr, len_ptr, ns_ptr, ch_ptr, 
     tl.store(pos_ptr + offs, pos_out, mask=mask)
 
 
+def _check_search(where: str, page_size, chunk_pages, B1, B2, max_probe) -> None:
+    check_int(where, "page_size", page_size, lo=1, hi=2**20)
+    check_int(where, "chunk_pages", chunk_pages, lo=1, hi=2**20)
+    check_int(where, "B1", B1, lo=0, hi=P1 - 1)
+    check_int(where, "B2", B2, lo=0, hi=P2 - 1)
+    check_int(where, "max_probe", max_probe, lo=1, hi=2**31 - 1)
+
+
 def find(tokens: torch.Tensor, tok_start: torch.Tensor, tok_span: torch.Tensor, lengths: torch.Tensor,
          ns: torch.Tensor, chunk_hashes: torch.Tensor, ch_start: torch.Tensor, ch_count: torch.Tensor,
          hkeys: torch.Tensor, hvals: torch.Tensor, *, page_size: int, chunk_pages: int, B1: int, B2: int,
@@ -218,11 +236,7 @@ def find(tokens: torch.Tensor, tok_start: torch.Tensor, tok_span: torch.Tensor, 
         check_tensor(where, name, t, (torch.int64,), numel=B, device=dev)
     check_tensor(where, "chunk_hashes", chunk_hashes, (torch.int64,), device=dev)
     H = _check_table(where, hkeys, hvals, dev)
-    check_int(where, "page_size", page_size, lo=1, hi=2**20)
-    check_int(where, "chunk_pages", chunk_pages, lo=1, hi=2**20)
-    check_int(where, "B1", B1, lo=0, hi=P1 - 1)
-    check_int(where, "B2", B2, lo=0, hi=P2 - 1)
-    check_int(where, "max_probe", max_probe, lo=1, hi=2**31 - 1)
+    _check_search(where, page_size, chunk_pages, B1, B2, max_probe)
     BLOCK, warps = _req_block(block)
     d = torch.empty(B, dtype=torch.int64, device=dev)
     pos = torch.empty(B, dtype=torch.int64, device=dev)
@@ -232,9 +246,57 @@ def find(tokens: torch.Tensor, tok_start: torch.Tensor, tok_span: torch.Tensor, 
     tok = tokens if tokens.numel() else torch.zeros(1, dtype=torch.int32, device=dev)
     ch = chunk_hashes if chunk_hashes.numel() else torch.zeros(1, dtype=torch.int64, device=dev)
     _find_kernel[grid_1d(B, BLOCK)](
-        tok, tok_start, tok_span, lengths, ns, ch, ch_start, ch_count, hkeys, hvals, d, pos,
+        tok, tok_start, tok_span, lengths, ns, ch, ch_start, ch_count, hkeys, hvals, d, pos, lengths, lengths,
         B, H, max_probe, page_size, page_size * chunk_pages, chunk_pages, B1, B2,
-        BLOCK=BLOCK, num_warps=warps)
+        STATIC=False, HAS_CAP=False, HAS_VALID=False, BLOCK=BLOCK, num_warps=warps)
+    return d, pos
+
+
+def find_static(tokens: torch.Tensor, tok_start: torch.Tensor, lengths: torch.Tensor, ns: torch.Tensor,
+                chunk_hashes: torch.Tensor, ch_start: torch.Tensor, hkeys: torch.Tensor, hvals: torch.Tensor, *,
+                page_size: int, chunk_pages: int, B1: int, B2: int, max_probe: int,
+                cap: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None,
+                out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                block: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`find` of `FlatRadixTree.find_static` in one launch: row i's length is
+    L = lengths[i], then min(L, cap[i]) clamped at 0 when `cap` is given, then 0 where
+    valid[i] is False when `valid` is given; its readable token span is L and its chunk-hash
+    count L // C (C = page_size * chunk_pages), so the caller forms neither (no tensor op
+    before the launch). lengths/tok_start/ns/ch_start/cap int64 [B], valid bool [B].
+    `out`: (matched, position) int64 [B] buffers written in place (a recorded step's own),
+    else new tensors. Returns (matched int64 [B] [tokens], position int64 [B], -1 for none)."""
+    where = "find_static"
+    check_tensor(where, "lengths", lengths, (torch.int64,))
+    dev = check_launch_device(where, _find_kernel, lengths)
+    B = lengths.numel()
+    check_tensor(where, "tokens", tokens, (torch.int32,), device=dev)
+    for name, t in (("tok_start", tok_start), ("ns", ns), ("ch_start", ch_start)):
+        check_tensor(where, name, t, (torch.int64,), numel=B, device=dev)
+    if cap is not None:
+        check_tensor(where, "cap", cap, (torch.int64,), numel=B, device=dev)
+    if valid is not None:
+        check_tensor(where, "valid", valid, (torch.bool,), numel=B, device=dev)
+    check_tensor(where, "chunk_hashes", chunk_hashes, (torch.int64,), device=dev)
+    H = _check_table(where, hkeys, hvals, dev)
+    _check_search(where, page_size, chunk_pages, B1, B2, max_probe)
+    if out is None:
+        d = torch.empty(B, dtype=torch.int64, device=dev)
+        pos = torch.empty(B, dtype=torch.int64, device=dev)
+    else:
+        d, pos = out
+        check_tensor(where, "out[0]", d, (torch.int64,), numel=B, device=dev)
+        check_tensor(where, "out[1]", pos, (torch.int64,), numel=B, device=dev)
+    if B == 0:
+        return d, pos
+    BLOCK, warps = _req_block(block)
+    tok = tokens if tokens.numel() else torch.zeros(1, dtype=torch.int32, device=dev)
+    ch = chunk_hashes if chunk_hashes.numel() else torch.zeros(1, dtype=torch.int64, device=dev)
+    capt = cap if cap is not None else lengths
+    v8 = valid.view(torch.uint8) if valid is not None else lengths
+    _find_kernel[grid_1d(B, BLOCK)](
+        tok, tok_start, lengths, lengths, ns, ch, ch_start, lengths, hkeys, hvals, d, pos, capt, v8,
+        B, H, max_probe, page_size, page_size * chunk_pages, chunk_pages, B1, B2,
+        STATIC=True, HAS_CAP=cap is not None, HAS_VALID=valid is not None, BLOCK=BLOCK, num_warps=warps)
     return d, pos
 
 

@@ -35,8 +35,8 @@ RECORDED_RUNS = sorted(k for k, v in LONG_RUNS.items()
                        if v.get("disable_radix_cache") or v["schedule_policy"] in GRAPH_POLICIES)
 
 
-@pytest.mark.parametrize("P", [1, 4, 16])
-def test_find_static_equals_search(P):
+def _static_case(P):
+    """A tree with shared prefixes and 60 CSR queries on it: (tree, tok, toff, L, ns, ch, coff)."""
     rng = random.Random(P)
     tree = FlatRadixTree(P, max_nodes=4096, token_capacity=1 << 14)
     bases = [[rng.randrange(5) for _ in range(rng.randrange(1, 300))] for _ in range(6)]
@@ -49,7 +49,6 @@ def test_find_static_equals_search(P):
             tree.insert(torch.tensor(s, dtype=torch.int32), torch.arange(len(s)), 0)
     ns = [rng.randrange(2) * 0 for _ in seqs]
     lens = [len(s) for s in seqs]
-    max_len = max(lens)
     tok = torch.tensor([t for s in seqs for t in s] + [0], dtype=torch.int32)
     toff = torch.tensor([sum(lens[:i]) for i in range(len(seqs))])
     L = torch.tensor(lens)
@@ -60,8 +59,13 @@ def test_find_static_equals_search(P):
         h = tree.prefix_hashes(torch.tensor(s or [0], dtype=torch.int32)[None], torch.tensor([len(s)]), torch.tensor([0]),
                                tree.C)[0]
         chs.append(h[: len(s) // tree.C])
-    ch = torch.cat(chs)
-    coff = torch.tensor(coff)
+    return tree, tok, toff, L, nsv, torch.cat(chs), torch.tensor(coff)
+
+
+@pytest.mark.parametrize("P", [1, 4, 16])
+def test_find_static_equals_search(P):
+    tree, tok, toff, L, nsv, ch, coff = _static_case(P)
+    max_len = int(L.max())
     cnt = L // tree.C
     want = tree._find_csr(tok, toff, L, L, nsv, ch, coff, cnt, int(cnt.max()))  # on a CPU: `_search_host`
     with PM.torch_forms():  # the torch rounds of `_search`: the same answer
@@ -73,6 +77,36 @@ def test_find_static_equals_search(P):
     # a shorter bound than a length would be wrong; exactly the longest length is enough
     got2 = tree.find_static(tok, toff, L, nsv, ch, coff, max_len + 1000)
     assert torch.equal(got2[0], want[0])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("P", [1, 4, 16])
+def test_find_static_cap_valid_and_out(P, backend):
+    """`find_static(cap=, valid=, out=)` (the recorded step's capped and padded searches,
+    read in the search launch on triton) equals the search of the lengths formed first."""
+    tree, tok, toff, L, nsv, ch, coff = _static_case(P)
+    rng = random.Random(100 + P)
+    n = L.numel()
+    cap = torch.tensor([rng.choice([-3, 0, 1, P, 2 * P + 1, 50, 10**6]) for _ in range(n)])
+    valid = torch.tensor([rng.random() < 0.8 for _ in range(n)])
+    Lc = torch.where(valid, torch.minimum(L, cap).clamp(min=0), 0)
+    cnt = Lc // tree.C
+    want = tree._find_csr(tok, toff, Lc, Lc, nsv, ch, coff, cnt, max(int(cnt.max()), 0))
+    assert int(want[0].max()) > 0 and bool((want[0] < tree._find_csr(tok, toff, L, L, nsv, ch, coff, L // tree.C,
+                                                                  int((L // tree.C).max()))[0]).any())
+    max_len = int(L.max())
+    out = (torch.full((n,), 7, dtype=torch.int64), torch.full((n,), 7, dtype=torch.int64))
+    with PM.torch_forms():
+        got = tree.find_static(tok, toff, L, nsv, ch, coff, max_len, cap=cap, valid=valid, out=out, backend=backend)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    # each argument alone
+    with PM.torch_forms():
+        m, _ = tree.find_static(tok, toff, L, nsv, ch, coff, max_len, valid=valid, backend=backend)
+        assert torch.equal(m, torch.where(valid, tree.find_static(tok, toff, L, nsv, ch, coff, max_len)[0], 0))
+        m, _ = tree.find_static(tok, toff, L, nsv, ch, coff, max_len, cap=cap, backend=backend)
+        Lk = torch.minimum(L, cap).clamp(min=0)
+        assert torch.equal(m, tree.find_static(tok, toff, Lk, nsv, ch, coff, max_len)[0])
 
 
 #: benchmarks/gpu_check.sh sets GPU_SCHED_TEST_DEVICE=cuda: the CPU runs (CI has them) make way
