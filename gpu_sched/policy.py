@@ -717,7 +717,8 @@ def head_hashes_host(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 def in_batch_deprioritize(prefix_len: torch.Tensor, fill_len: torch.Tensor, namespace_id: torch.Tensor,
                           head_hash: torch.Tensor, check_threshold: int, threshold: int,
-                          *, backend: str = "torch", block: Optional[int] = None) -> torch.Tensor:
+                          *, valid: Optional[torch.Tensor] = None, backend: str = "torch",
+                          block: Optional[int] = None) -> torch.Tensor:
     """R-ORD-9 closed form, bool [n] in queue order.
 
     Checked: `prefix_len <= check_threshold` (nobody when check_threshold == -1). Among
@@ -731,6 +732,10 @@ def in_batch_deprioritize(prefix_len: torch.Tensor, fill_len: torch.Tensor, name
         head_hash: int64 [n], a hash of the first T fill tokens (`head_hashes`); only read
             where fill_len >= T.
         check_threshold: >= -1; threshold T >= 0 (host ints, from the config).
+        valid: bool [n] or None: rows where it is False take no part (not checked: never
+            deprioritized, never a group's first), as a recorded step's padding.
+    On backend "triton" with T >= 1 the groups are found in a device hash table
+    (`kernels.sort_keys.deprio_by_hash`: three launches, no sort).
     """
     where = "in_batch_deprioritize"
     check_tensor(where, "prefix_len", prefix_len, INT_DTYPES, contiguous=False)
@@ -741,23 +746,29 @@ def in_batch_deprioritize(prefix_len: torch.Tensor, fill_len: torch.Tensor, name
     for name, v, lo in (("check_threshold", check_threshold, -1), ("threshold", threshold, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= INT64_MAX:
             raise ValueError(f"{where}: {name} must be an int in [{lo}, 2^63-1], got {v!r}")
+    if valid is not None:
+        check_tensor(where, "valid", valid, (torch.bool,), numel=n, device=dev, contiguous=False)
     k = _kernels(backend, "sort_keys")
     if check_threshold == -1:  # nobody is checked (host-known: no sort needed)
         return torch.zeros(n, dtype=torch.bool, device=dev)
-    if k is None:
-        pre = prefix_len.to(torch.int64)
-        checked = (pre <= check_threshold) & (check_threshold != -1)
-        eligible = checked & (fill_len.to(torch.int64) >= threshold)
-        a = torch.where(eligible, namespace_id.to(torch.int64), INT64_MIN)
-    else:
-        a, checked = k.deprio_group_keys(_contig(prefix_len), _contig(fill_len), _contig(namespace_id),
+    if k is not None:
+        if threshold > 0:
+            return k.deprio_by_hash(_contig(prefix_len), _contig(fill_len), _contig(namespace_id),
+                                    _contig(head_hash), check_threshold, threshold,
+                                    valid=None if valid is None else _contig(valid), block=block)
+        _, checked = k.deprio_group_keys(_contig(prefix_len), _contig(fill_len), _contig(namespace_id),
                                          check_threshold, threshold, block=block)
+        return checked if valid is None else checked & valid  # T == 0: every checked request
+    pre = prefix_len.to(torch.int64)
+    checked = (pre <= check_threshold) & (check_threshold != -1)
+    if valid is not None:
+        checked = checked & valid
     if threshold == 0:
         return checked
+    eligible = checked & (fill_len.to(torch.int64) >= threshold)
+    a = torch.where(eligible, namespace_id.to(torch.int64), INT64_MIN)
     perm = _lex_perm(a, head_hash)
     a_s, h_s = gather(a, perm), gather(head_hash.to(torch.int64), perm)
-    if k is not None:
-        return k.deprio_flags(a_s, h_s, perm, block=block)
     later = torch.zeros(n, dtype=torch.bool, device=dev)
     later[1:] = (a_s[1:] == a_s[:-1]) & (h_s[1:] == h_s[:-1])
     later &= a_s != INT64_MIN

@@ -311,7 +311,7 @@ class StepGraph:
             else:
                 hh = zeros
             dep = dpolicy.in_batch_deprioritize(m_full, fill, ns, hh, cfg.in_batch_prefix_caching_check_threshold,
-                                                T, backend=be) & valid
+                                                T, valid=valid, backend=be)
             if policy == "lpm":
                 perm = dpolicy.lpm_order(m_full, dep, cap=cap, valid=valid, backend=be)
                 if cfg.lpm_fallback_queue_len is not None:  # R-ORD-2: above the limit, queue order

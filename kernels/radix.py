@@ -625,17 +625,29 @@ def _check_lock_args(where, parent, key_len, lock_ref, alive, req):
     return dev, N, req.numel()
 
 
+@triton.jit
+def _lock_init_kernel(f_ptr, mp_ptr, drop_ptr, N, Q, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    node = offs < N
+    tl.store(f_ptr + offs, tl.zeros([BLOCK], tl.int64) + Q, mask=node)
+    tl.store(mp_ptr + offs, tl.zeros([BLOCK], tl.int64), mask=node)
+    tl.store(drop_ptr + offs, tl.zeros([BLOCK], tl.int64), mask=offs < Q)
+
+
 def _lock_drops_launch(parent, key_len, lock_ref, alive, last_node, cover, valid, match, N: int, Q: int,
                        block: Optional[int]) -> torch.Tensor:
     dev = parent.device
     BLOCK, warps = _req_block(block)
-    f = torch.full((N,), Q, dtype=torch.int64, device=dev)
-    mp = torch.zeros(N, dtype=torch.int64, device=dev)
-    drop = torch.zeros(Q, dtype=torch.int64, device=dev)
+    f = torch.empty(N, dtype=torch.int64, device=dev)
+    mp = torch.empty(N, dtype=torch.int64, device=dev)
+    drop = torch.empty(Q, dtype=torch.int64, device=dev)
     key = torch.empty(Q, dtype=torch.int64, device=dev)
     out = torch.empty(Q, dtype=torch.int64, device=dev)
     if Q == 0:
         return out
+    NB, nwarps = block_config(block)
+    # f = Q (no first request yet), mp = 0 per node, drop = 0 per request: one launch, not three fills
+    _lock_init_kernel[grid_1d(max(N, Q), NB)](f, mp, drop, N, Q, BLOCK=NB, num_warps=nwarps)
     alive8, valid8 = alive.view(torch.uint8), valid.view(torch.uint8)
     owner, key_off, m, pos, has = match if match is not None else (parent, parent, last_node, last_node, valid)
     has8 = has.view(torch.uint8)  # the later launches' valid: written by the first from the matches
@@ -644,7 +656,6 @@ def _lock_drops_launch(parent, key_len, lock_ref, alive, last_node, cover, valid
                                           num_warps=warps)
     valid8 = has8
     _lock_early_kernel[grid_1d(Q, BLOCK)](key, cover, f, mp, Q, N, BLOCK=BLOCK, num_warps=warps)
-    NB, nwarps = block_config(block)
     _lock_gain_kernel[grid_1d(N, NB)](key_len, lock_ref, alive8, f, mp, drop, N, Q, BLOCK=NB, num_warps=nwarps)
     order = torch.sort(key, stable=True).indices
     _lock_partial_kernel[(1,)](order, key, cover, valid8, lock_ref, f, drop, out, Q, N, BLOCK=NB, num_warps=nwarps)

@@ -12,11 +12,13 @@ Every key is an int64 whose ascending order is the policy's order, so one stable
   request whose key is counted in the running batch (count >= 1) and `g = m` otherwise, where m
   is the number of running keys: that is the order of `(0, -count, rank)` / `(1, 0, rank)`.
 - lpm (R-ORD-8): `INT64_MAX` when deprioritized, else `~matched`.
-- R-ORD-9 grouping: `a = namespace` for an eligible request (checked and fill >= T), else
-  `INT64_MIN`; after a stable sort by (a, head hash) a request is deprioritized when it is
-  eligible and its sorted predecessor has the same (a, hash). With the (namespace, head)
-  pairs interned as group ids, `deprio_by_group` needs no sort: the first eligible queue
-  index per group by `atomic_min`, then one compare per request.
+- R-ORD-9 grouping: an eligible request (checked and fill >= T) is deprioritized when an
+  earlier eligible one has the same (namespace, head hash) (the torch form: a stable sort by
+  (`a`, hash), `a = namespace` for an eligible request else `INT64_MIN`, from
+  `deprio_group_keys`, and a compare with each sorted predecessor). No kernel sorts:
+  `deprio_by_hash` finds the groups in a device hash table (`atomic_cas` claims) and the
+  first queue index per group by `atomic_min`; with the (namespace, head) pairs interned as
+  group ids, `deprio_by_group` needs no table either.
 
 The torch backend in `gpu_sched.policy` computes the same keys with torch ops; tests hold the
 two equal. Each kernel is private; its launcher checks dtypes, shapes, contiguity and device.
@@ -34,6 +36,8 @@ from ._utils import block_config, check_int, check_launch_device, check_tensor, 
 
 INT_DTYPES = (torch.int32, torch.int64)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: loop tests through `tl.reduce` with Triton's own combine function (as kernels/radix.py)
+_MAX = tl.standard._elementwise_max
 
 
 # ---- fcfs / lof ------------------------------------------------------------------------------
@@ -260,38 +264,6 @@ def deprio_group_keys(prefix_len: torch.Tensor, fill_len: torch.Tensor, namespac
     return a, checked
 
 
-@triton.jit
-def _first_occurrence_kernel(a_ptr, h_ptr, perm_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    has_prev = mask & (offs > 0)
-    a = tl.load(a_ptr + offs, mask=mask, other=0)
-    h = tl.load(h_ptr + offs, mask=mask, other=0)
-    a_prev = tl.load(a_ptr + offs - 1, mask=has_prev, other=0)
-    h_prev = tl.load(h_ptr + offs - 1, mask=has_prev, other=0)
-    later = has_prev & (a == a_prev) & (h == h_prev) & (a != -9223372036854775807 - 1)
-    dst = tl.load(perm_ptr + offs, mask=mask, other=0)
-    tl.store(out_ptr + dst, later.to(tl.uint8), mask=mask)
-
-
-def deprio_flags(a_sorted: torch.Tensor, hash_sorted: torch.Tensor, perm: torch.Tensor,
-                 *, block: Optional[int] = None) -> torch.Tensor:
-    """bool [n] in queue order: true where a request is eligible (`a != INT64_MIN`) and not the
-    first of its (a, hash) group. Inputs are stably sorted by (a, hash); `perm[j]` is the queue
-    index of sorted position j (a permutation: every queue index is written once)."""
-    where = "deprio_flags"
-    check_tensor(where, "a_sorted", a_sorted, (torch.int64,))
-    dev = check_launch_device(where, _first_occurrence_kernel, a_sorted)
-    n = a_sorted.numel()
-    check_tensor(where, "hash_sorted", hash_sorted, (torch.int64,), numel=n, device=dev)
-    check_tensor(where, "perm", perm, (torch.int64,), numel=n, device=dev)
-    BLOCK, warps = block_config(block)
-    out = torch.empty(n, dtype=torch.bool, device=dev)
-    _first_occurrence_kernel[grid_1d(n, BLOCK)](a_sorted, hash_sorted, perm, out.view(torch.uint8), n,
-                                                BLOCK=BLOCK, num_warps=warps)
-    return out
-
-
 # ---- R-ORD-9 by group ids: first queue index per group, no sort ----------------------------------
 @triton.jit
 def _group_rows(prefix_ptr, fill_ptr, group_ptr, n, check_threshold, threshold, BLOCK: tl.constexpr):
@@ -335,6 +307,106 @@ def deprio_by_group(prefix_len: torch.Tensor, fill_len: torch.Tensor, group: tor
     _group_first_kernel[grid_1d(n, BLOCK)](*args, n, check_threshold, threshold, BLOCK=BLOCK, num_warps=warps)
     _group_later_kernel[grid_1d(n, BLOCK)](*args, out.view(torch.uint8), n, check_threshold, threshold,
                                            BLOCK=BLOCK, num_warps=warps)
+    return out
+
+
+# ---- R-ORD-9 by (namespace, head hash) in a hash table: no sort -----------------------------------
+# The groups are found in an open-addressing table of 2^k >= 2n slots made for the call: each
+# eligible request claims its probe sequence's first free slot by `atomic_cas` of its queue
+# index, unless the slot's owner has the same (namespace, hash), read from the inputs (which no
+# program writes, so the compare is race-free); owners never change once set, so every request
+# of a group stops at the same slot whatever the programs' order. The first queue index per
+# slot is then an `atomic_min`. Slot TS (one past the table) is a dummy that inactive lanes
+# address with a compare value it never holds (`atomic_cas` takes no mask).
+@triton.jit
+def _dedup_init_kernel(owner_ptr, first_ptr, m, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < m
+    tl.store(owner_ptr + offs, tl.full([BLOCK], -1, tl.int64), mask=mask)
+    tl.store(first_ptr + offs, tl.full([BLOCK], 9223372036854775807, tl.int64), mask=mask)
+
+
+@triton.jit
+def _dedup_rows(prefix_ptr, fill_ptr, valid_ptr, n, check_threshold, threshold, HAS_VALID: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """This program's queue indices, its lanes in range, and which are eligible (checked,
+    fill >= T, and valid)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    pre = tl.load(prefix_ptr + offs, mask=mask, other=0).to(tl.int64)
+    fill = tl.load(fill_ptr + offs, mask=mask, other=0).to(tl.int64)
+    eligible = mask & (pre <= check_threshold) & (fill >= threshold)
+    if HAS_VALID:
+        eligible = eligible & (tl.load(valid_ptr + offs, mask=mask, other=0) != 0)
+    return offs, mask, eligible
+
+
+@triton.jit
+def _dedup_insert_kernel(prefix_ptr, fill_ptr, valid_ptr, ns_ptr, hh_ptr, owner_ptr, first_ptr, slot_ptr, n, TS,
+                         check_threshold, threshold, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr):
+    offs, mask, eligible = _dedup_rows(prefix_ptr, fill_ptr, valid_ptr, n, check_threshold, threshold, HAS_VALID,
+                                       BLOCK)
+    a = tl.load(ns_ptr + offs, mask=mask, other=0).to(tl.int64)
+    h = tl.load(hh_ptr + offs, mask=mask, other=0)
+    s = ((((a * -7046029254386353131) ^ h) * -7046029254386353131) >> 32) & (TS - 1)
+    slot = tl.full([BLOCK], -1, tl.int64)
+    active = eligible
+    while tl.reduce(active.to(tl.int32), 0, _MAX) > 0:
+        cmp = tl.where(active, -1, -2).to(tl.int64)
+        old = tl.atomic_cas(owner_ptr + tl.where(active, s, TS), cmp, offs)
+        seen = active & (old >= 0)
+        same = (seen & (tl.load(ns_ptr + old, mask=seen, other=0).to(tl.int64) == a)
+                & (tl.load(hh_ptr + old, mask=seen, other=0) == h))
+        stop = (active & (old == -1)) | same
+        slot = tl.where(stop, s, slot)
+        active = active & ~stop
+        s = tl.where(active, (s + 1) & (TS - 1), s)
+    tl.atomic_min(first_ptr + slot, offs, mask=eligible)  # integer min: order-independent
+    tl.store(slot_ptr + offs, slot, mask=mask)
+
+
+@triton.jit
+def _dedup_flags_kernel(prefix_ptr, fill_ptr, valid_ptr, first_ptr, slot_ptr, out_ptr, n, check_threshold,
+                        threshold, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr):
+    offs, mask, eligible = _dedup_rows(prefix_ptr, fill_ptr, valid_ptr, n, check_threshold, threshold, HAS_VALID,
+                                       BLOCK)
+    first = tl.load(first_ptr + tl.load(slot_ptr + offs, mask=eligible, other=0), mask=eligible, other=0)
+    tl.store(out_ptr + offs, (eligible & (first < offs)).to(tl.uint8), mask=mask)
+
+
+def deprio_by_hash(prefix_len: torch.Tensor, fill_len: torch.Tensor, namespace_id: torch.Tensor,
+                   head_hash: torch.Tensor, check_threshold: int, threshold: int, *,
+                   valid: Optional[torch.Tensor] = None, block: Optional[int] = None) -> torch.Tensor:
+    """bool [n] in queue order, R-ORD-9 for T = threshold >= 1: eligible (prefix_len <=
+    check_threshold, which is >= 0; fill_len >= T; valid[i] where `valid` bool [n] is given)
+    and not the first eligible request, in queue order, of its (namespace_id, head_hash)
+    group: what a stable sort by (namespace for an eligible request, else INT64_MIN; hash)
+    and a compare with each sorted predecessor give (the torch form), without the sort. Three launches (a table of the next power of two >= 2n slots is reset,
+    filled by `atomic_cas` claims with `atomic_min` of queue indices, read); no host read.
+    namespace_id int [n], head_hash int64 [n]."""
+    where = "deprio_by_hash"
+    n, dev = _check_deprio_args(where, _dedup_insert_kernel, prefix_len, fill_len, "namespace_id", namespace_id,
+                                check_threshold, 0, threshold)
+    check_int(where, "threshold", threshold, lo=1, hi=INT64_MAX)
+    check_tensor(where, "head_hash", head_hash, (torch.int64,), numel=n, device=dev)
+    if valid is not None:
+        check_tensor(where, "valid", valid, (torch.bool,), numel=n, device=dev)
+    BLOCK, warps = block_config(block)
+    TS = 1 << max(2 * n - 1, 1).bit_length()  # >= 2n: probe runs stay short
+    owner = torch.empty(TS + 1, dtype=torch.int64, device=dev)  # + the dummy slot
+    first = torch.empty(TS + 1, dtype=torch.int64, device=dev)
+    slot = torch.empty(n, dtype=torch.int64, device=dev)
+    out = torch.empty(n, dtype=torch.bool, device=dev)
+    v8 = valid.view(torch.uint8) if valid is not None else prefix_len
+    rows = (prefix_len, fill_len, v8)
+    _dedup_init_kernel[grid_1d(TS + 1, BLOCK)](owner, first, TS + 1, BLOCK=BLOCK, num_warps=warps)
+    if n == 0:
+        return out
+    _dedup_insert_kernel[grid_1d(n, BLOCK)](*rows, namespace_id, head_hash, owner, first, slot, n, TS,
+                                            check_threshold, threshold, HAS_VALID=valid is not None,
+                                            BLOCK=BLOCK, num_warps=warps)
+    _dedup_flags_kernel[grid_1d(n, BLOCK)](*rows, first, slot, out.view(torch.uint8), n, check_threshold,
+                                           threshold, HAS_VALID=valid is not None, BLOCK=BLOCK, num_warps=warps)
     return out
 
 

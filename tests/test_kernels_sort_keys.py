@@ -181,29 +181,54 @@ def test_deprio_group_keys(n, block, check, T):
     assert_equal(a, [s if c and f >= T else INT64_MIN for s, c, f in zip(ns, want_checked, fill)], "a")
 
 
+def _deprio_sequential(pre, fill, ns, h, check, T, valid):
+    """R-ORD-9 by its sequential definition: a later eligible member of a group already seen."""
+    seen, want = set(), []
+    for p, f, a, x, v in zip(pre, fill, ns, h, valid):
+        eligible = v and p <= check and f >= T
+        want.append(eligible and (a, x) in seen)
+        if eligible:
+            seen.add((a, x))
+    return want
+
+
 @pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
-def test_deprio_flags_first_occurrence(n, block):
-    rng = random.Random(n * 13)
-    a = [rng.choice([INT64_MIN, 0, 1, 1]) for _ in range(n)]
-    h = [rng.choice([5, 6, -(2**62)]) for _ in range(n)]
-    perm = sorted(range(n), key=lambda i: (a[i], h[i]))  # stable: queue order inside groups
-    seen, want = set(), [False] * n
-    for i in range(n):  # sequential definition: a later eligible member of a seen group
-        if a[i] == INT64_MIN:
-            continue
-        want[i] = (a[i], h[i]) in seen
-        seen.add((a[i], h[i]))
-    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    got = SK.deprio_flags(t([a[i] for i in perm]), t([h[i] for i in perm]), t(perm), block=block)
+@pytest.mark.parametrize("check,T", [(0, 1), (5, 4), (2**40, 1)])
+@pytest.mark.parametrize("with_valid", [False, True])
+def test_deprio_by_hash(n, block, check, T, with_valid):
+    rng = random.Random(n * 13 + T + with_valid)
+    pre = [rng.choice([0, 0, 3, 5, 6, 100]) for _ in range(n)]
+    fill = [rng.choice([1, 3, 4, 4, 9]) for _ in range(n)]
+    ns = [rng.choice([0, 1, 1, 2**31 - 1, -(2**31)]) for _ in range(n)]
+    h = [rng.choice([5, 6, 6, -(2**62), 2**62 - 1]) for _ in range(n)]
+    valid = [rng.random() < 0.8 for _ in range(n)] if with_valid else [True] * n
+    t = lambda x, d=torch.int64: torch.tensor(x, dtype=d)  # noqa: E731
+    got = SK.deprio_by_hash(t(pre, torch.int32), t(fill), t(ns, torch.int32), t(h), check, T,
+                            valid=t(valid, torch.bool) if with_valid else None, block=block)
     assert got.dtype == torch.bool
-    assert_equal(got, want, "deprio flags")
+    want = _deprio_sequential(pre, fill, ns, h, check, T, valid)
+    assert_equal(got, want, "deprioritized")
+    if n >= 33:
+        assert any(want) and not all(want)  # sanity: both outcomes occur
+    # the policy function on triton equals its torch form (valid: padding rows take no part)
+    from gpu_sched import policy as P
+
+    args = (t(pre), t(fill), t(ns), t(h), check, T)
+    vk = dict(valid=t(valid, torch.bool)) if with_valid else {}
+    with P.torch_forms():
+        assert torch.equal(P.in_batch_deprioritize(*args, backend="triton", **vk).cpu(),
+                           P.in_batch_deprioritize(*(x.cpu() if torch.is_tensor(x) else x for x in args),
+                                                   **{k: v.cpu() for k, v in vk.items()}))
 
 
-def test_deprio_flags_all_equal():
-    n = 33
-    got = SK.deprio_flags(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
-                          torch.arange(n), block=16)
-    assert_equal(got, [False] + [True] * (n - 1), "all equal")
+def test_deprio_by_hash_one_group_and_all_distinct():
+    n = 70  # more than one program: the table's claims cross programs
+    z = torch.zeros(n, dtype=torch.int64)
+    got = SK.deprio_by_hash(z, z + 4, z, z + 9, 0, 1, block=16)
+    assert_equal(got, [False] + [True] * (n - 1), "one group")
+    got = SK.deprio_by_hash(z, z + 4, z, torch.arange(n) * (2**40 + 7), 0, 1, block=16)
+    assert_equal(got, [False] * n, "all distinct")
+    assert SK.deprio_by_hash(z[:0], z[:0], z[:0], z[:0], 0, 1).numel() == 0
 
 
 # ---- dfs-weight passes -----------------------------------------------------------------------------
@@ -299,8 +324,10 @@ def test_launchers_reject_bad_arguments():
         SK.routing_keys(i64, torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int64), -1, -1)
     with pytest.raises(ValueError, match="check_threshold"):
         SK.deprio_group_keys(i64, i64, i64, -2, 0)
-    with pytest.raises(TypeError, match="a_sorted must have dtype int64"):
-        SK.deprio_flags(i64.to(torch.int32), i64, i64)
+    with pytest.raises(ValueError, match="deprio_by_hash: threshold must be"):
+        SK.deprio_by_hash(i64, i64, i64, i64, 0, 0)
+    with pytest.raises(TypeError, match="deprio_by_hash: head_hash must have dtype int64"):
+        SK.deprio_by_hash(i64, i64, i64, i64.to(torch.int32), 0, 1)
     with pytest.raises(TypeError, match="weight_round: s must have dtype int64"):
         DW.weight_round(i64.to(torch.int32), i64)
     with pytest.raises(ValueError, match="start_round: anc must have 8 elements"):
