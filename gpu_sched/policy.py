@@ -927,14 +927,18 @@ def dfs_weight_perm_host(parent: np.ndarray, child_rank: np.ndarray, last_node: 
 
 def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Optional[torch.Tensor],
                      last_node: torch.Tensor, *, max_depth: Optional[int] = None, backend: str = "torch",
-                     block: Optional[int] = None, tiebreak: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     block: Optional[int] = None, tiebreak: Optional[torch.Tensor] = None,
+                     rank_bound: Optional[int] = None, tiebreak_bound: Optional[int] = None) -> torch.Tensor:
     """R-ORD-10: depth-first from the root, heavier children first (ties: child order), each
     node's own requests (queue order) after its descendants'. No recursion, no per-node loop.
 
     Args:
         parent: int [N], parent node index; -1 for the root, which is node 0. Other nodes with
             parent -1 count as detached and must carry no requests.
-        child_rank: int [N], position of each node in its parent's child order, in [0, N).
+        child_rank: int [N], position of each node in its parent's child order, in
+            [0, rank_bound). Any key that orders each node's siblings as their child order
+            does (ties: node index) gives the same permutation, e.g. the tree's creation-order
+            stamps (`StepGraph._dfs_weight_perm`), with no ranking pass.
         depth: int [N] or None; only its shape is checked (the passes do not need it; kept so
             callers holding a device tree pass what they have).
         last_node: int [n], each waiting request's last matched node; -1 (no match) is the root.
@@ -948,6 +952,13 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
             such a match counts at the node itself and goes after the node's own requests,
             deeper covers first (tiebreak 0 for whole covers, `C - cover` for partial ones,
             C above every cover: the step passes `max_len + 1`).
+        rank_bound: child_rank's values are below it (default N). The siblings' sort packs
+            (parent, weight, child_rank) into one int64 key when `(N + 1) * (n + 1) *
+            rank_bound` fits, else sorts by two keys.
+        tiebreak_bound: optional, with `tiebreak`: its values are in [0, tiebreak_bound) (not
+            checked: that would read them). The requests are then ordered by one packed key
+            `base * tiebreak_bound + tiebreak` (one sort instead of two) when `(n + 1) *
+            tiebreak_bound` fits int64.
     Returns: int64 permutation [n].
 
     weight = own requests in the subtree; start(v) = start(parent) + weights of the siblings
@@ -971,6 +982,16 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
         raise ValueError(f"{where}: max_depth must be an int >= 0, got {max_depth!r}")
     else:
         rounds = max_depth.bit_length()
+    if tiebreak_bound is not None:
+        if isinstance(tiebreak_bound, bool) or not isinstance(tiebreak_bound, int) or tiebreak_bound < 1:
+            raise ValueError(f"{where}: tiebreak_bound must be an int >= 1, got {tiebreak_bound!r}")
+        if tiebreak is None:
+            raise ValueError(f"{where}: tiebreak_bound needs a tiebreak")
+    pack_tb = tiebreak_bound is not None and (n + 1) * tiebreak_bound <= INT64_MAX
+    if rank_bound is None:
+        rank_bound = N
+    elif isinstance(rank_bound, bool) or not isinstance(rank_bound, int) or rank_bound < 1:
+        raise ValueError(f"{where}: rank_bound must be an int >= 1, got {rank_bound!r}")
     k = _kernels(backend, "dfs_weight")
     if k is None and _host(parent):
         pn = parent.numpy()
@@ -978,9 +999,11 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
             raise ValueError(f"{where}: parent values must be node indices below N = {N} (-1: none), "
                              f"got {int(pn.max())}")
         return torch.from_numpy(dfs_weight_perm_host(pn, child_rank.numpy(), last_node.numpy(), rounds,
-                                                     None if tiebreak is None else tiebreak.numpy()))
-    # one packed sibling key (parent, -weight, child_rank) when it fits int64, else two sorts
-    pack_rank = (N + 1) * (n + 1) * N <= INT64_MAX
+                                                     None if tiebreak is None else tiebreak.numpy(),
+                                                     rank_bound=rank_bound))
+    # one packed sibling key (parent, -weight, child_rank) when it fits int64, else two sorts;
+    # the packing multiplies by N (the kernel's form), which holds every rank below N
+    pack_rank = rank_bound <= N and (N + 1) * (n + 1) * N <= INT64_MAX
     p64 = parent.to(torch.int64)
     if k is None:
         ln = last_node.to(torch.int64)
@@ -1004,17 +1027,19 @@ def dfs_weight_order(parent: torch.Tensor, child_rank: torch.Tensor, depth: Opti
             t = t + torch.where(up, gather(t, a), 0)
             anc = torch.where(up, gather(anc, a), -1)
         base = gather(t + weight - own, ln)
+        if pack_tb:  # bases are below n + 1
+            return _stable_perm(base * tiebreak_bound + tiebreak.to(torch.int64))
     else:
         ln = _contig(last_node)
-        own = k.own_counts(ln, N, block=block)
-        s, anc = own, _contig(p64)
-        for _ in range(rounds):
-            s, anc = k.weight_round(s, anc, block=block)
-        weight = s
+        own, weight = k.subtree_weights(ln, _contig(p64), rounds, block=block)
         skey = k.sibling_keys(_contig(parent), _contig(child_rank), weight, n, pack_rank=pack_rank, block=block)
-        off = _sibling_offsets(parent, weight, skey, None if pack_rank else child_rank)
+        order = _stable_perm(skey) if pack_rank else _lex_perm(skey, child_rank.to(torch.int64))
+        off = k.sibling_offsets(_contig(order), _contig(p64), weight, block=block)
         t, anc = off, _contig(p64)
         for _ in range(rounds):
             t, anc = k.start_round(t, anc, block=block)
+        if pack_tb:
+            return _stable_perm(k.request_bases(ln, t, weight, own, tiebreak=_contig(tiebreak),
+                                                tiebreak_bound=tiebreak_bound, block=block))
         base = k.request_bases(ln, t, weight, own, block=block)
     return _stable_perm(base) if tiebreak is None else _lex_perm(base, tiebreak.to(torch.int64))

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from . import policy as dpolicy
+from .policy import INT64_MAX
 from .config import _check_int
 from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, match_lock_drops
 from .scheduler import (RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
@@ -393,23 +394,31 @@ class StepGraph:
     def _dfs_weight_perm(self, m_full: torch.Tensor, pos_full: torch.Tensor) -> torch.Tensor:
         """R-ORD-10 on the tree as it is, before the full matches' splits (the host applies those
         after the read-back): every node slot below `_node_span()` takes part, dead ones
-        detached (parent -1, no requests); siblings ranked by child order
-        (`policy.child_order_ranks`, no compaction). A match ending inside a
+        detached (parent -1, no requests); siblings ordered by the tree's creation-order stamps
+        (`tree.order`, unbounded: the siblings' sort takes two keys), no ranking pass and no
+        compaction. A match ending inside a
         node, which sequential matching would split, is the node's request with tiebreak
         `max_len + 1 - cover` (`dfs_weight_order`): after the node's own requests, deeper
         covers first, as the chain of split heads would emit them (a head takes its node's
         place in the child order)."""
         tree = self.s.cache.tree
         b = self._node_span()
-        parent = torch.where(tree.alive[:b], tree.parent[:b], -1)
-        rank = dpolicy.child_order_ranks(parent, tree.order[:b])
-        has = m_full > 0
-        p = torch.where(has, pos_full, 0)
-        node = torch.where(has, tree.owner[p], 0)
-        cover = p - tree.key_off[node] + 1
-        tb = torch.where(has & (cover < tree.key_len[node]), self.max_len + 1 - cover, 0)
-        return dpolicy.dfs_weight_order(parent, rank, None, node, max_depth=min(self.max_len // self.s.config.page_size, b),
-                                        backend=self.s.backend, tiebreak=tb)
+        if self.s.backend == "triton":  # the same values in one launch
+            from .kernels.dfs_weight import match_nodes
+
+            node, tb, parent = match_nodes(m_full, pos_full, tree.owner, tree.key_off, tree.key_len, tree.alive[:b],
+                                           tree.parent[:b], self.max_len + 1)
+        else:
+            parent = torch.where(tree.alive[:b], tree.parent[:b], -1)
+            has = m_full > 0
+            p = torch.where(has, pos_full, 0)
+            node = torch.where(has, tree.owner[p], 0)
+            cover = p - tree.key_off[node] + 1
+            tb = torch.where(has & (cover < tree.key_len[node]), self.max_len + 1 - cover, 0)
+        return dpolicy.dfs_weight_order(parent, tree.order[:b], None, node,
+                                        max_depth=min(self.max_len // self.s.config.page_size, b),
+                                        backend=self.s.backend, tiebreak=tb, rank_bound=INT64_MAX,
+                                        tiebreak_bound=self.max_len + 1)
 
     def _node_span(self) -> int:
         """Node ids the admission scans: every live id is below `node_bound()`; rounded up to a

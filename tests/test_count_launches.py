@@ -14,10 +14,12 @@ import count_launches  # noqa: E402
 
 def test_recorded_step_launch_counts(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    count_launches.main(["--policies", "fcfs,lpm", "--n", "16", "--queue", "synthetic", "--warm", "20",
+    count_launches.main(["--policies", "fcfs,lpm,dfs-weight", "--n", "16", "--queue", "synthetic", "--warm", "20",
                          "--by-site", "--out", str(out)])
     rows = {r["policy"]: r for r in json.loads(out.read_text())}
-    for pol, most in (("fcfs", 32), ("lpm", 33)):  # 29 and 30 when written (session 40); 157 and 192 in session 37
+    # 29, 30 and 53 when written (session 41); 157, 192 and ~250 in session 37 (dfs-weight's
+    # pointer-jumping rounds, one launch each, grow with the tree: 61 on the Mooncake queue)
+    for pol, most in (("fcfs", 32), ("lpm", 33), ("dfs-weight", 56)):
         r = rows[pol]
         total = r["torch_ops"] + r["triton_launches"]
         assert 0 < r["torch_ops"] and 0 < r["triton_launches"] and total <= most, (pol, r["sites"], r["triton"])

@@ -260,22 +260,19 @@ def test_dfs_passes_against_python(N, block):
     n = N + 3
     last = [rng.choice([-1, 0, rng.randrange(N), N + 5]) for _ in range(n)]
     t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    own = DW.own_counts(t(last), N, block=block)
     node_of = [v if 0 <= v < N else 0 for v in last]
     want_own = [node_of.count(v) for v in range(N)]
-    assert_equal(own, want_own, "own")
-    # weight rounds: after k rounds S_k(v) = own of nodes u with v = anc^j(u), j < 2^k
-    s, anc = own, t(parent)
-    for k in range(max(1, (N - 1).bit_length())):
-        s, anc = DW.weight_round(s, anc, block=block)
+    # weight rounds: after k rounds S_k(v) = own of nodes u with v = anc^j(u), j < 2^k; up to
+    # 5 rounds, so that the three rotating buffers each serve twice
+    for k in range(max(5, (N - 1).bit_length()) + 1):
+        own, s = DW.subtree_weights(t(last), t(parent), k, block=block)
+        assert_equal(own, want_own, f"own ({k} rounds)")
         want_s = [0] * N
         for u in range(N):
             for j, v in enumerate(ancestors(parent, u)):
-                if j < 2 ** (k + 1):
+                if j < 2 ** k:
                     want_s[v] += want_own[u]
-        assert_equal(s, want_s, f"weights after round {k + 1}")
-        want_anc = [(ancestors(parent, u) + [-1] * 2 ** (k + 1))[2 ** (k + 1)] for u in range(N)]
-        assert_equal(anc, want_anc, f"ancestors after round {k + 1}")
+        assert_equal(s, want_s, f"weights after {k} rounds")
     weight = want_s
     # sibling keys
     for pack in (False, True):
@@ -283,6 +280,12 @@ def test_dfs_passes_against_python(N, block):
         want_key = [((p + 1) * (n + 1) + (n - w)) * (N if pack else 1) + (r if pack else 0)
                     for p, w, r in zip(parent, weight, rank)]
         assert_equal(key, want_key, f"sibling keys pack={pack}")
+    # sibling offsets along the packed keys' order: the weight of the siblings sorted before
+    order = sorted(range(N), key=lambda v: want_key[v])
+    got_off = DW.sibling_offsets(t(order), t(parent), s, block=block)
+    before = {v: sum(weight[u] for u in order[:order.index(v)] if parent[u] == parent[v]) for v in range(N)}
+    assert_equal(got_off, [before[v] for v in range(N)], "sibling offsets")
+    assert N < 3 or any(before.values())
     # start rounds on arbitrary offsets: T = path sums over 2^k ancestors
     off = [rng.randrange(5) if v else 0 for v in range(N)]
     tt, anc = t(off), t(parent)
@@ -291,13 +294,53 @@ def test_dfs_passes_against_python(N, block):
         want_t = [sum(off[v] for j, v in enumerate(ancestors(parent, u)) if j < 2 ** (k + 1)) for u in range(N)]
         assert_equal(tt, want_t, f"starts after round {k + 1}")
     base = DW.request_bases(t(last), tt, s, own, block=block)
-    assert_equal(base, [int(tt[v]) + weight[v] - want_own[v] for v in node_of], "request bases")
+    want_base = [int(tt[v]) + weight[v] - want_own[v] for v in node_of]
+    assert_equal(base, want_base, "request bases")
+    tb = [rng.randrange(7) for _ in range(n)]
+    packed = DW.request_bases(t(last), tt, s, own, tiebreak=torch.tensor(tb, dtype=torch.int32), tiebreak_bound=7,
+                              block=block)
+    assert_equal(packed, [b * 7 + x for b, x in zip(want_base, tb)], "request bases packed with the tiebreak")
 
 
 def test_dfs_passes_empty_queue():
-    own = DW.own_counts(torch.zeros(0, dtype=torch.int64), 3, block=16)
+    own, s = DW.subtree_weights(torch.zeros(0, dtype=torch.int64), torch.tensor([-1, 0, 0]), 2, block=16)
     assert_equal(own, [0, 0, 0], "own")
+    assert_equal(s, [0, 0, 0], "weights")
     assert DW.request_bases(torch.zeros(0, dtype=torch.int32), own, own, own).numel() == 0
+
+
+@pytest.mark.parametrize("n,N,block", [(0, 1, 16), (5, 40, 16), (40, 5, 16), (130, 70, 32)])
+def test_match_nodes_against_python(n, N, block):
+    """The recorded step's dfs-weight inputs (`match_nodes`, one launch): each match's node and
+    partial-cover tiebreak, dead slots detached, request and node counts either way round."""
+    rng = random.Random(n * 7 + N)
+    T = 60  # pool tokens, each owned by one of N nodes with a key of 1..6 tokens around it
+    owner = [rng.randrange(N) for _ in range(T)]
+    key_off = [rng.randrange(T) for _ in range(N)]
+    key_len = [rng.randrange(1, 7) for _ in range(N)]
+    alive = [rng.random() < 0.7 for _ in range(N)]
+    parent = [-1] + [rng.randrange(v) for v in range(1, N)]
+    m = [rng.choice([0, 0, 3, 9]) for _ in range(n)]
+    pos = [rng.randrange(T) if k else rng.choice([-(2**40), 10**12]) for k in m]  # read only where m > 0
+    cap = 50
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    node, tb, live = DW.match_nodes(t(m), t(pos), t(owner), t(key_off), t(key_len), torch.tensor(alive),
+                                    t(parent), cap, block=block)
+    want_node, want_tb = [], []
+    for k, p in zip(m, pos):
+        v = owner[p] if k > 0 else 0
+        cover = p - key_off[v] + 1
+        want_node.append(v)
+        want_tb.append(cap - cover if k > 0 and cover < key_len[v] else 0)
+    assert_equal(node, want_node, "node")
+    assert_equal(tb, want_tb, "tiebreak")
+    assert_equal(live, [p if a else -1 for p, a in zip(parent, alive)], "live parent")
+    if n:
+        assert any(want_tb) and 0 in want_tb[:n]  # both kinds of cover occur
+    with pytest.raises(ValueError, match="match_nodes: cap must be"):
+        DW.match_nodes(t(m), t(pos), t(owner), t(key_off), t(key_len), torch.tensor(alive), t(parent), 0)
+    with pytest.raises(ValueError, match="match_nodes: parent must have"):
+        DW.match_nodes(t(m), t(pos), t(owner), t(key_off), t(key_len), torch.tensor(alive), t(parent + [0]), cap)
 
 
 # ---- launcher checks -------------------------------------------------------------------------------
@@ -328,12 +371,18 @@ def test_launchers_reject_bad_arguments():
         SK.deprio_by_hash(i64, i64, i64, i64, 0, 0)
     with pytest.raises(TypeError, match="deprio_by_hash: head_hash must have dtype int64"):
         SK.deprio_by_hash(i64, i64, i64, i64.to(torch.int32), 0, 1)
-    with pytest.raises(TypeError, match="weight_round: s must have dtype int64"):
-        DW.weight_round(i64.to(torch.int32), i64)
+    with pytest.raises(TypeError, match="subtree_weights: parent must have dtype int64"):
+        DW.subtree_weights(i64, i64.to(torch.int32), 1)
+    with pytest.raises(ValueError, match="subtree_weights: rounds must be in"):
+        DW.subtree_weights(i64, i64, -1)
+    with pytest.raises(ValueError, match="request_bases: tiebreak and tiebreak_bound go together"):
+        DW.request_bases(i64, i64, i64, i64, tiebreak=i64)
+    with pytest.raises(ValueError, match="sibling_offsets: weight must have 8 elements"):
+        DW.sibling_offsets(i64, i64, i64[:4])
     with pytest.raises(ValueError, match="start_round: anc must have 8 elements"):
         DW.start_round(i64, i64[:4])
-    with pytest.raises(ValueError, match="num_nodes must be in"):
-        DW.own_counts(i64, 0)
+    with pytest.raises(ValueError, match="subtree_weights: parent must hold at least the root"):
+        DW.subtree_weights(i64, i64[:0], 1)
     with pytest.raises(ValueError, match="block must be a power of two"):
         SK.lpm_keys(i64, torch.zeros(8, dtype=torch.bool), block=100)
 

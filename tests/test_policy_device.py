@@ -746,6 +746,30 @@ def test_dfs_weight_unpacked_sibling_key(monkeypatch):
     assert_perm_equal(_torch_forms(P.dfs_weight_order, parent, rank, depth, last), want, "dfs unpacked, torch form")
 
 
+def test_dfs_weight_sibling_stamps_with_rank_bound():
+    """Creation-order stamps in place of child ranks (what the recorded step passes: sparse,
+    far above N, `rank_bound` unbounded) order siblings as the ranks do: the same permutation
+    on every backend and in the torch form; ranks above a given bound are refused."""
+    rng = random.Random(29)
+    cache, prompts = random_tree_workload(500, rng, n_inserts=120)
+    queue = make_queue(500, rng, False, prompts=prompts)
+    want = ref_perm(queue, order_queue(queue, SchedulerConfig(schedule_policy="dfs-weight"), cache, [], no_shuffle).queue)
+    parent, rank, depth, index = flatten_tree(cache.root)
+    last = torch.tensor([index[id(r.last_node)] for r in queue], dtype=torch.int64)
+    # a stamp increasing with the rank within each sibling group, with gaps and far above N
+    N = parent.numel()
+    stamps = (1 << 40) + rank * 1_000_003 + torch.randint(0, 1000, (N,), generator=_gen().manual_seed(2))
+    assert bool((stamps >= N).all())
+    for backend in ["torch"] + (["triton"] if HAVE_TRITON else []):
+        got = P.dfs_weight_order(parent, stamps, None, last, rank_bound=P.INT64_MAX, **kw(backend))
+        assert_perm_equal(got, want, f"dfs stamps {backend}")
+    got = _torch_forms(P.dfs_weight_order, parent, stamps, None, last, rank_bound=P.INT64_MAX)
+    assert_perm_equal(got, want, "dfs stamps torch form")
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="rank_bound"):
+            P.dfs_weight_order(parent, rank, None, last, rank_bound=bad)
+
+
 def test_dfs_weight_100k_chain():
     """A chain of 10^5 nodes: no recursion; 17 pointer-jumping rounds. Compared with the
     reference walk over real TreeNodes and with the closed form (deepest node first)."""
@@ -809,11 +833,17 @@ def test_dfs_weight_tiebreak_equals_split_chains(seed):
     sp_last = [head.get((v, c), v) for v, c in zip(node, cover)]
     t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
     want = P.dfs_weight_order(t(sp_parent), t(sp_rank), None, t(sp_last)).tolist()
+    # with its bound (C: the step's max_len + 1) the requests' two keys are packed into one
+    bounds = (None, C) if seed % 2 else (None, C, 2**62)  # 2^62: too wide to pack, two sorts
     for backend in ["torch"] + (["triton"] if HAVE_TRITON else []):
-        got = P.dfs_weight_order(t(parent), t(rank), None, t(node), tiebreak=t(tb), **kw(backend))
-        assert_perm_equal(got, want, f"dfs tiebreak {backend} seed {seed}")
-    got = _torch_forms(P.dfs_weight_order, t(parent), t(rank), None, t(node), tiebreak=t(tb))
-    assert_perm_equal(got, want, f"dfs tiebreak torch form seed {seed}")
+        for bound in bounds:
+            got = P.dfs_weight_order(t(parent), t(rank), None, t(node), tiebreak=t(tb), tiebreak_bound=bound,
+                                     **kw(backend))
+            assert_perm_equal(got, want, f"dfs tiebreak {backend} seed {seed} bound {bound}")
+    for bound in bounds:
+        got = _torch_forms(P.dfs_weight_order, t(parent), t(rank), None, t(node), tiebreak=t(tb),
+                           tiebreak_bound=bound)
+        assert_perm_equal(got, want, f"dfs tiebreak torch form seed {seed} bound {bound}")
 
 
 def test_dfs_weight_tiebreak_by_hand():
@@ -829,6 +859,10 @@ def test_dfs_weight_tiebreak_by_hand():
     assert _torch_forms(P.dfs_weight_order, parent, rank, None, node, tiebreak=tb).tolist() == [5, 2, 1, 3, 0, 4]
     with pytest.raises(ValueError, match="tiebreak"):
         P.dfs_weight_order(parent, rank, None, node, tiebreak=tb[:3])
+    with pytest.raises(ValueError, match="tiebreak_bound needs a tiebreak"):
+        P.dfs_weight_order(parent, rank, None, node, tiebreak_bound=10)
+    with pytest.raises(ValueError, match="tiebreak_bound must be an int >= 1"):
+        P.dfs_weight_order(parent, rank, None, node, tiebreak=tb, tiebreak_bound=0)
 
 
 def test_dfs_weight_edge_cases():
