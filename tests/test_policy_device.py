@@ -732,15 +732,21 @@ def test_dfs_weight_shuffled_node_numbering_and_sibling_ties():
     assert_perm_equal(got, want, "dfs relabelled torch form")
 
 
+def _dfs_case(seed: int, n: int, n_inserts: int):
+    """A random cache and queue of n: (the reference's dfs-weight permutation, parent, child
+    rank, depth, last node per request) on the flattened tree."""
+    rng = random.Random(seed)
+    cache, prompts = random_tree_workload(n, rng, n_inserts=n_inserts)
+    queue = make_queue(n, rng, False, prompts=prompts)
+    want = ref_perm(queue, order_queue(queue, SchedulerConfig(schedule_policy="dfs-weight"), cache, [], no_shuffle).queue)
+    parent, rank, depth, index = flatten_tree(cache.root)
+    return want, parent, rank, depth, torch.tensor([index[id(r.last_node)] for r in queue], dtype=torch.int64)
+
+
 def test_dfs_weight_unpacked_sibling_key(monkeypatch):
     """When (parent, -weight, child_rank) does not fit one int64 key (forced here by a smaller
     bound), both CPU forms sort siblings by two keys instead and give the reference's order."""
-    rng = random.Random(17)
-    cache, prompts = random_tree_workload(400, rng, n_inserts=80)
-    queue = make_queue(400, rng, False, prompts=prompts)
-    want = ref_perm(queue, order_queue(queue, SchedulerConfig(schedule_policy="dfs-weight"), cache, [], no_shuffle).queue)
-    parent, rank, depth, index = flatten_tree(cache.root)
-    last = torch.tensor([index[id(r.last_node)] for r in queue], dtype=torch.int64)
+    want, parent, rank, depth, last = _dfs_case(17, 400, 80)
     monkeypatch.setattr(P, "INT64_MAX", 1)  # no packed sibling key
     assert_perm_equal(P.dfs_weight_order(parent, rank, depth, last), want, "dfs unpacked, numpy form")
     assert_perm_equal(_torch_forms(P.dfs_weight_order, parent, rank, depth, last), want, "dfs unpacked, torch form")
@@ -750,12 +756,7 @@ def test_dfs_weight_sibling_stamps_with_rank_bound():
     """Creation-order stamps in place of child ranks (what the recorded step passes: sparse,
     far above N, `rank_bound` unbounded) order siblings as the ranks do: the same permutation
     on every backend and in the torch form; ranks above a given bound are refused."""
-    rng = random.Random(29)
-    cache, prompts = random_tree_workload(500, rng, n_inserts=120)
-    queue = make_queue(500, rng, False, prompts=prompts)
-    want = ref_perm(queue, order_queue(queue, SchedulerConfig(schedule_policy="dfs-weight"), cache, [], no_shuffle).queue)
-    parent, rank, depth, index = flatten_tree(cache.root)
-    last = torch.tensor([index[id(r.last_node)] for r in queue], dtype=torch.int64)
+    want, parent, rank, _, last = _dfs_case(29, 500, 120)
     # a stamp increasing with the rank within each sibling group, with gaps and far above N
     N = parent.numel()
     stamps = (1 << 40) + rank * 1_000_003 + torch.randint(0, 1000, (N,), generator=_gen().manual_seed(2))
