@@ -104,6 +104,7 @@ from gpu_sched.config import SchedulerConfig
 from gpu_sched.reference.adder import PrefillAdder
 from gpu_sched.reference.scheduler import ReferenceScheduler
 from gpu_sched.request import Request
+from gpu_sched.row_queue import RowQueue
 from gpu_sched.scheduler import GpuScheduler
 from gpu_sched.step import GRAPH_POLICIES
 from gpu_sched.sim.traces import TraceRequest, read_mooncake, synthetic_workload
@@ -216,7 +217,8 @@ def set_queue(s, reqs: List[Request]) -> None:
         raise RuntimeError("the scheduler overrides submit(); set_queue would bypass it")
     for st in s.queue:
         del s.reqs[st.rid]
-    s.queue = []
+    # an empty queue of the scheduler's own (assigning a list only reorders a GpuScheduler's)
+    s.queue = RowQueue(s) if isinstance(s, GpuScheduler) else []
     for r in reqs:
         st = s._state(r, None)
         s.reqs[r.rid] = st

@@ -9,6 +9,7 @@ fallback (R-ORD-2); the plain constructor differs only in `lpm_fallback_queue_le
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -96,8 +97,10 @@ class SchedulerConfig:
         if not isinstance(self.schedule_policy, str):
             raise TypeError(f"schedule_policy must be a str, got {self.schedule_policy!r}")
         if self.schedule_policy not in POLICIES:
+            close = difflib.get_close_matches(self.schedule_policy.lower().replace("_", "-"), POLICIES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(
-                f"schedule_policy must be one of {', '.join(POLICIES)}; got {self.schedule_policy!r}"
+                f"schedule_policy must be one of {', '.join(POLICIES)}; got {self.schedule_policy!r}{hint}"
             )
         _check_int("page_size", self.page_size, lo=1)
         _check_int("max_prefill_tokens", self.max_prefill_tokens, lo=1)

@@ -21,7 +21,7 @@ def as_token_array(tokens, what: str) -> np.ndarray:
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise TypeError(f"{what} must be a 1-D integer array, got dtype {tokens.dtype} ndim {tokens.ndim}")
-        arr = tokens.astype(np.int64, copy=False)
+        arr = tokens  # compared as it is: a cast to int64 first would wrap uint64 ids
     else:
         if isinstance(tokens, (str, bytes)):
             raise TypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__}")

@@ -221,7 +221,10 @@ class GpuScheduler(ReferenceScheduler):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:  # torch's own message lists every device type
+            raise ValueError(f"device {device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1')") from e
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: torch.cuda.is_available() is False (no GPU, or a CPU-only torch)")
         self._on_cpu = self.device.type == "cpu"  # kept: `device.type` is slow on a cold cache
@@ -262,10 +265,35 @@ class GpuScheduler(ReferenceScheduler):
 
     @queue.setter
     def queue(self, value) -> None:
+        """Assigning the waiting queue reorders it: `value` must hold the same waiting request
+        states, each once (ValueError / TypeError naming the request otherwise, with the queue
+        unchanged; `submit` adds requests and `abort` drops them). A `RowQueue` of this
+        scheduler (its steps' own, and copies of them) is taken as it is."""
         if isinstance(value, RowQueue) and value._s is self:
             self._queue = value
-        else:  # rows looked up at the next step
-            self._queue = RowQueue(self, tail=list(value))
+            return
+        if isinstance(value, (str, bytes)):
+            raise TypeError(f"queue: expected a sequence of request states, got {type(value).__name__}")
+        items = list(value)
+        cur = getattr(self, "_queue", None)  # unset only in __init__
+        waiting = {id(x): x for x in (cur if cur is not None else ())}
+        seen = set()
+        for i, x in enumerate(items):
+            if not isinstance(x, ReqState):
+                raise TypeError(f"queue: item {i} is {type(x).__name__} {x!r}, not a request state "
+                                f"(submit() adds requests)")
+            if id(x) not in waiting:
+                raise ValueError(f"queue: request {x.rid!r} (item {i}) is not waiting in this scheduler "
+                                 f"(running, in flight, finished or never submitted); assigning the queue "
+                                 f"only reorders it")
+            if id(x) in seen:
+                raise ValueError(f"queue: request {x.rid!r} appears more than once (item {i})")
+            seen.add(id(x))
+        if len(seen) != len(waiting):
+            missing = next(x for k, x in waiting.items() if k not in seen)
+            raise ValueError(f"queue: the waiting request {missing.rid!r} is missing ({len(waiting) - len(seen)} "
+                             f"in all); abort() drops requests, assigning the queue only reorders it")
+        self._queue = RowQueue(self, tail=items)  # rows looked up at the next step
 
     def _queue_rows(self, q: RowQueue) -> np.ndarray:
         """Rows of every request in `q` (int64 [len(q)]): its tail's rows are looked up

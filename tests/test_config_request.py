@@ -152,6 +152,22 @@ def test_scheduler_rejects_non_config():
     for bad in ("10", 1.5, None, True):  # a wrong type is a TypeError, as for the config's fields
         with pytest.raises(TypeError, match="kv_pool_size must be an int >= 0, got"):
             ReferenceScheduler(SchedulerConfig(), bad)
+    # a pool too large for the host's memory is named (not numpy's bare allocation error)
+    with pytest.raises(MemoryError, match=r"kv_pool_size 1000000000000000 slots: no memory"):
+        ReferenceScheduler(SchedulerConfig(), 10**15)
+
+
+def test_policy_name_and_device_errors_point_at_the_fix():
+    for bad, guess in (("dfs_weight", "dfs-weight"), ("LPM", "lpm"), ("routing_key", "routing-key")):
+        with pytest.raises(ValueError, match=f"got '{bad}' .did you mean '{guess}'"):
+            SchedulerConfig(schedule_policy=bad)
+    with pytest.raises(ValueError, match=r"must be one of .*; got 'shortest'$"):
+        SchedulerConfig(schedule_policy="shortest")
+    from gpu_sched.scheduler import GpuScheduler
+
+    for bad in ("tpu", 3.5, "cuda:x"):
+        with pytest.raises(ValueError, match=f"device {bad!r} is not a torch device"):
+            GpuScheduler(SchedulerConfig(), 10, device=bad)
 
 
 # ---- Request ----------------------------------------------------------------------------------
@@ -226,6 +242,17 @@ def test_request_rejects_bool_token_mixed_with_ints():
     numpy turns the list into an int64 array and the bool slips through as token 1."""
     with pytest.raises(TypeError, match=r"prompt_ids\[1\]"):
         Request("r1", [1, True], 4)
+
+
+@pytest.mark.parametrize("arr,i,value", [(np.array([5, 2**64 - 1], dtype=np.uint64), 1, "18446744073709551615"),
+                                         (np.array([2**31], dtype=np.uint32), 0, "2147483648"),
+                                         (np.array([7, -3], dtype=np.int16), 1, "-3")])
+def test_request_token_array_out_of_range_names_its_value(arr, i, value):
+    """An array of ids is checked in its own dtype: a uint64 id is reported as it is, not as
+    the negative number a cast to int64 would wrap it to."""
+    with pytest.raises(ValueError, match=rf"prompt_ids\[{i}\] = {value} is outside the token id range"):
+        Request("r1", arr, 4)
+    assert Request("r1", np.array([0, 2**31 - 1], dtype=np.uint64), 4).prompt_ids.tolist() == [0, 2**31 - 1]
 
 
 def test_request_bad_rid():

@@ -42,8 +42,42 @@ def test_queue_reads_like_a_list():
     assert head == items[:3] and rows is not None and list(rows) == list(q.rows[:3])
     assert q.window(len(items) - 1, len(items) + 1) == ([items[-1], x], None)
     assert list(q.after(4)) == items[4:] + [x]
-    s.queue = items[3:]  # any sequence can be assigned; rows are looked up at the next step
-    assert isinstance(s.queue, RowQueue) and list(s.queue) == items[3:]
+    s.queue = items[::-1] + [x]  # a reordering can be assigned; rows are looked up at the next step
+    assert isinstance(s.queue, RowQueue) and list(s.queue) == items[::-1] + [x]
+
+
+def test_queue_assignment_only_reorders():
+    """Assigning `sched.queue` reorders the waiting requests; anything else (an unknown item, a
+    running request, a duplicate, a dropped request) raises, naming the request, and leaves the
+    scheduler as it was: its next steps equal a reference scheduler's given the same reorder."""
+    cfg = SchedulerConfig(schedule_policy="fcfs", max_prefill_tokens=64)
+    s, ref = GpuScheduler(cfg, 2000), ReferenceScheduler(cfg, 2000)
+    for x in (s, ref):
+        x.submit(reqs(12))
+    assert vars(s.step(0.5)) == vars(ref.step(0.5))
+    for x in (s, ref):
+        x.complete_prefill({r.rid: 1 for r in x.prefilling})
+    running, waiting = s.running[0], list(s.queue)
+    assert len(waiting) > 3
+    other = GpuScheduler(cfg, 2000)
+    other.submit(reqs(1, start=50))
+    bad = [([1, 2], TypeError, "item 0 is int"), ("abc", TypeError, "sequence of request states"),
+           (waiting + [running], ValueError, f"{running.rid!r} .item {len(waiting)}. is not waiting"),
+           (waiting + [waiting[1]], ValueError, f"{waiting[1].rid!r} appears more than once"),
+           (waiting[1:], ValueError, f"waiting request {waiting[0].rid!r} is missing"),
+           (waiting[:-1] + list(other.queue), ValueError, "is not waiting in this scheduler"),
+           ([], ValueError, f"missing .{len(waiting)} in all.")]
+    for value, err, msg in bad:
+        with pytest.raises(err, match=msg):
+            s.queue = value
+        assert list(s.queue) == waiting
+    order = waiting[::-1]
+    s.queue = order
+    ref.queue = [ref.reqs[r.rid] for r in order]
+    for _ in range(3):
+        assert vars(s.step(0.5)) == vars(ref.step(0.5))
+        for x in (s, ref):
+            x.complete_prefill({r.rid: 1 for r in x.prefilling})
 
 
 def test_lazy_list():

@@ -27,7 +27,11 @@ class KVPool:
             raise ValueError(f"kv_pool_size must be an int >= 0, got {size!r}")
         self.size = int(size)
         # free slots form a stack; the top is at the end
-        self._free = np.arange(self.size - 1, -1, -1, dtype=np.int64)
+        try:
+            self._free = np.arange(self.size - 1, -1, -1, dtype=np.int64)
+        except MemoryError:  # 8 bytes a slot on the host
+            raise MemoryError(f"kv_pool_size {size} slots: no memory for its free list "
+                              f"({8 * self.size / 2**30:.1f} GiB)") from None
         self._n_free = self.size
 
     @property

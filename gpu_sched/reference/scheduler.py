@@ -446,7 +446,9 @@ class ReferenceScheduler:
         evictable = self.cache.evictable_size  # a device read on a device cache: once
         if n > self.pool.available + evictable:  # evicting would not be enough: say so first
             raise MemoryError(f"decode: the step needs {n} KV slots, {self.pool.available} free and "
-                              f"{evictable} evictable; call retract_decode() first (decode_fits)")
+                              f"{evictable} evictable; call retract_decode() first (decode_fits), and if "
+                              f"decode_fits() is still False after it (it keeps one request), finish() or "
+                              f"abort() a running request")
         if n > self.pool.available:
             self.cache.evict(n - self.pool.available)
         slots = self.pool.alloc(n)
