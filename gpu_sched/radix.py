@@ -2116,7 +2116,17 @@ class FlatRadixTree:
     def check_integrity(self) -> None:
         """Structure, counters and hash table against each other (AssertionError on failure)."""
         b = self._hwm  # no live id at or above it (ids are handed out lowest first)
-        assert not bool(self.alive[b:].any()), "a live node at or above node_bound()"
+        # the passes over the whole node, pool and table arrays: numpy on a CPU (2-3x torch's
+        # one-thread passes there; a replay's --check runs this after every step)
+        cpu = self._on_cpu
+        if cpu:
+            assert not self._np("alive")[b:].any(), "a live node at or above node_bound()"
+            owned = int(np.count_nonzero(self._np("owner") >= 0))
+            slots = torch.from_numpy(np.flatnonzero(self._np("hkeys") >= 0))
+        else:
+            assert not bool(self.alive[b:].any()), "a live node at or above node_bound()"
+            owned = int(torch.count_nonzero(self.owner >= 0))
+            slots = torch.nonzero(self.hkeys >= 0).flatten()
         live = self.alive[:b]
         assert bool((self.parent[:b][~live] == -1).all()), "a dead node slot keeps a parent"
         alive = torch.nonzero(live).flatten()
@@ -2138,15 +2148,15 @@ class FlatRadixTree:
         assert (ev, pr) == (int(self.evictable_size), int(self.protected_size)), (
             f"evictable/protected {int(self.evictable_size)}/{int(self.protected_size)} != {ev}/{pr}")
         # every live token's pool position is owned by its node, and no other position is owned
-        assert int(torch.count_nonzero(self.owner >= 0)) == ev + pr, "owned pool positions != live tokens"
+        assert owned == ev + pr, "owned pool positions != live tokens"
         if nodes.numel():
             off, ln = self.key_off[nodes], self.key_len[nodes]
             assert bool((self.owner[off] == nodes).all()) and bool((self.owner[off + ln - 1] == nodes).all()), (
                 "a node's first or last pool position is owned by another node")
-        live_entries = int(torch.count_nonzero(self.hkeys >= 0))  # 6x less than a bool sum on a CPU
+        live_entries = slots.numel()
         if self.hslot is not None and self._hslot_ok:  # each entry's slot recorded at its pool position
-            slots = torch.nonzero(self.hkeys >= 0).flatten()
-            assert torch.equal(self.hslot[self.hvals[slots]].to(torch.int64), slots), "hslot != an entry's slot"
+            s_np = slots.numpy()  # hslot exists on a CPU tree only
+            assert np.array_equal(self._np("hslot")[self._np("hvals")[s_np]], s_np), "hslot != an entry's slot"
         assert live_entries == (ev + pr) // self.P, f"hash entries {live_entries} != pages {(ev + pr) // self.P}"
 
 

@@ -968,11 +968,17 @@ def test_insert_and_match_equals_insert_then_match(page_size):
     assert kinds == {(True, True), (True, False), (False, True), ("hint", True), ("hint", False)}, kinds
 
 
+def _first_entry(t) -> int:
+    return int(torch.nonzero(t.hkeys >= 0)[0])
+
+
 @pytest.mark.parametrize("corrupt, message", [
     (lambda t, v: t.nchild.__setitem__(v, t.nchild[v] + 1), "nchild mismatch"),
     (lambda t, v: t.alive.__setitem__(t.node_bound(), True), "at or above node_bound"),
     (lambda t, v: t.last_access.__setitem__(v, t.last_access[0] + 1), "stamp above parent's"),
     (lambda t, v: t.hkeys.__setitem__(int(torch.nonzero(t.hkeys >= 0)[0]), -1), "hash entries"),
+    (lambda t, v: t.owner.__setitem__(int(torch.nonzero(t.owner < 0)[0]), v), "owned pool positions"),
+    (lambda t, v: t.hslot.__setitem__(int(t.hvals[_first_entry(t)]), _first_entry(t) + 1), "hslot != an entry's slot"),
 ])
 def test_check_integrity_catches_corruption(corrupt, message):
     """`check_integrity` (over the live ids below `node_bound()`, the whole table counted)
