@@ -115,7 +115,8 @@ def fmt_s(x):
 
 def markdown_table(rows):
     """Median per call, one line per (policy, stage, backend/device), one column per n; a
-    `/ ref` line under each device backend gives its median over the reference's."""
+    `speedup` line under each device backend gives the reference's median over its own (above
+    1: faster than the reference), the same figure bench_queue.py prints."""
     ns = sorted({r["n"] for r in rows})
     policies = [p for p in POLICY_ORDER if any(r["policy"] == p for r in rows)]
     policies += sorted({r["policy"] for r in rows} - set(policies))
@@ -136,8 +137,8 @@ def markdown_table(rows):
                 if be != "reference":
                     rat = [g.get("ratio_to_ref") if g else None for g in got]
                     if any(x is not None for x in rat):
-                        lines.append(f"| {pol} | {st} | {be} ({dev}) / ref | "
-                                     + " | ".join("" if x is None else f"{x:.3g}x" for x in rat) + " |")
+                        lines.append(f"| {pol} | {st} | {be} ({dev}) speedup | "
+                                     + " | ".join("" if not x else f"{1 / x:.3g}x" for x in rat) + " |")
     return "\n".join(lines)
 
 

@@ -183,28 +183,63 @@ def config_from_args(args):
 # ---- replay --------------------------------------------------------------------------------
 def load_trace(args):
     """The trace a replay/trace-stats command names (or the synthetic workload)."""
-    from .sim.traces import Trace, read_trace, synthetic_workload
+    from .sim.traces import Trace, assign_keys, read_trace, synthetic_workload
 
     if args.limit is not None and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
     if not args.rate_scale > 0 or args.rate_scale == float("inf"):
         raise ValueError(f"--rate-scale must be a finite number > 0, got {args.rate_scale}")
+    keys, levels = getattr(args, "routing_keys", 0), getattr(args, "priority_levels", 0)  # replay's options
+    for flag, v in (("--routing-keys", keys), ("--priority-levels", levels)):
+        if v < 0:
+            raise ValueError(f"{flag} must be >= 0, got {v}")
     if getattr(args, "trace", None):
-        return read_trace(args.trace, limit=args.limit, rate_scale=args.rate_scale,
-                          skip_bad_rows=args.skip_bad_rows)
-    if args.synthetic_requests < 0:
-        raise ValueError(f"--synthetic-requests must be >= 0, got {args.synthetic_requests}")
-    tr = synthetic_workload(args.synthetic_requests, seed=args.seed, request_rate=8.0 * args.rate_scale)
-    if args.limit is not None:
-        tr = Trace(name=tr.name, requests=tr.requests[: args.limit])
+        tr = read_trace(args.trace, limit=args.limit, rate_scale=args.rate_scale, skip_bad_rows=args.skip_bad_rows)
+    else:
+        if args.synthetic_requests < 0:
+            raise ValueError(f"--synthetic-requests must be >= 0, got {args.synthetic_requests}")
+        tr = synthetic_workload(args.synthetic_requests, seed=args.seed, request_rate=8.0 * args.rate_scale)
+        if args.limit is not None:
+            tr = Trace(name=tr.name, requests=tr.requests[: args.limit], source=tr.source)
+    if keys or levels:
+        tr = assign_keys(tr, routing_keys=keys, priority_levels=levels, seed=args.seed)
     return tr
 
 
 def _run_info(args, trace, config, cost) -> dict:
+    """results.json's "config": what the run replayed and with what, enough to run it again
+    (`argv` is the command line; `version` the package's, `commit` the checkout's when known)."""
     return {"trace": trace.source or trace.name, "num_requests": len(trace), "bad_rows": trace.bad_rows,
-            "backend": args.backend, "device": args.device, "kv_tokens": args.kv_tokens,
+            "limit": args.limit, "rate_scale": args.rate_scale,
+            "synthetic_seed": None if getattr(args, "trace", None) else args.seed,
+            "routing_keys": args.routing_keys, "priority_levels": args.priority_levels,
+            "key_seed": args.seed if (args.routing_keys or args.priority_levels) else None,
+            "backend": args.backend, "device": args.device, "capture": args.capture, "kv_tokens": args.kv_tokens,
             "cost_model": dataclasses.asdict(cost), "check": args.check,
-            "scheduler": dataclasses.asdict(config)}
+            "scheduler": dataclasses.asdict(config), "argv": getattr(args, "argv", None),
+            "version": _version(), "commit": _commit()}
+
+
+def _version() -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version("gpu-sched")
+    except Exception:  # not installed as a distribution (a bare checkout on sys.path)
+        return None
+
+
+def _commit() -> Optional[str]:
+    """The git commit of the checkout this package runs from, or None (not a checkout, no git)."""
+    import subprocess
+    from pathlib import Path
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def cmd_replay(args) -> int:
@@ -230,6 +265,18 @@ def cmd_replay(args) -> int:
         given = (f" with --limit {args.limit}" if args.limit == 0 else
                  " with --synthetic-requests 0" if not getattr(args, "trace", None) else "")
         raise CliError(f"no requests to replay in {trace.source or trace.name}{given}")
+    reqs = trace.requests
+    for name, cfg in configs.items():  # a policy with nothing to order by says so
+        if name == "routing-key" and not any(r.routing_key for r in reqs):
+            print("gpu-sched: note: no request has a routing key, so routing-key orders as fcfs; "
+                  "--routing-keys N gives them keys", file=sys.stderr)
+        if cfg.enable_priority_scheduling and all(r.priority is None for r in reqs):
+            print("gpu-sched: note: no request has a priority, so priority scheduling changes nothing; "
+                  "--priority-levels K gives them priorities", file=sys.stderr)
+        if name in ("lpm", "dfs-weight") and getattr(args, "trace", None) and not any(
+                r.hash_ids or r.segments for r in reqs):
+            print(f"gpu-sched: note: {trace.name} records no prompt contents (each prompt is a unique "
+                  f"stream), so nothing is shared and {name} finds no prefix to reuse", file=sys.stderr)
     # after the trace: a device backend imports torch (seconds), a wrong path should not wait
     # a request's fill is its prompt and at most max(output_len, 1) generated tokens (engine.py)
     max_len = max((r.input_len + max(r.output_len, 1) for r in trace.requests), default=1)
@@ -353,7 +400,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_reading(r)
     r.add_argument("--synthetic-requests", type=int, default=400, metavar="N",
                    help="requests of the synthetic workload (default %(default)s; without --trace)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default %(default)s)")
+    r.add_argument("--routing-keys", type=int, default=0, metavar="N",
+                   help="give requests one of N routing keys (from the first prefix block or session; "
+                        "sim.traces.assign_keys): no trace records any, and without keys routing-key "
+                        "orders as fcfs (default 0: none)")
+    r.add_argument("--priority-levels", type=int, default=0, metavar="K",
+                   help="give requests priorities drawn from [0, K) (seeded by --seed), for "
+                        "--enable-priority-scheduling (default 0: none)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload and of the --routing-keys / --priority-levels "
+                        "draws (default %(default)s)")
     r.add_argument("--kv-tokens", type=int, default=1_000_000, metavar="N",
                    help="KV pool size [tokens] (default %(default)s)")
     _add_backend_flags(r)
@@ -384,7 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = ["gpu-sched"] + argv  # recorded in results.json
     try:
         return args.func(args)
     except CliError as e:

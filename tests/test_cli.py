@@ -89,6 +89,36 @@ def test_replay_out_writes_results_and_plots(tmp_path, capsys):
     assert str(out) in capsys.readouterr().out
 
 
+def test_routing_keys_and_priorities_change_the_order_and_are_recorded(tmp_path, capsys):
+    """No trace records routing keys or priorities: without --routing-keys the routing-key
+    policy orders as fcfs and says so; with keys it decides differently, the same on the
+    reference and the torch backend, and results.json records what reproduces the run."""
+    base = ["replay", "--synthetic-requests", "120", "--rate-scale", "4", "--no-progress"]
+
+    def digest(*extra):
+        assert main(base + list(extra)) == 0
+        out = capsys.readouterr()
+        return re.search(r"^decision digest: ([0-9a-f]{64})$", out.out, re.M).group(1), out.err
+
+    fcfs, _ = digest("--policy", "fcfs")
+    plain, note = digest("--policy", "routing-key")
+    assert plain == fcfs and "no request has a routing key" in note
+    keyed, note = digest("--policy", "routing-key", "--routing-keys", "4", "--out", str(tmp_path / "rk"))
+    assert keyed != fcfs and note == ""
+    assert digest("--policy", "routing-key", "--routing-keys", "4", "--backend", "torch")[0] == keyed
+    prio_plain, note = digest("--policy", "fcfs", "--enable-priority-scheduling")
+    assert prio_plain == fcfs and "no request has a priority" in note
+    prio, note = digest("--policy", "fcfs", "--enable-priority-scheduling", "--priority-levels", "3")
+    assert prio != fcfs and note == ""
+    assert digest("--policy", "fcfs", "--enable-priority-scheduling", "--priority-levels", "3",
+                  "--backend", "torch")[0] == prio
+    cfg = json.loads((tmp_path / "rk" / "results.json").read_text())["config"]
+    assert (cfg["routing_keys"], cfg["priority_levels"], cfg["key_seed"], cfg["rate_scale"], cfg["limit"],
+            cfg["synthetic_seed"]) == (4, 0, 0, 4.0, None, 0)
+    assert cfg["argv"][:2] == ["gpu-sched", "replay"] and cfg["version"]
+    assert cfg["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", cfg["commit"])
+
+
 def test_compare_policies_prints_one_table(tmp_path, capsys):
     argv = ["replay", "--synthetic-requests", "30", "--no-progress", "--compare-policies", "fcfs,lpm",
             "--out", str(tmp_path)]
@@ -174,6 +204,8 @@ def _bad_rows(tmp_path):
     (["replay", "--backend", "torch", "--device", "gpu"], "--device 'gpu' is not a torch device"),
     (["conformance", "BAD", "--backend", "torch", "--device", "cuda:x"], "--device 'cuda:x' is not a torch device"),
     (["replay", "--rate-scale", "0"], "rate-scale"),
+    (["replay", "--routing-keys", "-1"], "--routing-keys must be >= 0, got -1"),
+    (["replay", "--priority-levels", "-2"], "--priority-levels must be >= 0, got -2"),
     (["replay", "--trace", "BAD", "--no-progress"], "line 2"),
     (["trace-stats", "BAD"], "line 2"),
     (["trace-stats", "/no/such/file.csv"], "not found"),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gpu_sched.sim.traces import (
-    BLOCK_TOKENS, Trace, TraceFormatError, TraceRequest, output_token_ids, read_azure,
+    BLOCK_TOKENS, Trace, TraceFormatError, TraceRequest, assign_keys, output_token_ids, read_azure,
     read_mooncake, read_trace, synthetic_workload, trace_stats,
 )
 
@@ -303,3 +303,27 @@ def test_trace_stats_real(mooncake, azure):
     assert s["num_requests"] == 12031 and 0.0 < s["repeat_block_frac"] < 1.0
     assert s["duration_s"] > 3000 and s["request_rate"] == pytest.approx(12031 / s["duration_s"])
     assert trace_stats(azure)["repeat_block_frac"] is None
+
+
+def test_assign_keys_groups_by_prefix_and_session():
+    """Routing keys follow a request's first prefix block (Mooncake) or its session (synthetic),
+    else a seeded draw; priorities are seeded draws in [0, K); the input trace is unchanged."""
+    reqs = [TraceRequest(index=0, arrival_s=0.0, input_len=600, output_len=1, hash_ids=(7, 8)),
+            TraceRequest(index=1, arrival_s=0.1, input_len=600, output_len=1, hash_ids=(7, 9)),
+            TraceRequest(index=2, arrival_s=0.2, input_len=600, output_len=1, hash_ids=(12,)),
+            TraceRequest(index=3, arrival_s=0.3, input_len=10, output_len=1, session=5),
+            TraceRequest(index=4, arrival_s=0.4, input_len=10, output_len=1)]
+    tr = Trace(name="t", requests=reqs, source="src")
+    out = assign_keys(tr, routing_keys=4, priority_levels=3, seed=1)
+    keys = [r.routing_key for r in out.requests]
+    assert keys[:4] == ["key3", "key3", "key0", "key1"] and keys[4] in {f"key{j}" for j in range(4)}
+    assert all(0 <= r.priority < 3 for r in out.requests) and len({r.priority for r in out.requests}) > 1
+    assert out == assign_keys(tr, routing_keys=4, priority_levels=3, seed=1)  # deterministic
+    assert out.source == "src" and all(r.routing_key is None and r.priority is None for r in tr.requests)
+    assert [r.prompt_ids().tolist() for r in out.requests] == [r.prompt_ids().tolist() for r in reqs]
+    none = assign_keys(tr, routing_keys=0, priority_levels=0)
+    assert all(r.routing_key is None and r.priority is None for r in none.requests)
+    with pytest.raises(ValueError, match="routing_keys must be >= 0"):
+        assign_keys(tr, routing_keys=-1)
+    with pytest.raises(TypeError, match="priority_levels must be an int"):
+        assign_keys(tr, priority_levels=2.0)

@@ -166,7 +166,7 @@ class _Replay:
     def _request(self, i: int) -> Request:
         tr = self.trace.requests[i]
         return Request(rid=self.rids[i], prompt_ids=tr.prompt_ids(), max_new_tokens=self.target[i],
-                       enqueue_time=float(tr.arrival_s))
+                       enqueue_time=float(tr.arrival_s), routing_key=tr.routing_key, priority=tr.priority)
 
     def _next_token(self, i: int) -> int:
         toks = self.tokens[i]

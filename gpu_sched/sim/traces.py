@@ -107,6 +107,10 @@ class TraceRequest:
         segments: token-stream segments ``(stream_key, start, n)`` concatenated to form the
             prompt when `hash_ids` is None (lengths sum to input_len); if both are empty,
             the prompt is a stream unique to `index`.
+        routing_key: the request's routing key (the routing-key policy, R-ORD-7) or None;
+            the traces carry none: `assign_keys` sets them.
+        priority: the request's priority (priority scheduling) or None (SPEC section 1:
+            the last possible); set by `assign_keys`.
     """
 
     index: int
@@ -118,6 +122,8 @@ class TraceRequest:
     turn: Optional[int] = None
     output_key: int = 0
     segments: tuple = ()
+    routing_key: Optional[str] = None
+    priority: Optional[int] = None
 
     def prompt_ids(self) -> np.ndarray:
         """The prompt token ids, generated on demand: read-only int32 array [input_len]."""
@@ -386,6 +392,44 @@ def synthetic_workload(num_requests: int = 400, *, seed: int = 0, request_rate: 
         session += 1
     created.sort(key=lambda r: r.arrival_s)  # stable: a session's turns stay in order
     return Trace(name="synthetic", requests=[replace(r, index=i) for i, r in enumerate(created)])
+
+
+def assign_keys(trace: Trace, *, routing_keys: int = 0, priority_levels: int = 0, seed: int = 0) -> Trace:
+    """A copy of `trace` whose requests carry routing keys and priorities, which no public
+    trace records, so that the routing-key policy (R-ORD-7) and priority scheduling have
+    something to order by.
+
+    routing_keys N >= 1: request -> "key{j}", j in [0, N): from the first prefix block for a
+    Mooncake request (`hash_ids[0] % N`: requests that share their first 512 tokens, e.g. a
+    conversation's turns or a system prompt, share a key), from the session for a synthetic
+    one (`session % N`), else drawn uniformly (seeded). 0: no keys (None).
+    priority_levels K >= 1: priorities drawn uniformly from [0, K) (seeded by `seed`); 0: none.
+    Deterministic: the same arguments give the same keys on every machine.
+    Raises ValueError for a negative count, TypeError for a non-int."""
+    for name, v in (("routing_keys", routing_keys), ("priority_levels", priority_levels), ("seed", seed)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"assign_keys: {name} must be an int, got {v!r}")
+        if v < 0:
+            raise ValueError(f"assign_keys: {name} must be >= 0, got {v}")
+    rng = np.random.default_rng(seed)
+    n = len(trace.requests)
+    drawn = rng.integers(0, max(routing_keys, 1), n)
+    prio = rng.integers(0, max(priority_levels, 1), n)
+    reqs = []
+    for i, r in enumerate(trace.requests):
+        key, p = None, None
+        if routing_keys:
+            if r.hash_ids:
+                j = int(r.hash_ids[0]) % routing_keys
+            elif r.session is not None:
+                j = int(r.session) % routing_keys
+            else:
+                j = int(drawn[i])
+            key = f"key{j}"
+        if priority_levels:
+            p = int(prio[i])
+        reqs.append(replace(r, routing_key=key, priority=p))
+    return Trace(name=trace.name, requests=reqs, bad_rows=trace.bad_rows, source=trace.source)
 
 
 def trace_stats(trace: Trace) -> dict:
