@@ -495,8 +495,8 @@ def main(argv=None):
                     help="distinct queue prompts before cycling (0: every trace row after the warm ones; "
                          "synthetic: 8192)")
     ap.add_argument("--synthetic-groups", type=int, default=16, help="shared system prompts (synthetic queue)")
-    ap.add_argument("--min-exp", type=int, default=7, help="smallest queue length 2^k")
-    ap.add_argument("--max-exp", type=int, default=20, help="largest queue length 2^k")
+    ap.add_argument("--min-exp", type=int, default=7, help="smallest queue length 2^k (default %(default)s)")
+    ap.add_argument("--max-exp", type=int, default=20, help="largest queue length 2^k (default %(default)s)")
     ap.add_argument("--sizes", default=None,
                     help="queue lengths N, comma-separated (e.g. 1000,10000,100000), instead of "
                          "2^min_exp .. 2^max_exp; the --*-max-exp limits still apply as 2^k")
@@ -506,11 +506,11 @@ def main(argv=None):
                          "(default: no limit; the recorded stages run at every size)")
     ap.add_argument("--max-seconds", type=float, default=60.0, help="stop a backend/policy past this per call")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, from: " + ", ".join(POLICIES))
-    ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated, from: " + ", ".join(STAGES))
+    ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated, from: " + ", ".join(STAGES) + " (default: all; graph and gstep, the recorded step, mean a CUDA graph only on CUDA)")
     ap.add_argument("--backends", default=default_backends(),
                     help="comma-separated: reference, torch-cpu, torch-cuda, triton-cuda (default: the ones this machine runs)")
-    ap.add_argument("--reps", type=int, default=3, help="timed calls per row at least")
-    ap.add_argument("--max-reps", type=int, default=15, help="timed calls per row at most")
+    ap.add_argument("--reps", type=int, default=3, help="timed calls per row at least (default %(default)s)")
+    ap.add_argument("--max-reps", type=int, default=15, help="timed calls per row at most (default %(default)s)")
     ap.add_argument("--budget-s", type=float, default=1.0,
                     help="a row's timed calls: this over the faster of its warm-up and first call, "
                          "within --reps..--max-reps")

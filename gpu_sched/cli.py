@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from typing import List, Optional
 
@@ -220,6 +221,19 @@ def _run_info(args, trace, config, cost) -> dict:
             "version": _version(), "commit": _commit()}
 
 
+def _workload_label(args, trace) -> str:
+    """The replayed workload in a line (plot titles): the trace and the options that reshape it."""
+    parts = [trace.name, f"{len(trace)} requests"]
+    if args.rate_scale != 1.0:
+        parts.append(f"rate x{args.rate_scale:g}")
+    if getattr(args, "routing_keys", 0):
+        parts.append(f"{args.routing_keys} routing keys")
+    if getattr(args, "priority_levels", 0):
+        parts.append(f"{args.priority_levels} priority levels")
+    parts.append(f"KV {args.kv_tokens} tokens")
+    return ", ".join(parts)
+
+
 def _version() -> Optional[str]:
     try:
         from importlib.metadata import version
@@ -305,7 +319,12 @@ def cmd_replay(args) -> int:
                               extra=_run_info(args, trace, configs[name], cost))
                 plot_run(d, requests, steps, title=f"{trace.name}, {name}")
             if policies:
-                plot_comparison(args.out, summaries)
+                wl = _workload_label(args, trace)
+                plot_comparison(args.out, summaries, title=wl)
+                # the runs side by side in one file: each policy's summary and the shared setting
+                doc = {"workload": wl, "policies": list(summaries), "summaries": summaries,
+                       "config": {k: v for k, v in _run_info(args, trace, base, cost).items() if k != "scheduler"}}
+                (Path(args.out) / "comparison.json").write_text(json.dumps(doc, indent=1) + "\n")
         except OSError as e:
             raise CliError(f"cannot write results to {args.out}: {e}") from None
     if policies:
@@ -413,7 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool size [tokens] (default %(default)s)")
     _add_backend_flags(r)
     r.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
-                   help=f"step-cost preset: {', '.join(COST_MODELS)} (default {DEFAULT_COST_MODEL})")
+                   help=f"step-cost preset: {', '.join(COST_MODELS)} (default {DEFAULT_COST_MODEL}), or a "
+                        f".json file of sim.engine.CostModel's fields (fixed_s, prefill_token_s, "
+                        f"decode_request_s, kv_token_s, in seconds)")
     r.add_argument("--check", action="store_true", help="check scheduler integrity after every step")
     r.add_argument("--out", default=None, metavar="DIR",
                    help="write results.json and PNG plots here (with --compare-policies: DIR/<policy>/ "

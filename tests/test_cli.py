@@ -131,6 +131,41 @@ def test_compare_policies_prints_one_table(tmp_path, capsys):
         assert (tmp_path / p / "results.json").exists()
         assert (tmp_path / p / "ttft_cdf.png").exists()
     assert (tmp_path / "comparison.png").exists()
+    # the runs side by side in one file, with the workload they share
+    doc = json.loads((tmp_path / "comparison.json").read_text())
+    assert doc["policies"] == ["fcfs", "lpm"] and doc["workload"].startswith("synthetic, 30 requests")
+    for p in ("fcfs", "lpm"):
+        assert doc["summaries"][p] == json.loads((tmp_path / p / "results.json").read_text())["summary"]
+    assert doc["config"]["num_requests"] == 30 and "scheduler" not in doc["config"]
+
+
+def test_cost_model_from_a_json_file(tmp_path, capsys):
+    """--cost-model takes a .json file of CostModel's fields: a slower model gives a longer
+    simulated run, the same decisions-per-step machinery; bad files are one-line errors."""
+    good = tmp_path / "slow.json"
+    good.write_text(json.dumps({"fixed_s": 0.05, "prefill_token_s": 1e-4, "decode_request_s": 1e-4,
+                                "kv_token_s": 0.0}))
+    base = ["replay", "--synthetic-requests", "20", "--no-progress", "--out"]
+    assert main(base + [str(tmp_path / "a")]) == 0
+    assert main(base + [str(tmp_path / "b"), "--cost-model", str(good)]) == 0
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in "ab")
+    assert b["summary"]["duration"] > a["summary"]["duration"]
+    assert b["config"]["cost_model"] == {"name": "slow", "description": f"from {good}", "fixed_s": 0.05,
+                                         "prefill_token_s": 1e-4, "decode_request_s": 1e-4, "kv_token_s": 0.0}
+    capsys.readouterr()
+    for text, message in (('{"fixed_s": 1}', "missing prefill_token_s, decode_request_s, kv_token_s"),
+                          ('{"fixed_s": -1, "prefill_token_s": 0, "decode_request_s": 0, "kv_token_s": 0}',
+                           "fixed_s must be a finite number of seconds >= 0, got -1"),
+                          ('{"fixed_s": 1, "prefill_token_s": 0, "decode_request_s": 0, "kv_token_s": 0, "x": 1}',
+                           "unknown x"),
+                          ("[1, 2]", "expected an object"), ("{", "not JSON")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        assert main(["replay", "--cost-model", str(bad), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert main(["replay", "--cost-model", str(tmp_path / "none.json")]) == 2
+    assert "cost model file not found" in capsys.readouterr().err
 
 
 def test_config_flags_map_to_scheduler_config():

@@ -31,6 +31,7 @@ finish/check_integrity, property kv_used).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -109,12 +110,45 @@ DEFAULT_COST_MODEL = "llama3-8b-h200"
 
 
 def get_cost_model(model: Union[str, CostModel]) -> CostModel:
-    """A `CostModel` by preset name (or the model itself); ValueError naming the choices."""
+    """A `CostModel` by preset name, from a JSON file (a path ending in .json holding the
+    fields `fixed_s`, `prefill_token_s`, `decode_request_s`, `kv_token_s` in seconds, and
+    optionally `name` and `description`), or the model itself. ValueError naming the choices
+    or the bad field; FileNotFoundError for a missing file."""
     if isinstance(model, CostModel):
         return model
+    if isinstance(model, str) and model.endswith(".json"):
+        return _cost_model_file(model)
     if model not in COST_MODELS:
-        raise ValueError(f"unknown cost model {model!r}; choose from {', '.join(COST_MODELS)}")
+        raise ValueError(f"unknown cost model {model!r}; choose from {', '.join(COST_MODELS)} "
+                         f"or give a .json file of CostModel's fields")
     return COST_MODELS[model]
+
+
+def _cost_model_file(path: str) -> CostModel:
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"cost model file not found: {path}")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"cost model file {path}: not JSON ({e})") from None
+    times = ("fixed_s", "prefill_token_s", "decode_request_s", "kv_token_s")
+    if not isinstance(d, dict):
+        raise ValueError(f"cost model file {path}: expected an object with {', '.join(times)}")
+    extra = set(d) - set(times) - {"name", "description"}
+    missing = [k for k in times if k not in d]
+    if extra or missing:
+        raise ValueError(f"cost model file {path}: " + "; ".join(
+            ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unknown {', '.join(sorted(extra))}"] if extra else [])))
+    for k in times:
+        v = d[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"cost model file {path}: {k} must be a finite number of seconds >= 0, got {v!r}")
+    return CostModel(name=str(d.get("name", p.stem)), description=str(d.get("description", f"from {path}")),
+                     **{k: float(d[k]) for k in times})
 
 
 # ---- the simulator ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ CDF (milliseconds) and the scheduler's own time per step (microseconds) against 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import matplotlib
 
@@ -89,9 +90,10 @@ def plot_run(out_dir, requests, steps, title: str = "") -> list[Path]:
     return paths
 
 
-def plot_comparison(out_dir, summaries: dict) -> Path:
+def plot_comparison(out_dir, summaries: dict, title: Optional[str] = None) -> Path:
     """Bar charts of prefix-cache hit rate (%), mean TTFT (ms) and output throughput (tok/s)
-    per run (`{run name: summarize() dict}`); writes and returns `out_dir/comparison.png`."""
+    per run (`{run name: summarize() dict}`), under `title` (the workload) when given; writes
+    and returns `out_dir/comparison.png`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = list(summaries)
@@ -110,4 +112,6 @@ def plot_comparison(out_dir, summaries: dict) -> Path:
         ax.set_xticks(x, names, rotation=20)
         ax.set_title(label)
         ax.margins(y=0.15)
+    if title:
+        fig.suptitle(title, fontsize=10)
     return _save(fig, out / "comparison.png")
