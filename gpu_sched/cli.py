@@ -287,8 +287,7 @@ def cmd_replay(args) -> int:
         if cfg.enable_priority_scheduling and all(r.priority is None for r in reqs):
             print("gpu-sched: note: no request has a priority, so priority scheduling changes nothing; "
                   "--priority-levels K gives them priorities", file=sys.stderr)
-        if name in ("lpm", "dfs-weight") and getattr(args, "trace", None) and not any(
-                r.hash_ids or r.segments for r in reqs):
+        if name in ("lpm", "dfs-weight") and getattr(args, "trace", None) and not any(r.hash_ids for r in reqs):
             print(f"gpu-sched: note: {trace.name} records no prompt contents (each prompt is a unique "
                   f"stream), so nothing is shared and {name} finds no prefix to reuse", file=sys.stderr)
     # after the trace: a device backend imports torch (seconds), a wrong path should not wait

@@ -119,6 +119,18 @@ def test_routing_keys_and_priorities_change_the_order_and_are_recorded(tmp_path,
     assert cfg["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", cfg["commit"])
 
 
+def test_lengths_only_trace_notes_that_lpm_has_nothing_to_reuse(tmp_path, capsys):
+    """An Azure-format trace records lengths only (every prompt a unique stream): lpm says so;
+    fcfs, which reuses nothing anyway, does not."""
+    path = tmp_path / "azure.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    + "".join(f"2023-11-16 18:17:0{i}.0000000,{100 + i},4\n" for i in range(5)))
+    assert main(["replay", "--trace", str(path), "--policy", "lpm", "--no-progress"]) == 0
+    assert "records no prompt contents" in capsys.readouterr().err
+    assert main(["replay", "--trace", str(path), "--policy", "fcfs", "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_compare_policies_prints_one_table(tmp_path, capsys):
     argv = ["replay", "--synthetic-requests", "30", "--no-progress", "--compare-policies", "fcfs,lpm",
             "--out", str(tmp_path)]
