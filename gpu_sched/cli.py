@@ -256,40 +256,30 @@ def _commit() -> Optional[str]:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def cmd_replay(args) -> int:
-    from .sim.engine import SimulationError, get_cost_model, replay
-    from .sim.metrics import format_comparison, format_summary, write_results
-
+def _parse_seeds(args):
+    """--seeds as a list of distinct ints >= 0, or None; ValueError when they would replay the
+    same requests every time (a trace with neither --routing-keys nor --priority-levels)."""
+    if not getattr(args, "seeds", None):
+        return None
     try:
-        if args.kv_tokens < 1:
-            raise ValueError(f"--kv-tokens must be >= 1, got {args.kv_tokens}")
-        cost = get_cost_model(args.cost_model)
-        base = config_from_args(args)
-        policies = [p.strip() for p in args.compare_policies.split(",")] if args.compare_policies else None
-        if policies is not None and (not all(policies) or len(set(policies)) != len(policies)):
-            raise ValueError(f"--compare-policies needs distinct comma-separated names, got {args.compare_policies!r}")
-        if policies is not None and args.schedule_policy is not None:  # one of them would be ignored
-            raise ValueError(f"--policy {args.schedule_policy} and --compare-policies {args.compare_policies} "
-                             f"name the policies twice: give one of them")
-        configs = {p: base.replace(schedule_policy=p) for p in policies} if policies else {base.schedule_policy: base}
-        trace = load_trace(args)
-    except (FileNotFoundError, ValueError, TypeError) as e:  # TraceFormatError is a ValueError
-        raise CliError(str(e)) from None
-    if not trace.requests:  # a summary of nothing (all n/a) would read as a run
-        given = (f" with --limit {args.limit}" if args.limit == 0 else
-                 " with --synthetic-requests 0" if not getattr(args, "trace", None) else "")
-        raise CliError(f"no requests to replay in {trace.source or trace.name}{given}")
-    reqs = trace.requests
-    for name, cfg in configs.items():  # a policy with nothing to order by says so
-        if name == "routing-key" and not any(r.routing_key for r in reqs):
-            print("gpu-sched: note: no request has a routing key, so routing-key orders as fcfs; "
-                  "--routing-keys N gives them keys", file=sys.stderr)
-        if cfg.enable_priority_scheduling and all(r.priority is None for r in reqs):
-            print("gpu-sched: note: no request has a priority, so priority scheduling changes nothing; "
-                  "--priority-levels K gives them priorities", file=sys.stderr)
-        if name in ("lpm", "dfs-weight") and getattr(args, "trace", None) and not any(r.hash_ids for r in reqs):
-            print(f"gpu-sched: note: {trace.name} records no prompt contents (each prompt is a unique "
-                  f"stream), so nothing is shared and {name} finds no prefix to reuse", file=sys.stderr)
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        raise ValueError(f"--seeds takes comma-separated ints, got {args.seeds!r}") from None
+    if len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"--seeds needs distinct ints >= 0, got {args.seeds!r}")
+    if getattr(args, "trace", None) and not (args.routing_keys or args.priority_levels):
+        raise ValueError("--seeds re-seeds the synthetic workload and the --routing-keys / --priority-levels "
+                         "draws; with --trace and neither, every seed replays the same requests")
+    if args.check:
+        raise ValueError("--seeds and --check: check one seed's run at a time (--seed)")
+    return seeds
+
+
+def _replay_runs(args, configs: dict, trace, cost):
+    """Replay `trace` once per config: ({name: summary}, {name: (requests, steps)}), or exit
+    status 1 after printing where a replay stopped."""
+    from .sim.engine import SimulationError, replay
+
     # after the trace: a device backend imports torch (seconds), a wrong path should not wait
     # a request's fill is its prompt and at most max(output_len, 1) generated tokens (engine.py)
     max_len = max((r.input_len + max(r.output_len, 1) for r in trace.requests), default=1)
@@ -306,6 +296,91 @@ def cmd_replay(args) -> int:
             return 1
         summaries[name] = summary
         runs[name] = (requests, steps)
+    return summaries, runs
+
+
+def _replay_seeds(args, configs: dict, cost, seeds) -> int:
+    """--seeds: every config replayed once per seed (the synthetic workload and the key and
+    priority draws re-seeded), then each metric's mean and spread over the seeds."""
+    from .sim.metrics import format_seed_spread, seed_spread
+
+    per_seed, label = {}, None
+    for sd in seeds:
+        a = argparse.Namespace(**vars(args))
+        a.seed = sd
+        try:
+            trace = load_trace(a)
+        except (FileNotFoundError, ValueError, TypeError) as e:
+            raise CliError(str(e)) from None
+        if not trace.requests:
+            raise CliError(f"no requests to replay in {trace.source or trace.name}")
+        got = _replay_runs(a, configs, trace, cost)
+        if isinstance(got, int):
+            return got
+        per_seed[sd] = got[0]
+        label = label or _workload_label(a, trace)
+        print(f"seed {sd}: " + ", ".join(f"{n} {s['digest'][:12]}" for n, s in got[0].items()), flush=True)
+    spread = seed_spread(per_seed)
+    print(format_seed_spread(spread, seeds))
+    if args.out:
+        from pathlib import Path
+
+        info = {k: v for k, v in _run_info(args, trace, next(iter(configs.values())), cost).items()
+                if k not in ("scheduler", "synthetic_seed", "key_seed")}
+        doc = {"workload": label, "seeds": list(seeds), "runs": list(configs), "spread": spread,
+               "summaries": {str(sd): v for sd, v in per_seed.items()},
+               "config": dict(info, schedulers={n: dataclasses.asdict(c) for n, c in configs.items()})}
+        try:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "seeds.json").write_text(json.dumps(doc, indent=1) + "\n")
+        except OSError as e:
+            raise CliError(f"cannot write results to {args.out}: {e}") from None
+        print(f"results written to {args.out}")
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from .sim.engine import get_cost_model
+    from .sim.metrics import format_comparison, format_summary, write_results
+
+    try:
+        if args.kv_tokens < 1:
+            raise ValueError(f"--kv-tokens must be >= 1, got {args.kv_tokens}")
+        cost = get_cost_model(args.cost_model)
+        base = config_from_args(args)
+        policies = [p.strip() for p in args.compare_policies.split(",")] if args.compare_policies else None
+        if policies is not None and (not all(policies) or len(set(policies)) != len(policies)):
+            raise ValueError(f"--compare-policies needs distinct comma-separated names, got {args.compare_policies!r}")
+        if policies is not None and args.schedule_policy is not None:  # one of them would be ignored
+            raise ValueError(f"--policy {args.schedule_policy} and --compare-policies {args.compare_policies} "
+                             f"name the policies twice: give one of them")
+        configs = {p: base.replace(schedule_policy=p) for p in policies} if policies else {base.schedule_policy: base}
+        seeds = _parse_seeds(args)
+        if seeds is None:
+            trace = load_trace(args)
+    except (FileNotFoundError, ValueError, TypeError) as e:  # TraceFormatError is a ValueError
+        raise CliError(str(e)) from None
+    if seeds is not None:
+        return _replay_seeds(args, configs, cost, seeds)
+    if not trace.requests:  # a summary of nothing (all n/a) would read as a run
+        given = (f" with --limit {args.limit}" if args.limit == 0 else
+                 " with --synthetic-requests 0" if not getattr(args, "trace", None) else "")
+        raise CliError(f"no requests to replay in {trace.source or trace.name}{given}")
+    reqs = trace.requests
+    for name, cfg in configs.items():  # a policy with nothing to order by says so
+        if name == "routing-key" and not any(r.routing_key for r in reqs):
+            print("gpu-sched: note: no request has a routing key, so routing-key orders as fcfs; "
+                  "--routing-keys N gives them keys", file=sys.stderr)
+        if cfg.enable_priority_scheduling and all(r.priority is None for r in reqs):
+            print("gpu-sched: note: no request has a priority, so priority scheduling changes nothing; "
+                  "--priority-levels K gives them priorities", file=sys.stderr)
+        if name in ("lpm", "dfs-weight") and getattr(args, "trace", None) and not any(r.hash_ids for r in reqs):
+            print(f"gpu-sched: note: {trace.name} records no prompt contents (each prompt is a unique "
+                  f"stream), so nothing is shared and {name} finds no prefix to reuse", file=sys.stderr)
+    got = _replay_runs(args, configs, trace, cost)
+    if isinstance(got, int):
+        return got
+    summaries, runs = got
     if args.out:
         from pathlib import Path
 
@@ -425,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--priority-levels", type=int, default=0, metavar="K",
                    help="give requests priorities drawn from [0, K) (seeded by --seed), for "
                         "--enable-priority-scheduling (default 0: none)")
+    r.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                   help="replay once per seed (each policy with --compare-policies) and print each "
+                        "metric's mean +- std over the seeds; --out writes seeds.json")
     r.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload and of the --routing-keys / --priority-levels "
                         "draws (default %(default)s)")
     r.add_argument("--kv-tokens", type=int, default=1_000_000, metavar="N",

@@ -131,6 +131,30 @@ def test_lengths_only_trace_notes_that_lpm_has_nothing_to_reuse(tmp_path, capsys
     assert capsys.readouterr().err == ""
 
 
+def test_seeds_replay_each_seed_and_report_the_spread(tmp_path, capsys):
+    """--seeds replays every policy once per seed and prints mean +- std over the seeds; each
+    seed's runs are the plain runs with that --seed (same digests); seeds.json keeps them."""
+    base = ["replay", "--synthetic-requests", "40", "--rate-scale", "4", "--no-progress"]
+    assert main(base + ["--seeds", "3,5", "--compare-policies", "fcfs,lpm", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "mean +- std over seeds 3, 5" in out and re.search(r"Mean TTFT \(ms\) +[0-9.]+ \+- [0-9.]+", out)
+    doc = json.loads((tmp_path / "seeds.json").read_text())
+    assert doc["seeds"] == [3, 5] and doc["runs"] == ["fcfs", "lpm"]
+    for sd in (3, 5):
+        assert main(base + ["--seed", str(sd), "--policy", "lpm"]) == 0
+        plain = re.search(r"^decision digest: ([0-9a-f]{64})$", capsys.readouterr().out, re.M).group(1)
+        assert doc["summaries"][str(sd)]["lpm"]["digest"] == plain
+    ttft = [doc["summaries"][str(sd)]["fcfs"]["mean_ttft_ms"] for sd in (3, 5)]
+    spread = doc["spread"]["fcfs"]["mean_ttft_ms"]
+    assert spread["n"] == 2 and spread["min"] == min(ttft) and abs(spread["mean"] - sum(ttft) / 2) < 1e-9
+    for extra, message in ((["--seeds", "1,x"], "--seeds takes comma-separated ints"),
+                           (["--seeds", "1,1"], "distinct ints >= 0"),
+                           (["--seeds", "0,1", "--check"], "--seeds and --check"),
+                           (["--seeds", "0,1", "--trace", str(tmp_path / "t.jsonl")], "every seed replays the same")):
+        assert main(base + extra) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_compare_policies_prints_one_table(tmp_path, capsys):
     argv = ["replay", "--synthetic-requests", "30", "--no-progress", "--compare-policies", "fcfs,lpm",
             "--out", str(tmp_path)]

@@ -239,12 +239,10 @@ def format_comparison(summaries: dict) -> str:
         row = []
         for n in names:
             s = summaries[n]
-            if key == "hit%":
-                v = None if s.get("prefix_cache_hit_rate") is None else 100.0 * s["prefix_cache_hit_rate"]
-            elif key == "digest":
+            if key == "digest":
                 v = str(s["digest"])[:12] if s.get("digest") else None
             else:
-                v = s.get(key)
+                v = _metric(s, key)
             row.append(_fmt(v))
         cells.append(row)
     lw = max(len(label) for label, _ in COMPARISON_ROWS) + 2
@@ -253,6 +251,45 @@ def format_comparison(summaries: dict) -> str:
     body = [label.ljust(lw) + "".join(c.rjust(w) for c, w in zip(r, cw)) for (label, _), r in zip(COMPARISON_ROWS, cells)]
     rule = "=" * len(head)
     return "\n".join([rule, head, "-" * len(head), *body, rule])
+
+
+def _metric(s: dict, key: str):
+    if key == "hit%":
+        return None if s.get("prefix_cache_hit_rate") is None else 100.0 * s["prefix_cache_hit_rate"]
+    return s.get(key)
+
+
+def seed_spread(per_seed: dict) -> dict:
+    """Across seeds, per run and metric of `COMPARISON_ROWS` (the digest aside): mean, std
+    (population; 0 for one seed), min, max and n over the seeds where the metric exists.
+    per_seed: {seed: {run name: summary}}; returns {run name: {key: {...}}} (key "hit%" is the
+    prefix-cache hit rate in percent)."""
+    runs = list(next(iter(per_seed.values()))) if per_seed else []
+    out = {}
+    for run in runs:
+        out[run] = {}
+        for _, key in COMPARISON_ROWS:
+            if key == "digest":
+                continue
+            vals = [float(v) for v in (_metric(per_seed[sd][run], key) for sd in per_seed) if v is not None]
+            out[run][key] = ({"mean": float(np.mean(vals)), "std": float(np.std(vals)), "min": min(vals),
+                              "max": max(vals), "n": len(vals)} if vals else None)
+    return out
+
+
+def format_seed_spread(spread: dict, seeds) -> str:
+    """`seed_spread` as one table: a column per run, `mean +- std` over the seeds."""
+    names = list(spread)
+    rows = [(label, key) for label, key in COMPARISON_ROWS if key != "digest"]
+    cells = [[("n/a" if spread[n][key] is None else
+               f"{_fmt(spread[n][key]['mean'])} +- {_fmt(spread[n][key]['std'])}") for n in names] for _, key in rows]
+    lw = max(len(label) for label, _ in rows) + 2
+    cw = [max(16, len(n) + 2, *(len(r[i]) + 2 for r in cells)) for i, n in enumerate(names)]
+    head = "Metric".ljust(lw) + "".join(n.rjust(w) for n, w in zip(names, cw))
+    body = [label.ljust(lw) + "".join(c.rjust(w) for c, w in zip(r, cw)) for (label, _), r in zip(rows, cells)]
+    rule = "=" * len(head)
+    title = f"mean +- std over seeds {', '.join(str(sd) for sd in seeds)}"
+    return "\n".join([rule, title, head, "-" * len(head), *body, rule])
 
 
 def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict] = None) -> Path:
