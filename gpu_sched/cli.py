@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from typing import List, Optional
@@ -234,6 +235,7 @@ def _workload_label(args, trace) -> str:
     return ", ".join(parts)
 
 
+@functools.lru_cache(maxsize=None)
 def _version() -> Optional[str]:
     try:
         from importlib.metadata import version
@@ -243,6 +245,7 @@ def _version() -> Optional[str]:
         return None
 
 
+@functools.lru_cache(maxsize=None)
 def _commit() -> Optional[str]:
     """The git commit of the checkout this package runs from, or None (not a checkout, no git)."""
     import subprocess
@@ -273,6 +276,31 @@ def _parse_seeds(args):
     if args.check:
         raise ValueError("--seeds and --check: check one seed's run at a time (--seed)")
     return seeds
+
+
+def _replay_trace(args, configs: dict, notes: bool = True):
+    """The trace a replay runs (`load_trace`; CliError when it cannot be read or holds no
+    request), and with `notes`, a note on stderr for each policy with nothing to order by."""
+    try:
+        trace = load_trace(args)
+    except (FileNotFoundError, ValueError, TypeError) as e:  # TraceFormatError is a ValueError
+        raise CliError(str(e)) from None
+    if not trace.requests:  # a summary of nothing (all n/a) would read as a run
+        given = (f" with --limit {args.limit}" if args.limit == 0 else
+                 " with --synthetic-requests 0" if not getattr(args, "trace", None) else "")
+        raise CliError(f"no requests to replay in {trace.source or trace.name}{given}")
+    reqs = trace.requests
+    for name, cfg in configs.items() if notes else ():
+        if name == "routing-key" and not any(r.routing_key for r in reqs):
+            print("gpu-sched: note: no request has a routing key, so routing-key orders as fcfs; "
+                  "--routing-keys N gives them keys", file=sys.stderr)
+        if cfg.enable_priority_scheduling and all(r.priority is None for r in reqs):
+            print("gpu-sched: note: no request has a priority, so priority scheduling changes nothing; "
+                  "--priority-levels K gives them priorities", file=sys.stderr)
+        if name in ("lpm", "dfs-weight") and getattr(args, "trace", None) and not any(r.hash_ids for r in reqs):
+            print(f"gpu-sched: note: {trace.name} records no prompt contents (each prompt is a unique "
+                  f"stream), so nothing is shared and {name} finds no prefix to reuse", file=sys.stderr)
+    return trace
 
 
 def _replay_runs(args, configs: dict, trace, cost):
@@ -308,12 +336,7 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
     for sd in seeds:
         a = argparse.Namespace(**vars(args))
         a.seed = sd
-        try:
-            trace = load_trace(a)
-        except (FileNotFoundError, ValueError, TypeError) as e:
-            raise CliError(str(e)) from None
-        if not trace.requests:
-            raise CliError(f"no requests to replay in {trace.source or trace.name}")
+        trace = _replay_trace(a, configs, notes=sd == seeds[0])
         got = _replay_runs(a, configs, trace, cost)
         if isinstance(got, int):
             return got
@@ -356,27 +379,11 @@ def cmd_replay(args) -> int:
                              f"name the policies twice: give one of them")
         configs = {p: base.replace(schedule_policy=p) for p in policies} if policies else {base.schedule_policy: base}
         seeds = _parse_seeds(args)
-        if seeds is None:
-            trace = load_trace(args)
-    except (FileNotFoundError, ValueError, TypeError) as e:  # TraceFormatError is a ValueError
+    except (FileNotFoundError, ValueError, TypeError) as e:
         raise CliError(str(e)) from None
     if seeds is not None:
         return _replay_seeds(args, configs, cost, seeds)
-    if not trace.requests:  # a summary of nothing (all n/a) would read as a run
-        given = (f" with --limit {args.limit}" if args.limit == 0 else
-                 " with --synthetic-requests 0" if not getattr(args, "trace", None) else "")
-        raise CliError(f"no requests to replay in {trace.source or trace.name}{given}")
-    reqs = trace.requests
-    for name, cfg in configs.items():  # a policy with nothing to order by says so
-        if name == "routing-key" and not any(r.routing_key for r in reqs):
-            print("gpu-sched: note: no request has a routing key, so routing-key orders as fcfs; "
-                  "--routing-keys N gives them keys", file=sys.stderr)
-        if cfg.enable_priority_scheduling and all(r.priority is None for r in reqs):
-            print("gpu-sched: note: no request has a priority, so priority scheduling changes nothing; "
-                  "--priority-levels K gives them priorities", file=sys.stderr)
-        if name in ("lpm", "dfs-weight") and getattr(args, "trace", None) and not any(r.hash_ids for r in reqs):
-            print(f"gpu-sched: note: {trace.name} records no prompt contents (each prompt is a unique "
-                  f"stream), so nothing is shared and {name} finds no prefix to reuse", file=sys.stderr)
+    trace = _replay_trace(args, configs)
     got = _replay_runs(args, configs, trace, cost)
     if isinstance(got, int):
         return got
@@ -503,7 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seeds", default=None, metavar="S1,S2,...",
                    help="replay once per seed (each policy with --compare-policies) and print each "
                         "metric's mean +- std over the seeds; --out writes seeds.json")
-    r.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload and of the --routing-keys / --priority-levels "
+    r.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic workload and of the --routing-keys / --priority-levels "
                         "draws (default %(default)s)")
     r.add_argument("--kv-tokens", type=int, default=1_000_000, metavar="N",
                    help="KV pool size [tokens] (default %(default)s)")

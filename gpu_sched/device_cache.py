@@ -141,8 +141,6 @@ class DeviceRadixCache:
             ids = np.flatnonzero(t._np("alive")[: t.node_bound()])
             ids = ids[ids != ROOT]
             off, ln = t._np("key_off")[ids], t._np("key_len")[ids]
-            if not len(ids):
-                return np.zeros(0, np.int64)
             pos = np.repeat(off - (np.cumsum(ln) - ln), ln) + np.arange(int(ln.sum()))
             return t._np("val")[pos]
         ids = torch.nonzero(t.alive[: t.node_bound()]).flatten()

@@ -751,15 +751,11 @@ def in_batch_deprioritize(prefix_len: torch.Tensor, fill_len: torch.Tensor, name
     k = _kernels(backend, "sort_keys")
     if check_threshold == -1:  # nobody is checked (host-known: no sort needed)
         return torch.zeros(n, dtype=torch.bool, device=dev)
-    if k is not None:
-        if threshold > 0:
-            return k.deprio_by_hash(_contig(prefix_len), _contig(fill_len), _contig(namespace_id),
-                                    _contig(head_hash), check_threshold, threshold,
-                                    valid=None if valid is None else _contig(valid), block=block)
-        _, checked = k.deprio_group_keys(_contig(prefix_len), _contig(fill_len), _contig(namespace_id),
-                                         check_threshold, threshold, block=block)
-        return checked if valid is None else checked & valid  # T == 0: every checked request
-    pre = prefix_len.to(torch.int64)
+    if k is not None and threshold > 0:
+        return k.deprio_by_hash(_contig(prefix_len), _contig(fill_len), _contig(namespace_id),
+                                _contig(head_hash), check_threshold, threshold,
+                                valid=None if valid is None else _contig(valid), block=block)
+    pre = prefix_len.to(torch.int64)  # T == 0 (every checked request) and the torch form
     checked = (pre <= check_threshold) & (check_threshold != -1)
     if valid is not None:
         checked = checked & valid

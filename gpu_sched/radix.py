@@ -2118,8 +2118,7 @@ class FlatRadixTree:
         b = self._hwm  # no live id at or above it (ids are handed out lowest first)
         # the passes over the whole node, pool and table arrays: numpy on a CPU (2-3x torch's
         # one-thread passes there; a replay's --check runs this after every step)
-        cpu = self._on_cpu
-        if cpu:
+        if self._on_cpu:
             assert not self._np("alive")[b:].any(), "a live node at or above node_bound()"
             owned = int(np.count_nonzero(self._np("owner") >= 0))
             slots = torch.from_numpy(np.flatnonzero(self._np("hkeys") >= 0))

@@ -41,7 +41,6 @@ import numpy as np
 import torch
 
 from . import policy as dpolicy
-from .policy import INT64_MAX
 from .config import _check_int
 from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, match_lock_drops
 from .scheduler import (RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
@@ -417,7 +416,7 @@ class StepGraph:
             tb = torch.where(has & (cover < tree.key_len[node]), self.max_len + 1 - cover, 0)
         return dpolicy.dfs_weight_order(parent, tree.order[:b], None, node,
                                         max_depth=min(self.max_len // self.s.config.page_size, b),
-                                        backend=self.s.backend, tiebreak=tb, rank_bound=INT64_MAX,
+                                        backend=self.s.backend, tiebreak=tb, rank_bound=dpolicy.INT64_MAX,
                                         tiebreak_bound=self.max_len + 1)
 
     def _node_span(self) -> int:

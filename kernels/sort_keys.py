@@ -14,8 +14,8 @@ Every key is an int64 whose ascending order is the policy's order, so one stable
 - lpm (R-ORD-8): `INT64_MAX` when deprioritized, else `~matched`.
 - R-ORD-9 grouping: an eligible request (checked and fill >= T) is deprioritized when an
   earlier eligible one has the same (namespace, head hash) (the torch form: a stable sort by
-  (`a`, hash), `a = namespace` for an eligible request else `INT64_MIN`, from
-  `deprio_group_keys`, and a compare with each sorted predecessor). No kernel sorts:
+  (`a`, hash), `a = namespace` for an eligible request else `INT64_MIN`, and a compare
+  with each sorted predecessor). No kernel sorts:
   `deprio_by_hash` finds the groups in a device hash table (`atomic_cas` claims) and the
   first queue index per group by `atomic_min`; with the (namespace, head) pairs interned as
   group ids, `deprio_by_group` needs no table either.
@@ -221,20 +221,6 @@ def lpm_keys(matched: torch.Tensor, deprioritized: torch.Tensor, *, cap: Optiona
 
 
 # ---- R-ORD-9 in-batch deprioritization ----------------------------------------------------------
-@triton.jit
-def _deprio_group_keys_kernel(prefix_ptr, fill_ptr, ns_ptr, a_ptr, checked_ptr, n,
-                              check_threshold, threshold, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    pre = tl.load(prefix_ptr + offs, mask=mask, other=0).to(tl.int64)
-    fill = tl.load(fill_ptr + offs, mask=mask, other=0).to(tl.int64)
-    ns = tl.load(ns_ptr + offs, mask=mask, other=0).to(tl.int64)
-    checked = (pre <= check_threshold) & (check_threshold != -1)
-    eligible = checked & (fill >= threshold)
-    tl.store(a_ptr + offs, tl.where(eligible, ns, -9223372036854775807 - 1), mask=mask)
-    tl.store(checked_ptr + offs, checked.to(tl.uint8), mask=mask)
-
-
 def _check_deprio_args(where, kernel, prefix_len, fill_len, ids_name, ids, check_threshold, check_lo, threshold):
     """The R-ORD-9 launchers' common checks; returns (n, device)."""
     check_tensor(where, "prefix_len", prefix_len, INT_DTYPES)
@@ -245,23 +231,6 @@ def _check_deprio_args(where, kernel, prefix_len, fill_len, ids_name, ids, check
     check_int(where, "check_threshold", check_threshold, lo=check_lo, hi=INT64_MAX)
     check_int(where, "threshold", threshold, lo=0, hi=INT64_MAX)
     return n, dev
-
-
-def deprio_group_keys(prefix_len: torch.Tensor, fill_len: torch.Tensor, namespace_id: torch.Tensor,
-                      check_threshold: int, threshold: int,
-                      *, block: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(a int64 [n], checked bool [n]) of R-ORD-9: `checked = check_threshold != -1 and
-    prefix_len <= check_threshold`; `a` = namespace id when checked and fill_len >= T, else
-    INT64_MIN (so a namespace id must not be INT64_MIN)."""
-    n, dev = _check_deprio_args("deprio_group_keys", _deprio_group_keys_kernel, prefix_len, fill_len,
-                                "namespace_id", namespace_id, check_threshold, -1, threshold)
-    BLOCK, warps = block_config(block)
-    a = torch.empty(n, dtype=torch.int64, device=dev)
-    checked = torch.empty(n, dtype=torch.bool, device=dev)
-    _deprio_group_keys_kernel[grid_1d(n, BLOCK)](
-        prefix_len, fill_len, namespace_id, a, checked.view(torch.uint8), n, check_threshold, threshold,
-        BLOCK=BLOCK, num_warps=warps)
-    return a, checked
 
 
 # ---- R-ORD-9 by group ids: first queue index per group, no sort ----------------------------------

@@ -37,4 +37,4 @@ def test_every_launched_kernel_compiles_for_sm90(tmp_path):
     for name in ("sort_keys._dedup_insert_kernel", "dfs_weight._match_node_kernel", "dfs_weight._sibling_run_kernel",
                  "radix._find_kernel", "admission._round_kernel", "ignore_eos.", "preempt."):
         assert any(name in k for k in kernels), (name, sorted(kernels))
-    assert len(kernels) >= 40, sorted(kernels)
+    assert len(kernels) >= 39, sorted(kernels)

@@ -166,21 +166,6 @@ def test_lpm_keys_with_cap_and_valid(n, block):
 
 
 # ---- R-ORD-9 -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
-@pytest.mark.parametrize("check,T", [(-1, 4), (0, 4), (5, 0), (5, 4), (2**40, 1)])
-def test_deprio_group_keys(n, block, check, T):
-    rng = random.Random(n * 11 + check + T)
-    pre = [rng.choice([0, 0, 3, 5, 6, 100]) for _ in range(n)]
-    fill = [rng.choice([1, 3, 4, 4, 9]) for _ in range(n)]
-    ns = [rng.choice([0, 1, 2**31 - 1, -(2**31)]) for _ in range(n)]
-    a, checked = SK.deprio_group_keys(torch.tensor(pre, dtype=torch.int32), torch.tensor(fill, dtype=torch.int64),
-                                      torch.tensor(ns, dtype=torch.int32), check, T, block=block)
-    want_checked = [check != -1 and p <= check for p in pre]
-    assert checked.dtype == torch.bool
-    assert_equal(checked, want_checked, "checked")
-    assert_equal(a, [s if c and f >= T else INT64_MIN for s, c, f in zip(ns, want_checked, fill)], "a")
-
-
 def _deprio_sequential(pre, fill, ns, h, check, T, valid):
     """R-ORD-9 by its sequential definition: a later eligible member of a group already seen."""
     seen, want = set(), []
@@ -366,7 +351,7 @@ def test_launchers_reject_bad_arguments():
     with pytest.raises(ValueError, match="num_running"):
         SK.routing_keys(i64, torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int64), -1, -1)
     with pytest.raises(ValueError, match="check_threshold"):
-        SK.deprio_group_keys(i64, i64, i64, -2, 0)
+        SK.deprio_by_hash(i64, i64, i64, i64, -2, 1)
     with pytest.raises(ValueError, match="deprio_by_hash: threshold must be"):
         SK.deprio_by_hash(i64, i64, i64, i64, 0, 0)
     with pytest.raises(TypeError, match="deprio_by_hash: head_hash must have dtype int64"):

@@ -245,12 +245,17 @@ def format_comparison(summaries: dict) -> str:
                 v = _metric(s, key)
             row.append(_fmt(v))
         cells.append(row)
-    lw = max(len(label) for label, _ in COMPARISON_ROWS) + 2
-    cw = [max(12, len(n) + 2, *(len(r[i]) + 2 for r in cells)) for i, n in enumerate(names)]
+    return _table([label for label, _ in COMPARISON_ROWS], names, cells, 12)
+
+
+def _table(labels, names, cells, min_width: int, title: Optional[str] = None) -> str:
+    """A text table: a row per label, a right-aligned column per name (cells[row][column])."""
+    lw = max(len(label) for label in labels) + 2
+    cw = [max(min_width, len(n) + 2, *(len(r[i]) + 2 for r in cells)) for i, n in enumerate(names)]
     head = "Metric".ljust(lw) + "".join(n.rjust(w) for n, w in zip(names, cw))
-    body = [label.ljust(lw) + "".join(c.rjust(w) for c, w in zip(r, cw)) for (label, _), r in zip(COMPARISON_ROWS, cells)]
+    body = [label.ljust(lw) + "".join(c.rjust(w) for c, w in zip(r, cw)) for label, r in zip(labels, cells)]
     rule = "=" * len(head)
-    return "\n".join([rule, head, "-" * len(head), *body, rule])
+    return "\n".join([rule, *([title] if title else []), head, "-" * len(head), *body, rule])
 
 
 def _metric(s: dict, key: str):
@@ -283,13 +288,8 @@ def format_seed_spread(spread: dict, seeds) -> str:
     rows = [(label, key) for label, key in COMPARISON_ROWS if key != "digest"]
     cells = [[("n/a" if spread[n][key] is None else
                f"{_fmt(spread[n][key]['mean'])} +- {_fmt(spread[n][key]['std'])}") for n in names] for _, key in rows]
-    lw = max(len(label) for label, _ in rows) + 2
-    cw = [max(16, len(n) + 2, *(len(r[i]) + 2 for r in cells)) for i, n in enumerate(names)]
-    head = "Metric".ljust(lw) + "".join(n.rjust(w) for n, w in zip(names, cw))
-    body = [label.ljust(lw) + "".join(c.rjust(w) for c, w in zip(r, cw)) for (label, _), r in zip(rows, cells)]
-    rule = "=" * len(head)
-    title = f"mean +- std over seeds {', '.join(str(sd) for sd in seeds)}"
-    return "\n".join([rule, title, head, "-" * len(head), *body, rule])
+    return _table([label for label, _ in rows], names, cells, 16,
+                  title=f"mean +- std over seeds {', '.join(str(sd) for sd in seeds)}")
 
 
 def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict] = None) -> Path:
