@@ -105,16 +105,24 @@ if [[ "$DRY" == 1 ]]; then
 else
     unset TRITON_INTERPRET
     TEST_DEV=cuda
-    # failures print as they happen (-x would stop the section at the first one)
-    PYTEST_ARGS=(-q -n 0 -rfE --tb=short --maxfail=3 -p no:cacheprovider)
+    # xdist workers compile the kernels in parallel (Triton compiles one kernel at a time per
+    # process); -vv gives a line per test (addopts' -q cancels one -v), so a log cut by the
+    # section's limit still names what passed; a hung test (a spinning kernel) is ended by
+    # pytest-timeout where the machine has it
+    PYTEST_ARGS=(-vv -n "${GPU_CHECK_WORKERS:-8}" --dist worksteal -rfE --tb=short --maxfail=10
+                 -p no:cacheprovider)
+    if "$PY" -c "import pytest_timeout" > /dev/null 2>&1; then
+        PYTEST_ARGS+=(--timeout "${GPU_CHECK_TEST_TIMEOUT_S:-60}")
+    fi
     # torch and triton on CUDA from 2^12 to 2^20: the recorded step (graph: one CUDA-graph
     # replay; gstep: the whole step() through it) at every size, the eager step at 2^12, the
     # reference to 2^14 for ratios; Mooncake prefixes capped at 2048 tokens; a call over 10 s
     # ends a backend/policy; no new row in the section's last 30 s
-    BENCH_ARGS=(--backends reference,torch-cuda,triton-cuda --policies "${GPU_CHECK_POLICIES:-lpm,fcfs,lof}"
-                --stages step,graph,gstep --min-exp "${GPU_CHECK_MIN_EXP:-12}" --max-exp "${GPU_CHECK_MAX_EXP:-20}"
-                --ref-max-exp 14 --eager-max-exp 12 --warm 500 --max-prompt-len 2048 --reps 5 --budget-s 0.2
-                --max-seconds 10 --slow-s 1 --slow-reps 1)
+    BENCH_ARGS=(--backends reference,torch-cuda,triton-cuda
+                --policies "${GPU_CHECK_POLICIES:-lpm,fcfs,lof,routing-key,dfs-weight}"
+                --stages step,graph,gstep --sizes "${GPU_CHECK_SIZES:-512,4096,32768,131072,1048576}"
+                --ref-max-exp 15 --eager-max-exp 9 --check-max-exp 9 --warm 500 --max-prompt-len 2048
+                --reps 5 --budget-s 0.2 --max-seconds 10 --slow-s 1 --slow-reps 1)
 fi
 
 run_pytest() {  # run_pytest NAME LIMIT FILES... (LIMIT 0: skipped)
@@ -150,6 +158,11 @@ run_pytest pytest_radix "${GPU_CHECK_RADIX_S:-50}" "${T_RADIX[@]}"
 run_pytest pytest_graph "${GPU_CHECK_GRAPH_S:-110}" "${T_GRAPH[@]}"
 run_pytest pytest_kernels "${GPU_CHECK_KERNELS_S:-80}" "${T_KERNELS[@]}"
 run_pytest pytest_differential "${GPU_CHECK_DIFF_S:-50}" "${T_DIFF[@]}"
+rm -f "$OUT/bench_queue_cuda.json"
+if [[ "$BENCH_S" != 0 ]]; then
+section bench "$BENCH_S" "$OUT/bench_queue.log" "$PY" benchmarks/bench_queue.py "${QUEUE_ARGS[@]}" "${BENCH_ARGS[@]}" \
+    --threads 1 --out "$OUT/bench_queue_cuda.json"
+fi
 # Where a step's time goes (phases, host syncs by call site, op table) at 4096 waiting: lpm's
 # whole step() through the recorded graph and eagerly (triton). Dry run: torch on the CPU at 256.
 profiles() {
@@ -168,11 +181,6 @@ export -f profiles
 export OUT TRACE
 if [[ "${GPU_CHECK_PROFILE_S:-45}" != 0 ]]; then
     section profile "${GPU_CHECK_PROFILE_S:-45}" "$OUT/profile.log" bash -c profiles
-fi
-rm -f "$OUT/bench_queue_cuda.json"
-if [[ "$BENCH_S" != 0 ]]; then
-section bench "$BENCH_S" "$OUT/bench_queue.log" "$PY" benchmarks/bench_queue.py "${QUEUE_ARGS[@]}" "${BENCH_ARGS[@]}" \
-    --threads 1 --out "$OUT/bench_queue_cuda.json"
 fi
 if [[ -s "$OUT/bench_queue_cuda.json" ]]; then
     section plot 15 "$OUT/plot.log" "$PY" benchmarks/plot_bench.py "$OUT/bench_queue_cuda.json" \

@@ -17,6 +17,7 @@ import torch
 
 #: default elements per program of the 1-D element-wise kernels
 DEFAULT_BLOCK = 1024
+SCAN_BLOCK = 4096  # scan_config's block for long walks
 #: smallest block a caller may ask for (Triton's `tl.arange` needs a power of two >= 16 on GPUs)
 MIN_BLOCK = 16
 MAX_BLOCK = 8192
@@ -36,6 +37,20 @@ def block_config(block: Optional[int] = None) -> Tuple[int, int]:
         raise ValueError(f"block must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}], got {block}")
     num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
     return block, num_warps
+
+
+def scan_config(n: int, block: Optional[int] = None) -> Tuple[int, int]:
+    """(BLOCK, num_warps) for a single-program kernel that walks n entries block by block,
+    carrying its running sums or maxima from one block to the next.
+
+    `block` None gives `DEFAULT_BLOCK` for n up to it and `SCAN_BLOCK` (16 warps) past it: the
+    walk is serial, so on a GPU its time is the number of blocks times one block's latency, and
+    wider blocks take a long queue in a quarter of the steps. An explicit block is checked as
+    in `block_config`.
+    """
+    if block is None and n > DEFAULT_BLOCK:
+        return SCAN_BLOCK, 16
+    return block_config(block)
 
 
 def grid_1d(n: int, block: int) -> Tuple[int]:

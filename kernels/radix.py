@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import block_config, check_int, check_launch_device, check_tensor, grid_1d
+from ._utils import block_config, check_int, check_launch_device, check_tensor, grid_1d, scan_config
 
 P1, P2 = 2**31 - 1, 2147483629
 #: home slot of key h = bits 32.. of h * HASH_MIX (int64, wrapping): `gpu_sched.radix.home_slot`
@@ -658,7 +658,8 @@ def _lock_drops_launch(parent, key_len, lock_ref, alive, last_node, cover, valid
     _lock_early_kernel[grid_1d(Q, BLOCK)](key, cover, f, mp, Q, N, BLOCK=BLOCK, num_warps=warps)
     _lock_gain_kernel[grid_1d(N, NB)](key_len, lock_ref, alive8, f, mp, drop, N, Q, BLOCK=NB, num_warps=nwarps)
     order = torch.sort(key, stable=True).indices
-    _lock_partial_kernel[(1,)](order, key, cover, valid8, lock_ref, f, drop, out, Q, N, BLOCK=NB, num_warps=nwarps)
+    SB, swarps = scan_config(Q, block)
+    _lock_partial_kernel[(1,)](order, key, cover, valid8, lock_ref, f, drop, out, Q, N, BLOCK=SB, num_warps=swarps)
     return out
 
 

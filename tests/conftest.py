@@ -41,3 +41,14 @@ def cuda_default_device():
     torch.set_default_device("cuda")
     yield
     torch.set_default_device(None)
+
+
+@pytest.fixture
+def cpu_default_device(cuda_default_device):
+    """For tests of host forms and host-side checks (numpy, values read on the CPU) in modules
+    that use `cuda_default_device`: their tensors stay on the CPU (set after that fixture's
+    CUDA default, whatever the order of the marks)."""
+    prev = torch.get_default_device()
+    torch.set_default_device("cpu")
+    yield
+    torch.set_default_device(prev)

@@ -399,6 +399,8 @@ def test_head_hashes_pool_forms_agree(T, seed):
             cols = (toff[:, None] + torch.arange(T)).clamp(0, pool.numel() - 1)
             host = P.head_hashes_host(pool[cols].cpu().numpy(), fill.clamp(max=T).cpu().numpy())
             assert want.tolist() == host.tolist()
+    with pytest.raises(ValueError, match="modulus must be 2\\^31 - 1, got 1000003"):  # folding needs p = 2^31 - 1
+        SK.head_hashes_pool(tok, toff, fill, P._hash_weights(T, toff.device), 1000003)
 
 
 @pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)

@@ -329,6 +329,7 @@ def test_absent_priorities_pack(sign):
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.usefixtures("cpu_default_device")
 def test_host_forms_equal_torch_forms(dtype):
     """On the CPU, fcfs, lof and routing-key run as numpy calls (also called directly by the
     scheduler: `fcfs_perm_host`, `lof_perm_host`; keys as offsets from their
@@ -385,6 +386,7 @@ def test_host_forms_equal_torch_forms(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.usefixtures("cpu_default_device")
 def test_lpm_host_form_equals_torch_form(dtype):
     """lpm's host form (`lpm_perm_host`: one key per row, `max - matched`, the deprioritized
     at `max + 1`; uint8 / uint16 up to 16 bits, packed with the row index past that), called
@@ -486,7 +488,7 @@ def test_routing_key_ids_outside_range_count_as_absent(backend, dtype):
     K = 5
     big = torch.iinfo(dtype).max
     low = torch.iinfo(dtype).min
-    gen = torch.Generator().manual_seed(3)
+    gen = _gen().manual_seed(3)
     waiting = torch.randint(-1, K, (300,), generator=gen)
     odd = torch.tensor([-2, -7, K, K + 3, big, low])
     messy = waiting.clone()
@@ -638,7 +640,7 @@ def test_head_hashes_ignore_padding_and_separate_prefixes():
         want = [model(toks[i, :T].tolist(), int(lens[i])) for i in range(40)]
         assert_perm_equal(P.head_hashes(toks[:, :T], lens), want, f"head hash formula T={T}")
         # the host form (numpy, a new request's group on the CPU paths): the same values
-        assert P.head_hashes_host(toks[:, :T].numpy(), lens.numpy()).tolist() == want, f"host T={T}"
+        assert P.head_hashes_host(toks[:, :T].cpu().numpy(), lens.cpu().numpy()).tolist() == want, f"host T={T}"
     assert P.head_hashes(torch.zeros((0, 4), dtype=torch.int32), torch.zeros(0, dtype=torch.int64)).shape == (0,)
     assert P.head_hashes(torch.zeros((3, 0), dtype=torch.int32), torch.ones(3, dtype=torch.int64)).tolist() == [0, 0, 0]
     assert P.head_hashes_host(np.zeros((0, 4), dtype=np.int32), np.zeros(0, dtype=np.int64)).shape == (0,)
@@ -987,19 +989,19 @@ def test_in_batch_deprioritize_groups_matches_reference(backend, n, check, T):
         got = _torch_forms(P.in_batch_deprioritize_groups, prefix, lengths, group, G, check, T)
         assert_perm_equal(got.to(torch.int64), want, f"deprio groups torch form n={n} check={check} T={T}")
         # the numpy form as the scheduler calls it (all thresholds, T == 0 and check == -1 too)
-        got = P.deprioritize_groups_host(prefix.numpy(), lengths.numpy(), group.numpy(), check, T)
+        got = P.deprioritize_groups_host(prefix.cpu().numpy(), lengths.cpu().numpy(), group.cpu().numpy(), check, T)
         assert got.dtype == np.bool_ and got.tolist() == [bool(w) for w in want], (n, check, T)
         # ids on demand, as GpuScheduler passes them: asked once, for the eligible rows only
         asked = []
-        gn = group.numpy()
+        gn = group.cpu().numpy()
 
         def ids(e):
             asked.append(e.copy())
             return gn[e]
 
-        got = P.deprioritize_groups_host(prefix.numpy(), lengths.numpy(), ids, check, T)
+        got = P.deprioritize_groups_host(prefix.cpu().numpy(), lengths.cpu().numpy(), ids, check, T)
         assert got.tolist() == [bool(w) for w in want], (n, check, T)
-        eligible = np.flatnonzero((prefix.numpy() <= check) & (lengths.numpy() >= T)) if check >= 0 and T > 0 else []
+        eligible = np.flatnonzero((prefix.cpu().numpy() <= check) & (lengths.cpu().numpy() >= T)) if check >= 0 and T > 0 else []
         assert len(asked) == (1 if len(eligible) else 0), (n, check, T)
         if asked:
             assert asked[0].tolist() == list(eligible)
@@ -1018,6 +1020,7 @@ def test_in_batch_deprioritize_groups_rejects_bad_args():
 
 
 @pytest.mark.parametrize("bad", [3, 7])
+@pytest.mark.usefixtures("cpu_default_device")
 def test_dfs_weight_order_refuses_a_parent_past_the_tree(bad):
     """A parent index of N or more names no node: a ValueError naming the value, not an
     IndexError (or, at exactly N, a quiet order) from inside the passes."""
