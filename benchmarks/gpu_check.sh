@@ -14,9 +14,11 @@
 # Section limits (s; 0 skips a section): env 15, install 60 (only where gpu_sched is not
 # importable, a few seconds), radix kernel tests $GPU_CHECK_RADIX_S (50), recorded-step / CUDA
 # graph tests $GPU_CHECK_GRAPH_S (110), other kernel tests $GPU_CHECK_KERNELS_S (80),
-# differential tests $GPU_CHECK_DIFF_S (50), step profiles $GPU_CHECK_PROFILE_S (45), bench
-# $GPU_CHECK_BENCH_S (115, less the seconds the install took; no new row in its last 30 s),
-# plot 15: at most 480 s plus kill grace.
+# differential tests $GPU_CHECK_DIFF_S (50), bench $GPU_CHECK_BENCH_S (115, less the seconds
+# the install took; no new row in its last 30 s), step profiles $GPU_CHECK_PROFILE_S (45),
+# plot 15: at most 480 s plus kill grace. Tests: $GPU_CHECK_WORKERS xdist workers (8), one test
+# at most $GPU_CHECK_TEST_TIMEOUT_S (60) where pytest-timeout is installed. Bench: queue sizes
+# $GPU_CHECK_SIZES, policies $GPU_CHECK_POLICIES (benchmarks/README.md).
 set -euo pipefail
 
 OUT="${1:?usage: benchmarks/gpu_check.sh OUTDIR}"

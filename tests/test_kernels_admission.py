@@ -169,9 +169,9 @@ def test_admit_step_triton_backend_equals_torch():
     seen = set()
     for seed in range(40):
         rng, cfg, ref, ratio, full0 = build(seed)
-        # every 8th queue padded past 1024 entries: the single-program walks take their wide
-        # blocks (`scan_config`)
-        pad = rng.choice([0, 3]) if seed % 8 else 1100
+        # one queue padded past 1024 entries: the single-program walks take their wide blocks
+        # (`scan_config`; one is enough, the interpreter's ignore-EOS grid grows as Q^2)
+        pad = rng.choice([0, 3]) if seed else 1030
         scfg, st, q, held, chunked, _ = static_inputs(cfg, ref, ratio, full0, pad)
         mv = lambda x: None if x is None else type(x)(*[v.to(DEV) for v in x])  # noqa: E731
         st, q, held, chunked = mv(st), mv(q), mv(held), mv(chunked)
