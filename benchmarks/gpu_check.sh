@@ -5,7 +5,8 @@
 # Usage: benchmarks/gpu_check.sh OUTDIR
 #   OUTDIR gets: status.tsv (section, exit status, seconds), env.txt, pytest_<group>.log/.xml,
 #   profile.log + profile_<policy>_<mode>_<backend>.json (benchmarks/profile_step.py),
-#   bench_queue.log, bench_queue_cuda.json, bench_queue_cuda.png, plot.log.
+#   bench_queue.log, bench_queue_cuda.json, bench_queue_cuda.png, plot.log,
+#   bench_kernels.log + bench_kernels.json (benchmarks/bench_kernels.py).
 #   GPU_CHECK_DRY_RUN=1: the same flow on a CPU machine (tiny sizes, cpu backends), to check
 #   the script itself.
 #
@@ -14,9 +15,9 @@
 # Section limits (s; 0 skips a section): env 15, install 60 (only where gpu_sched is not
 # importable, a few seconds), radix kernel tests $GPU_CHECK_RADIX_S (50), recorded-step / CUDA
 # graph tests $GPU_CHECK_GRAPH_S (75), other kernel tests $GPU_CHECK_KERNELS_S (100),
-# differential tests $GPU_CHECK_DIFF_S (60), bench $GPU_CHECK_BENCH_S (120, less the seconds
-# the install took; no new row in its last 30 s), step profiles $GPU_CHECK_PROFILE_S (30),
-# plot 15: at most 475 s plus kill grace (the 2026-12-04 run's section times: benchmarks/
+# differential tests $GPU_CHECK_DIFF_S (60), bench $GPU_CHECK_BENCH_S (110, less the seconds
+# the install took; no new row in its last 30 s), kernel variants $GPU_CHECK_KBENCH_S (20),
+# step profiles $GPU_CHECK_PROFILE_S (30), plot 15: at most 475 s plus kill grace (the 2026-12-04 run's section times: benchmarks/
 # README.md). Tests: $GPU_CHECK_WORKERS xdist workers (12), one test
 # at most $GPU_CHECK_TEST_TIMEOUT_S (60) where pytest-timeout is installed. Bench: queue sizes
 # $GPU_CHECK_SIZES, policies $GPU_CHECK_POLICIES (benchmarks/README.md).
@@ -150,7 +151,7 @@ if ! "$PY" -c "import gpu_sched.kernels" > /dev/null 2>&1; then
     INSTALL_S=$(( $(date +%s) - t_install ))
 fi
 # the bench gives up what the install took, so that the whole check stays within 480 s
-BENCH_S="${GPU_CHECK_BENCH_S:-120}"
+BENCH_S="${GPU_CHECK_BENCH_S:-110}"
 if [[ "$BENCH_S" != 0 ]]; then
     BENCH_S=$(( BENCH_S - INSTALL_S > 40 ? BENCH_S - INSTALL_S : 40 ))
     if [[ "$DRY" != 1 ]]; then
@@ -165,6 +166,13 @@ rm -f "$OUT/bench_queue_cuda.json"
 if [[ "$BENCH_S" != 0 ]]; then
 section bench "$BENCH_S" "$OUT/bench_queue.log" "$PY" benchmarks/bench_queue.py "${QUEUE_ARGS[@]}" "${BENCH_ARGS[@]}" \
     --threads 1 --out "$OUT/bench_queue_cuda.json"
+fi
+# The alternatives for the recorded step's costliest launches (sort key width, block sizes),
+# side by side (benchmarks/bench_kernels.py). Dry run: tiny sizes in the interpreter.
+if [[ "${GPU_CHECK_KBENCH_S:-20}" != 0 ]]; then
+    if [[ "$DRY" == 1 ]]; then KB_ARGS=(--sizes 20 --reps 1 --device cpu); else KB_ARGS=(--sizes 4096,131072 --reps 50); fi
+    section kernels_bench "${GPU_CHECK_KBENCH_S:-20}" "$OUT/bench_kernels.log" env TRITON_INTERPRET="$DRY" \
+        "$PY" benchmarks/bench_kernels.py "${KB_ARGS[@]}" --out "$OUT/bench_kernels.json"
 fi
 # Where a step's time goes (phases, host syncs by call site, kernel table) at 4096 waiting: lpm's
 # and fcfs's whole step() through the recorded graph (triton; the eager step on a GPU is tens
