@@ -22,7 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-STAGE_ORDER = ("order", "order-churn", "order-served", "admit", "step")
+STAGE_ORDER = ("order", "order-churn", "order-served", "admit", "step", "graph", "gstep")
+RECORDED = ("graph", "gstep")  # the recorded step's panels also draw the reference's whole step
 POLICY_ORDER = ("fcfs", "lof", "routing-key", "lpm", "dfs-weight")
 STYLE = {  # (backend, device) -> matplotlib style
     ("reference", "cpu"): dict(color="black", marker="o"),
@@ -79,6 +80,10 @@ def plot(rows, out, per_request=False, title=None):
                 ax.plot(xs, ys, label=f"{be} ({dev})", linewidth=1.4, markersize=4, **style)
                 if not per_request:
                     ax.fill_between(xs, ys, [r["p90_s"] for r in rs], alpha=0.15, color=style.get("color"))
+            ref = sorted(series.get((pol, "step", "reference", "cpu"), []), key=lambda r: r["n"])
+            if st in RECORDED and ref:  # what the recorded step's ratio is taken against
+                ax.plot([r["n"] for r in ref], [r[ykey] for r in ref], label="reference (cpu), whole step",
+                        color="0.45", linestyle="--", linewidth=1.0, marker="o", markersize=3)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.grid(True, which="both", alpha=0.3)
@@ -113,6 +118,11 @@ def fmt_s(x):
     return f"{x * 1e6:.3g} us"
 
 
+def n_label(n: int) -> str:
+    """2^k for a power of two, else the number itself (`bench_queue.py --sizes`)."""
+    return f"2^{n.bit_length() - 1}" if n > 0 and n & (n - 1) == 0 else f"{n:,}"
+
+
 def markdown_table(rows):
     """Median per call, one line per (policy, stage, backend/device), one column per n; a
     `speedup` line under each device backend gives the reference's median over its own (above
@@ -124,7 +134,7 @@ def markdown_table(rows):
     backs = sorted({(r["backend"], r["device"]) for r in rows},
                    key=lambda b: list(STYLE).index(b) if b in STYLE else 99)
     cell = {(r["policy"], r["stage"], r["backend"], r["device"], r["n"]): r for r in rows}
-    head = "| policy | stage | backend | " + " | ".join(f"2^{n.bit_length() - 1}" for n in ns) + " |"
+    head = "| policy | stage | backend | " + " | ".join(n_label(n) for n in ns) + " |"
     lines = [head, "|" + "---|" * (3 + len(ns))]
     for pol in policies:
         for st in stages:

@@ -1,0 +1,37 @@
+"""benchmarks/plot_bench.py: every stage bench_queue.py writes gets its panel and table rows
+(the recorded step's `graph` and `gstep` too), and sizes that are not powers of two keep
+their own labels."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import plot_bench  # noqa: E402
+
+
+def _rows():
+    rows = []
+    for n in (1000, 4096):
+        for stage, backend, device, med in (("step", "reference", "cpu", 0.05), ("graph", "triton", "cuda", 3e-4),
+                                            ("gstep", "triton", "cuda", 4e-3)):
+            rows.append(dict(policy="lpm", stage=stage, n=n, backend=backend, device=device, median_s=med * n / 4096,
+                             p90_s=med * n / 4096 * 1.1, us_per_req=med * 1e6 / 4096, run="r1",
+                             ratio_to_ref=None if backend == "reference" else med / 0.05))
+    return rows
+
+
+def test_recorded_stages_are_drawn_and_tabled(tmp_path):
+    rows = _rows()
+    assert [s for s in plot_bench.STAGE_ORDER if s in ("graph", "gstep")] == ["graph", "gstep"]
+    out = plot_bench.plot(rows, tmp_path / "p.png")
+    assert Path(out).stat().st_size > 0
+    table = plot_bench.markdown_table(rows)
+    lines = table.splitlines()
+    assert lines[0] == "| policy | stage | backend | 1,000 | 2^12 |"
+    assert any(line.startswith("| lpm | graph | triton (cuda) |") for line in lines)
+    assert "| lpm | gstep | triton (cuda) speedup | 12.5x | 12.5x |" in lines
+
+
+def test_n_label():
+    assert [plot_bench.n_label(n) for n in (1, 2, 4096, 1000, 100000)] == ["2^0", "2^1", "2^12", "1,000", "100,000"]
