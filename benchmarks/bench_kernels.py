@@ -152,8 +152,8 @@ def main(argv=None) -> List[dict]:
                 us = time_call(fn, args.reps, dev)
                 rows.append(dict(case=case, variant=name, n=n, device=str(dev), us=us, reps=args.reps))
                 print(f"{case:<11} {name:<10} {n:>8} {us:>10.1f}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        if args.out:  # after every size: a run cut by its time limit keeps what it measured
+            Path(args.out).write_text(json.dumps(rows, indent=1))
     return rows
 
 

@@ -51,4 +51,5 @@ def cpu_default_device(cuda_default_device):
     prev = torch.get_default_device()
     torch.set_default_device("cpu")
     yield
-    torch.set_default_device(prev)
+    # None, not "cpu", where nothing was set before: no default-device hook left behind
+    torch.set_default_device(None if prev.type == "cpu" else prev)

@@ -18,7 +18,8 @@ import bench_kernels  # noqa: E402
 
 def test_every_case_runs_and_variants_agree(tmp_path):
     out = tmp_path / "rows.json"
-    rows = bench_kernels.main(["--sizes", "20", "--reps", "1", "--device", "cpu", "--out", str(out)])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels take CUDA tensors
+    rows = bench_kernels.main(["--sizes", "20", "--reps", "1", "--device", dev, "--out", str(out)])
     assert {r["case"] for r in rows} == set(bench_kernels.CASES)
     assert len(rows) == 2 + 4 + 4 + 3 and all(r["us"] > 0 and r["n"] == 20 for r in rows)
     assert out.exists()
