@@ -13,6 +13,10 @@ them (`gpu_check.sh` runs it):
   lock_drops `kernels.radix.lock_drops` with the default blocks (`scan_config`'s wide walk past
              1024 requests) against explicit 1024- and 128-wide ones
 
+Caveats: lock_drops' explicit blocks change its per-request and per-node launches too, not only
+the partial-covers walk; an explicit block of 4096 runs 8 warps (`block_config`), where
+`scan_config`'s default wide walk runs 16.
+
 Rows: case, variant, n, device, us (mean microseconds per call over --reps calls after 3
 warm-up calls; CUDA events on CUDA, perf_counter elsewhere). Every variant of a case returns
 the same values (checked), so only the time differs. On a CPU the Triton launches need

@@ -17,8 +17,8 @@
 # graph tests $GPU_CHECK_GRAPH_S (75), other kernel tests $GPU_CHECK_KERNELS_S (100),
 # differential tests $GPU_CHECK_DIFF_S (60), bench $GPU_CHECK_BENCH_S (110, less the seconds
 # the install took; no new row in its last 30 s), kernel variants $GPU_CHECK_KBENCH_S (20),
-# step profiles $GPU_CHECK_PROFILE_S (30), plot 15: at most 475 s plus kill grace (the 2026-12-04 run's section times: benchmarks/
-# README.md). Tests: $GPU_CHECK_WORKERS xdist workers (12), one test
+# step profiles $GPU_CHECK_PROFILE_S (30), plot 15: at most 475 s plus kill grace (the
+# 2026-12-04 run's section times: benchmarks/results/gpu_tests_h200_20261204.txt). Tests: $GPU_CHECK_WORKERS xdist workers (12), one test
 # at most $GPU_CHECK_TEST_TIMEOUT_S (60) where pytest-timeout is installed. Bench: queue sizes
 # $GPU_CHECK_SIZES, policies $GPU_CHECK_POLICIES (benchmarks/README.md).
 set -euo pipefail
@@ -118,9 +118,9 @@ else
     if "$PY" -c "import pytest_timeout" > /dev/null 2>&1; then
         PYTEST_ARGS+=(--timeout "${GPU_CHECK_TEST_TIMEOUT_S:-60}")
     fi
-    # torch and triton on CUDA from 2^12 to 2^20: the recorded step (graph: one CUDA-graph
-    # replay; gstep: the whole step() through it) at every size, the eager step at 2^12, the
-    # reference to 2^14 for ratios; Mooncake prefixes capped at 2048 tokens; a call over 10 s
+    # torch and triton on CUDA at $GPU_CHECK_SIZES: the recorded step (graph: one CUDA-graph
+    # replay; gstep: the whole step() through it) at every size, the eager step and the plan
+    # check at 2^9, the reference to 2^15 for ratios; Mooncake prefixes capped at 2048 tokens; a call over 10 s
     # ends a backend/policy; no new row in the section's last 30 s
     BENCH_ARGS=(--backends reference,torch-cuda,triton-cuda
                 --policies "${GPU_CHECK_POLICIES:-lpm,fcfs,dfs-weight}"
@@ -171,7 +171,7 @@ fi
 # side by side (benchmarks/bench_kernels.py). Dry run: tiny sizes in the interpreter.
 if [[ "${GPU_CHECK_KBENCH_S:-20}" != 0 ]]; then
     if [[ "$DRY" == 1 ]]; then KB_ARGS=(--sizes 20 --reps 1 --device cpu); else KB_ARGS=(--sizes 4096,131072 --reps 50); fi
-    section kernels_bench "${GPU_CHECK_KBENCH_S:-20}" "$OUT/bench_kernels.log" env TRITON_INTERPRET="$DRY" \
+    section kernels_bench "${GPU_CHECK_KBENCH_S:-20}" "$OUT/bench_kernels.log" env TRITON_INTERPRET="$([[ "$DRY" == 1 ]] && echo 1 || echo 0)" \
         "$PY" benchmarks/bench_kernels.py "${KB_ARGS[@]}" --out "$OUT/bench_kernels.json"
 fi
 # Where a step's time goes (phases, host syncs by call site, kernel table) at 4096 waiting: lpm's
