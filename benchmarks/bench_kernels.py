@@ -32,14 +32,15 @@ import argparse
 import json
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Callable, List
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_queue import Clock  # noqa: E402
 from gpu_sched import admission as S  # noqa: E402
 from gpu_sched import policy as P  # noqa: E402
 from gpu_sched.kernels import admission as KA  # noqa: E402
@@ -48,22 +49,12 @@ from gpu_sched.kernels import sort_keys as SK  # noqa: E402
 
 
 def time_call(fn: Callable[[], object], reps: int, dev: torch.device) -> float:
-    """Mean microseconds per call of fn over `reps` calls, after 3 untimed ones."""
+    """Mean microseconds per call of fn over `reps` calls, after 3 untimed ones: the calls run
+    back to back inside one `bench_queue.Clock` reading (one pair of CUDA events on CUDA)."""
     for _ in range(3):
         fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize(dev)
-        return a.elapsed_time(b) * 1e3 / reps
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) * 1e6 / reps
+    seconds, _ = Clock(dev.type)(lambda: [fn() for _ in range(reps)])
+    return seconds * 1e6 / reps
 
 
 def same(outs: List[torch.Tensor], case: str) -> None:

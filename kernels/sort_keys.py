@@ -383,7 +383,7 @@ def deprio_by_hash(prefix_len: torch.Tensor, fill_len: torch.Tensor, namespace_i
 @triton.jit
 def _mod_p31(x):
     """x mod (2^31 - 1) for 0 <= x < 2^62 without a division: 2^31 = 1 (mod p), so the bits
-    from 31 up fold onto the low ones (twice: below 2^32, then at most p + 1)."""
+    from 31 up fold onto the low ones (twice: below 2^32, then at most p)."""
     P: tl.constexpr = 2147483647
     y = (x & P) + (x >> 31)
     y = (y & P) + (y >> 31)
