@@ -67,6 +67,8 @@ _LOOP_COLS = np.array([RT_FILL, RT_OUT, RT_MAXNEW])
 _WRITE_COLS = np.array([RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_PRIO, RT_TIME, RT_RKEY,
                         RT_MVER, RT_HEADT, RT_STAMP, RT_TOFF])
 _WRITE_TIME = int(np.flatnonzero(_WRITE_COLS == RT_TIME)[0])  # where the float time's bits go
+_WRITE_PRIO = int(np.flatnonzero(_WRITE_COLS == RT_PRIO)[0])
+_WRITE_MAXNEW = int(np.flatnonzero(_WRITE_COLS == RT_MAXNEW)[0])
 #: and those `_find_rows_scalar` reads
 _FIND_COLS = np.array([RT_TOFF, RT_COFF, RT_FILL, RT_CAP, RT_NS])
 _DEV_ROW = operator.attrgetter("dev_row")
@@ -248,6 +250,9 @@ class GpuScheduler(ReferenceScheduler):
         self._rk_rank = (None, 0)  # (ranks of the interned keys' strings, len(_rk_names) then)
         self._hg_id: dict = {}  # (namespace, R-ORD-9 head hash) -> interned group id (RT_HEAD)
         self._stamp = 0  # the latest row stamp
+        # [lo, hi] of every value ever written to the priority and max_new_tokens columns: a
+        # bound of any queue's keys, so a narrow ordering key needs no min/max pass (`_order`)
+        self._col_bounds = {RT_PRIO: None, RT_MAXNEW: None}
         self._new_row(None)  # allocates ROW_TABLE_MIN rows; row 0 stays unused
         self._qtok: Optional[torch.Tensor] = None
         self._qch: Optional[torch.Tensor] = None
@@ -302,7 +307,9 @@ class GpuScheduler(ReferenceScheduler):
         if q.tail:
             tail = q.tail
             rows = self._rows_of(tail)
-            _rt_set(self._rt, rows, RT_PRIO, np.fromiter(map(_PRIORITY, tail), np.int64, len(tail)))
+            prio = np.fromiter(map(_PRIORITY, tail), np.int64, len(tail))
+            self._widen_bounds(RT_PRIO, prio)
+            _rt_set(self._rt, rows, RT_PRIO, prio)
             _rt_set(self._rt, rows, RT_TIME, np.fromiter(map(_ENQUEUE_TIME, tail), np.float64, len(tail)).view(np.int64))
             q.rows = np.concatenate([q.rows, rows]) if len(q.rows) else rows
             q.tail = []
@@ -586,7 +593,17 @@ class GpuScheduler(ReferenceScheduler):
                           ns(r), r.priority, 0, self._rk_intern(r.req.routing_key), -1, -1, self._stamp, -1]
                          for r in reqs], dtype=np.int64).reshape(n, len(_WRITE_COLS))
         vals[:, _WRITE_TIME] = np.array([r.enqueue_time for r in reqs], dtype=np.float64).view(np.int64)
+        self._widen_bounds(RT_PRIO, vals[:, _WRITE_PRIO])
+        self._widen_bounds(RT_MAXNEW, vals[:, _WRITE_MAXNEW])
         self._rt[np.fromiter(map(_DEV_ROW, reqs), np.int64, n)[:, None], _WRITE_COLS] = vals
+
+    def _widen_bounds(self, c: int, vals: np.ndarray) -> None:
+        """Widen `_col_bounds[c]` to cover `vals` (int64 [k], about to be written to column c)."""
+        if not vals.size:
+            return
+        lo, hi = int(vals.min()), int(vals.max())
+        b = self._col_bounds[c]
+        self._col_bounds[c] = (lo, hi) if b is None else (min(b[0], lo), max(b[1], hi))
 
     def _ensure_hashed(self, rows: np.ndarray, max_batch_tokens: int = 1 << 24) -> None:
         """With the cache on: the fills of table rows `rows` not yet in the pools are hashed
@@ -741,7 +758,7 @@ class GpuScheduler(ReferenceScheduler):
             in_time_order = bool((t[1:] >= t[:-1]).all())
             if host:  # R-ORD-4: stable by (priority * sign, time), by priority alone in time order
                 pr = _rt_get(self._rt, rows, RT_PRIO)
-                perm = (dpolicy.fcfs_perm_host(pr, sign) if in_time_order
+                perm = (dpolicy.fcfs_perm_host(pr, sign, self._col_bounds[RT_PRIO]) if in_time_order
                         else dpolicy.fcfs_time_perm_host(pr, t, sign))
                 if perm is not None:
                     return OrderResult("fcfs", RowQueue(self, rows.take(perm, mode="clip")))
@@ -821,7 +838,8 @@ class GpuScheduler(ReferenceScheduler):
         if policy == "lof":
             if host:  # R-ORD-5
                 prio = _rt_get(self._rt, rows, RT_PRIO) if cfg.enable_priority_scheduling else None
-                perm = dpolicy.lof_perm_host(_rt_get(self._rt, rows, RT_MAXNEW), prio, sign)
+                perm = dpolicy.lof_perm_host(_rt_get(self._rt, rows, RT_MAXNEW), prio, sign,
+                                             self._col_bounds[RT_MAXNEW])
                 if perm is not None:
                     return OrderResult(policy, RowQueue(self, rows.take(perm, mode="clip")))
             prio = col(RT_PRIO) if cfg.enable_priority_scheduling else None
@@ -876,28 +894,16 @@ class GpuScheduler(ReferenceScheduler):
 
     def _routing_perm_host(self, qk: np.ndarray) -> Optional[np.ndarray]:
         """R-ORD-7 on the host for queued requests with interned key ids `qk` (int64 [n], -1:
-        absent or ""): the running batch's keys counted by string, then each key present in
-        the queue ranked once by its sort key in Python (`(0, -count, key)` when counted, else
-        `(1, 0, key)`; absent keys as `(1, 0, "")`), and the requests sorted stably by their
-        key's rank (one packed sort, `policy.rank_perm_host`): per call a fixed few numpy
-        calls over the queue, and Python over the distinct keys only. Returns the permutation
-        (int64 [n]), or None when no running key counts (no reordering)."""
-        counts = collections.Counter([r.req.routing_key for r in self.running])
-        counts.pop(None, None)
-        counts.pop("", None)
-        if not counts:
+        absent or ""): the running batch's key ids (interned: equal strings, one id) counted,
+        and the requests sorted stably by (count descending, key string) for counted keys,
+        then the others by key string (`policy.routing_perm_host` on the dense string ranks
+        `_rk_ranks`): a fixed few numpy calls over the queue and over the K interned keys.
+        Returns the permutation (int64 [n]), or None when no running key counts (no
+        reordering)."""
+        run_ids = np.array(self._running_key_ids(), dtype=np.int64)  # may intern: before the ranks
+        if not (run_ids >= 0).any():
             return None
-        names = self._rk_names
-        K = len(names)
-        present = np.zeros(K + 1, dtype=bool)  # the last slot: absent (id -1)
-        present[qk] = True
-        by_name = sorted(np.flatnonzero(present[:K]).tolist(), key=names.__getitem__)
-        counted = [i for i in by_name if names[i] in counts]
-        counted.sort(key=lambda i: -counts[names[i]])  # stable: equal counts stay by name
-        ranked = counted + [K] + [i for i in by_name if names[i] not in counts]  # K: absent, as ""
-        table = np.zeros(K + 1, dtype=np.int64)
-        table[ranked] = np.arange(len(ranked))
-        return dpolicy.rank_perm_host(table.take(qk), len(ranked) - 1)
+        return dpolicy.routing_perm_host(qk, self._rk_ranks(), run_ids, -1, dense=True)
 
     def _head_groups(self, rows: np.ndarray, sel: "_RowCols", T: int):
         """R-ORD-9 groups of table rows `rows`: (group ids int64 [B], size of the id space).

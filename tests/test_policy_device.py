@@ -220,6 +220,66 @@ def test_host_perm_narrow_keys_at_their_limits(n, descending):
                 assert got.tolist() == want, (dtype, span, base)
 
 
+@pytest.mark.parametrize("simd", [False, True])
+def test_narrow_argsort_packed_uint32_path(monkeypatch, simd):
+    """`_narrow_argsort`'s packed branch (a key over 8 bits on `PACKED_NARROW_MIN` rows or more,
+    with `SIMD_SORT`: key and row index in one uint32, numpy's unstable sort) is the stable
+    argsort, and it falls back to the radix sort where key and index need over 32 bits
+    (16-bit spans past 2^16 rows); forced on and off, whatever this CPU has."""
+    monkeypatch.setattr(P, "SIMD_SORT", simd)
+    rng = np.random.default_rng(7)
+    lim = P.PACKED_NARROW_MIN
+    for n in (lim - 1, lim, 70_000):
+        for span in (255, 256, 4095, 2**16 - 1):
+            off = rng.integers(0, span, size=n, endpoint=True)
+            off[:50] = off[50]  # a run of ties
+            want = np.argsort(off, kind="stable")
+            got = P._narrow_argsort(off, span)
+            assert got.dtype == np.int64 and np.array_equal(got, want), (n, span, simd)
+            # through the two-part packing too (lof with priority): 3 + 8 bits
+            if span == 255:
+                pri = rng.integers(0, 7, size=n)
+                want = np.lexsort([off, pri])
+                got = P._packed_argsort([(pri, 6), (off, 255)], n)
+                assert np.array_equal(got, want), (n, simd)
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_host_perm_with_column_bounds(descending):
+    """`host_perm(bounds=...)`: bounds that hold the key and span less than 2^16 stand in for
+    its min and max (the scheduler's table-wide column bounds, wider than any one queue's
+    keys); the order is the one without them. Wide bounds are ignored (min/max read)."""
+    rng = np.random.default_rng(11)
+    for n in (2, 300, 9000):
+        for lo, hi in ((0, 4), (-3, 250), (100, 100 + 2**16 - 2), (-(2**40), 2**40)):
+            key = rng.integers(max(lo, -1000), min(hi, 1000), size=n, endpoint=True)
+            want = P.host_perm(key, descending)
+            got = P.host_perm(key, descending, bounds=(lo, hi))
+            assert np.array_equal(got, want), (n, lo, hi)
+            assert np.array_equal(P.fcfs_perm_host(key, -1 if descending else 1, (lo, hi)),
+                                  P.fcfs_perm_host(key, -1 if descending else 1))
+            assert np.array_equal(P.lof_perm_host(key, bounds=(lo, hi)), P.lof_perm_host(key))
+
+
+def test_routing_perm_host_dense_ranks():
+    """`routing_perm_host(dense=True)` (the scheduler's permutation of string ranks, "" below
+    them) equals the general form, which ranks any distinct ranks and empty_rank itself,
+    with running ids absent, counted once or many times, and tied counts."""
+    rng = np.random.default_rng(5)
+    for K in (1, 3, 64, 700):
+        for trial in range(6):
+            n, m = int(rng.integers(1, 3000)), int(rng.integers(0, 80))
+            qk = rng.integers(-1, K, size=n)
+            run = rng.integers(-1, K, size=m) if trial % 3 else np.full(m, -1)
+            dense = rng.permutation(K).astype(np.int64)
+            want = P.routing_perm_host(qk, dense * 3 + 10, run, -5)  # same order, other values
+            got = P.routing_perm_host(qk, dense, run, -1, dense=True)
+            assert np.array_equal(got, want), (K, trial)
+            with P.torch_forms():  # the torch ops, not the host form
+                tw = P.routing_key_order(torch.from_numpy(qk), torch.from_numpy(dense), torch.from_numpy(run), -1)
+            assert np.array_equal(got, tw.numpy()), (K, trial)
+
+
 def _packed_span(key: np.ndarray) -> int:
     """The span host_perm packs: max - min, after an int64 key's ends (-2^63, 2^63 - 1) move
     next to its other values when it spans 2^32 or more."""

@@ -232,3 +232,42 @@ def test_plan_to_dict_is_plain_json(policy):
         done = {rid: 1 for rid, _, _ in a.admitted}
         ref.complete_prefill(done)
         dev.complete_prefill(done)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lof"])
+def test_column_bounds_hold_every_written_value(policy):
+    """`GpuScheduler._col_bounds` (the priority and max_new_tokens columns' [lo, hi], read by
+    the fcfs and lof orderings instead of a min/max pass) hold every value in every held
+    request's row after submits, steps (rows rewritten as outputs grow), priority preemption
+    (victims requeued with a new enqueue time) and aborts; and the orders stay the
+    reference's, priorities absent (the type's ends: bounds too wide, min/max read) or not."""
+    from gpu_sched.scheduler import RT_MAXNEW, RT_PRIO
+
+    rng = random.Random(4)
+    for with_absent in (False, True):
+        cfg = SchedulerConfig(schedule_policy=policy, enable_priority_scheduling=True,
+                              enable_priority_preemption=True, max_prefill_tokens=96)
+        ref, dev = ReferenceScheduler(cfg, 3000), GpuScheduler(cfg, 3000)
+        k = 0
+        for step in range(25):
+            new = [Request(rid=f"q{k + i}", prompt_ids=[rng.randrange(9) for _ in range(rng.randrange(2, 30))],
+                           max_new_tokens=rng.choice([1, 5, 17, 300]),
+                           priority=rng.choice([None, -4, 0, 7] if with_absent else [-4, 0, 7, 12]),
+                           enqueue_time=float(step)) for i in range(rng.randrange(0, 9))]
+            k += len(new)
+            for s in (ref, dev):
+                s.submit([Request(**{f: getattr(r, f) for f in r.__dataclass_fields__}) for r in new], now=float(step))
+            pa, pb = ref.step(0.6), dev.step(0.6)
+            assert pa.to_dict() == pb.to_dict(), step
+            done = {rid: 1 for rid, _, _ in pa.admitted}
+            ref.complete_prefill(done)
+            dev.complete_prefill(done)
+            if ref.running and step % 3 == 0:
+                rid = ref.running[0].rid
+                ref.finish([rid])
+                dev.finish([rid])
+            held = [r.dev_row for r in dev.reqs.values() if r.dev_row >= 0]
+            for c in (RT_PRIO, RT_MAXNEW):
+                lo, hi = dev._col_bounds[c]
+                vals = dev._rt[held, c]
+                assert vals.size and lo <= vals.min() and vals.max() <= hi, (c, step)
