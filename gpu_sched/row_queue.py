@@ -65,14 +65,19 @@ class RowQueue(_ListLike):
         sched: the owning GpuScheduler (its `_rt_owner` and `_views`).
         rows: int64 [k] row numbers (not copied; never modified in place).
         tail: requests after them.
+        in_time: whether `rows` are in enqueue-time order (non-decreasing), where the maker
+            knows it (the scheduler's consolidation of the tail, and slices, masks and copies
+            of a queue that was); None: unknown (an ordering's result), read when needed.
     """
 
-    __slots__ = ("_s", "rows", "tail", "__weakref__")
+    __slots__ = ("_s", "rows", "tail", "in_time", "__weakref__")
 
-    def __init__(self, sched, rows: np.ndarray = _EMPTY, tail: Optional[list] = None):
+    def __init__(self, sched, rows: np.ndarray = _EMPTY, tail: Optional[list] = None,
+                 in_time: Optional[bool] = None):
         self._s = sched
         self.rows = rows
         self.tail = [] if tail is None else tail
+        self.in_time = in_time
         if len(rows):
             sched._views.add(self)
 
@@ -117,8 +122,8 @@ class RowQueue(_ListLike):
 
     def after(self, k: int) -> "RowQueue":
         """The queue without its first k requests (R-STEP-4's rest as a slice)."""
-        r = len(self.rows)
-        return RowQueue(self._s, self.rows[k:], list(self.tail[max(k - r, 0) :]))
+        r = len(self.rows)  # a suffix of rows in time order is in time order
+        return RowQueue(self._s, self.rows[k:], list(self.tail[max(k - r, 0) :]), self.in_time)
 
     def append(self, r) -> None:
         self.tail.append(r)
@@ -127,7 +132,7 @@ class RowQueue(_ListLike):
         self.tail.extend(rs)
 
     def copy(self) -> "RowQueue":
-        return RowQueue(self._s, self.rows, list(self.tail))
+        return RowQueue(self._s, self.rows, list(self.tail), self.in_time)
 
     __copy__ = copy  # a copy is a live view too (deepcopy copies its scheduler with it)
 
@@ -135,6 +140,7 @@ class RowQueue(_ListLike):
         """Hold the requests themselves instead of rows (before the rows are reused)."""
         self.tail = self._values()
         self.rows = _EMPTY
+        self.in_time = None
 
 
 class LazyList(_ListLike):

@@ -310,8 +310,16 @@ class GpuScheduler(ReferenceScheduler):
             prio = np.fromiter(map(_PRIORITY, tail), np.int64, len(tail))
             self._widen_bounds(RT_PRIO, prio)
             _rt_set(self._rt, rows, RT_PRIO, prio)
-            _rt_set(self._rt, rows, RT_TIME, np.fromiter(map(_ENQUEUE_TIME, tail), np.float64, len(tail)).view(np.int64))
-            q.rows = np.concatenate([q.rows, rows]) if len(q.rows) else rows
+            times = np.fromiter(map(_ENQUEUE_TIME, tail), np.float64, len(tail))
+            _rt_set(self._rt, rows, RT_TIME, times.view(np.int64))
+            # the joined rows' time order, known where the rows' own is (O(tail), not O(queue))
+            head = q.rows
+            if len(head) and not q.in_time:
+                q.in_time = None
+            else:
+                q.in_time = bool((times[1:] >= times[:-1]).all()) and (
+                    not len(head) or times[0] >= self._rt[head[-1], RT_TIME:RT_TIME + 1].view(np.float64)[0])
+            q.rows = np.concatenate([head, rows]) if len(head) else rows
             q.tail = []
             self._views.add(q)
         return q.rows
@@ -322,11 +330,11 @@ class GpuScheduler(ReferenceScheduler):
         q = self.queue
         if r.dev_row >= 0 and len(q.rows):
             keep = q.rows != r.dev_row  # a queued request's row is its own (never reused)
-            if not keep.all():
-                self.queue = RowQueue(self, q.rows[keep], list(q.tail))
+            if not keep.all():  # a subsequence keeps the time order
+                self.queue = RowQueue(self, q.rows[keep], list(q.tail), q.in_time)
                 return
         if any(x is r for x in q.tail):
-            self.queue = RowQueue(self, q.rows, [x for x in q.tail if x is not r])
+            self.queue = RowQueue(self, q.rows, [x for x in q.tail if x is not r], q.in_time)
 
     def _rid_list(self, q) -> Sequence[str]:
         if isinstance(q, RowQueue):  # arrivals enter the row table now (once each), not per step
@@ -753,9 +761,13 @@ class GpuScheduler(ReferenceScheduler):
         if cfg.effective_policy == "fcfs":
             if not (cfg.enable_priority_scheduling and n):
                 return OrderResult("fcfs", q)
-            t = _rt_get(self._rt, rows, RT_TIME).view(np.float64)
-            # a queue appended to in arrival order needs no time key (checked on the host)
-            in_time_order = bool((t[1:] >= t[:-1]).all())
+            # a queue appended to in arrival order needs no time key: known from how the
+            # queue was made (`RowQueue.in_time`), else checked on the host
+            in_time_order = q.in_time
+            t = None
+            if not in_time_order:
+                t = _rt_get(self._rt, rows, RT_TIME).view(np.float64)
+                in_time_order = bool((t[1:] >= t[:-1]).all())
             if host:  # R-ORD-4: stable by (priority * sign, time), by priority alone in time order
                 pr = _rt_get(self._rt, rows, RT_PRIO)
                 perm = (dpolicy.fcfs_perm_host(pr, sign, self._col_bounds[RT_PRIO]) if in_time_order

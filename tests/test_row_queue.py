@@ -271,3 +271,60 @@ def test_column_bounds_hold_every_written_value(policy):
                 lo, hi = dev._col_bounds[c]
                 vals = dev._rt[held, c]
                 assert vals.size and lo <= vals.min() and vals.max() <= hi, (c, step)
+
+
+@pytest.mark.parametrize("times", ["arrival", "shuffled", "late_batch"])
+def test_queue_time_order_flag(times):
+    """`RowQueue.in_time` (the rows known to be in enqueue-time order, so fcfs with priority
+    sorts by priority alone) is never True for rows out of time order: batches whose times
+    run in order, out of order within a batch, or below the queue's last time; after steps
+    (the queue's rest), aborts (a masked queue), preemption's requeues and queue assignment.
+    The plans stay the reference's."""
+    from gpu_sched.scheduler import RT_TIME
+
+    def check(dev):
+        q = dev.queue
+        rows = dev._queue_rows(q)  # what a step does first: the tail joins the rows
+        if q.in_time:
+            t = dev._rt[rows, RT_TIME].view(np.float64)
+            assert (t[1:] >= t[:-1]).all(), times
+        return q.in_time
+
+    rng = random.Random(len(times))
+    for same_priority in (False, True):
+        cfg = SchedulerConfig(schedule_policy="fcfs", enable_priority_scheduling=True,
+                              enable_priority_preemption=not same_priority, max_prefill_tokens=80)
+        ref, dev = ReferenceScheduler(cfg, 3000), GpuScheduler(cfg, 3000)
+        k, flags = 0, set()
+        for step in range(30):
+            m = rng.randrange(0, 7)
+            ts = [float(step * 10 + i) for i in range(m)]
+            if times == "shuffled":
+                rng.shuffle(ts)
+            elif times == "late_batch" and step % 4 == 3:  # the second half below the first
+                ts = ts[m // 2 :] + ts[: m // 2]
+            new = [Request(rid=f"q{k + i}", prompt_ids=[rng.randrange(9) for _ in range(rng.randrange(2, 30))],
+                           max_new_tokens=rng.choice([1, 5, 17]), priority=0 if same_priority else rng.choice([0, 3]),
+                           enqueue_time=ts[i]) for i in range(m)]
+            k += m
+            for part in (new[: m // 2], new[m // 2 :]):  # two submits, the rows joined after each
+                for s in (ref, dev):
+                    s.submit([Request(**{f: getattr(r, f) for f in r.__dataclass_fields__}) for r in part])
+                dev._queue_rows(dev.queue)
+                check(dev)
+            if step % 5 == 4 and len(ref.queue) > 2:  # abort one waiting request: the masked queue
+                rid = ref.queue[1].rid
+                ref.abort([rid])
+                dev.abort([rid])
+            if step % 7 == 6:  # assignment (a reorder: the same requests)
+                ref.queue = list(reversed(ref.queue))
+                dev.queue = list(reversed(dev.queue))
+            flags.add(check(dev))
+            pa, pb = ref.step(0.6), dev.step(0.6)
+            assert pa.to_dict() == pb.to_dict(), (times, step)
+            done = {rid: 1 for rid, _, _ in pa.admitted}
+            ref.complete_prefill(done)
+            dev.complete_prefill(done)
+        # known either way at times (an ordering's rest is unknown: fcfs with priority
+        # reorders it; reversed assignments and out-of-order batches are known False)
+        assert flags == {False, True, None}, flags
