@@ -44,6 +44,10 @@ with the other backends' calls: `measure_group`)
          after a step, in the previous step's order (by priority, then time: no longer in
          time order, so the time is a sort key too). On a deep copy of the scheduler whose
          queue is set to its own ordering (untimed).
+  order-arrivals  fcfs with priority: as order-served, with the newest 1% of the queue (at
+         least one request) taken out of the served order and put behind it in time order, as
+         after a step with arrivals since the one before (GpuScheduler sorts those and merges
+         them into the ordered rest instead of sorting the queue).
   admit  `sched._admission_loop(ordered, adder)` with a fresh `PrefillAdder` over the queue
          ordered once beforehand (untimed): R-STEP-3 alone.
   step   `sched.step(ratio)`: budgets, ordering, admission and the plan.
@@ -118,7 +122,7 @@ POLICIES = {  # name -> SchedulerConfig overrides (the plain constructor: no lpm
     "lpm": dict(schedule_policy="lpm"),
     "dfs-weight": dict(schedule_policy="dfs-weight"),
 }
-STAGES = ("order", "order-churn", "order-served", "admit", "step", "graph", "gstep")
+STAGES = ("order", "order-churn", "order-served", "order-arrivals", "admit", "step", "graph", "gstep")
 #: stages timed only on GpuScheduler, for the policies the recorded step covers
 RECORDED_STAGES = ("graph", "gstep")
 RATIO = 0.7  # new-token ratio passed to step (SGLang's initial value)
@@ -309,6 +313,19 @@ def served_order(s):
     return c._order, None
 
 
+def arrivals_order(s, frac: float = 0.01):
+    """(order call, None) on a deep copy of s whose queue is in the order s's ordering gives
+    it, except its newest `frac` of requests (at least one), which are behind the rest in
+    enqueue-time order: a serving loop's queue after arrivals (`order-arrivals`)."""
+    c = copy.deepcopy(s)
+    q = list(c._order().queue)
+    a = max(1, int(len(q) * frac))
+    newest = sorted(q, key=lambda r: r.enqueue_time)[-a:]
+    ids = {id(r) for r in newest}
+    c.queue = [r for r in q if id(r) not in ids] + newest
+    return c._order, None
+
+
 def stage_fns(s, stage: str, max_len: int):
     """(call, restore) for one stage on scheduler s in its current state; None where the stage
     does not apply (the recorded step on the reference, or for a policy it does not record)."""
@@ -336,6 +353,9 @@ def stage_fns(s, stage: str, max_len: int):
     if stage == "order-served":  # only fcfs with priority orders by a key the order changes
         cfg = s.config
         return served_order(s) if cfg.effective_policy == "fcfs" and cfg.enable_priority_scheduling else None
+    if stage == "order-arrivals":
+        cfg = s.config
+        return arrivals_order(s) if cfg.effective_policy == "fcfs" and cfg.enable_priority_scheduling else None
     if stage == "step":
         return (lambda: s.step(RATIO)), Restorer(s, queue_snapshot(s))
     ordered = s._order().queue

@@ -46,6 +46,7 @@ with `TRITON_INTERPRET=1` set before the kernels are imported); sorts and scans 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from typing import Optional
 
@@ -415,13 +416,77 @@ def _monotone_bits(t: np.ndarray) -> np.ndarray:
     return b ^ ((b >> 63) & INT64_MAX)
 
 
-def fcfs_time_perm_host(priority: np.ndarray, enqueue_time: np.ndarray, sign: int) -> Optional[np.ndarray]:
+def fcfs_sorted_prefix(priority: np.ndarray, enqueue_time: np.ndarray, sign: int) -> int:
+    """Length of the longest prefix of a queue already in R-ORD-4 order (by priority * sign,
+    then time; equal keys in any order, as a stable sort keeps them): n when the whole queue
+    is, as a serving loop's queue is at a step with no arrival since the last one (the
+    previous order's remainder). Numpy columns [n] as `fcfs_time_perm_host` takes them;
+    priorities compared as they are (the int64 ends of absent ones included, no overflow)."""
+    n = priority.size
+    if n < 2:
+        return n
+    p0, p1 = priority[:-1], priority[1:]
+    ok = (p0 > p1) if sign < 0 else (p0 < p1)
+    ok |= (p0 == p1) & (enqueue_time[:-1] <= enqueue_time[1:])
+    i = int(ok.argmin())  # the first pair out of order, if any
+    return n if ok[i] else i + 1
+
+
+def _merge_tail(priority: np.ndarray, enqueue_time: np.ndarray, desc: bool, k: int,
+                tail_perm: np.ndarray) -> Optional[np.ndarray]:
+    """The stable R-ORD-4 order (int64 [n]) of a queue whose first k rows are in that order
+    already and whose rest is ordered by `tail_perm` (int64 [n - k], indices into the rest):
+    each tail row goes after every head row whose key is at most its own (a stable sort keeps
+    the earlier head row first on ties), found by binary searches within the head's run of its
+    priority. None when the tail holds over 64 distinct priorities (one search per run)."""
+    n, m = priority.size, tail_perm.size
+    hk = priority[:k] if not desc else ~priority[:k]  # the head's priority key, ascending
+    tp = priority[k:][tail_perm]
+    tt = enqueue_time[k:][tail_perm]
+    tk = tp if not desc else ~tp
+    ht = enqueue_time[:k]
+    if m <= 64:  # a few arrivals: one bisection each (~1 us) within its priority's head rows
+        his = np.searchsorted(hk, tk, "right").tolist()
+        pos = np.array([bisect.bisect_right(ht, x, lo, hi) + j for j, (x, lo, hi) in
+                        enumerate(zip(tt.tolist(), np.searchsorted(hk, tk, "left").tolist(), his))],
+                       dtype=np.int64)
+        return _interleave(n, k, pos, tail_perm)
+    starts = np.flatnonzero(tk[1:] != tk[:-1]) + 1  # the tail's priority runs
+    if starts.size > 64:
+        return None
+    starts = np.concatenate(([0], starts))
+    v = tk[starts]
+    # each run's priority in the head: rows lo..hi-1, by time there
+    bounds = zip(starts.tolist(), starts[1:].tolist() + [m], np.searchsorted(hk, v, "left").tolist(),
+                 np.searchsorted(hk, v, "right").tolist())
+    pos = np.arange(m)  # + the tail rows' places in the head: their places in the merged order
+    for a, b, lo, hi in bounds:
+        pos[a:b] += np.searchsorted(ht[lo:hi], tt[a:b], "right") + lo
+    return _interleave(n, k, pos, tail_perm)
+
+
+def _interleave(n: int, k: int, pos: np.ndarray, tail_perm: np.ndarray) -> np.ndarray:
+    """int64 [n]: the tail's rows (k + tail_perm) at the strictly increasing places `pos`,
+    the head's rows 0..k-1 in order at the others."""
+    out = np.empty(n, dtype=np.int64)
+    head = np.ones(n, dtype=bool)
+    head[pos] = False
+    out[pos] = tail_perm + k
+    out[head] = np.arange(k)
+    return out
+
+
+def fcfs_time_perm_host(priority: np.ndarray, enqueue_time: np.ndarray, sign: int,
+                        sorted_prefix: Optional[int] = None) -> Optional[np.ndarray]:
     """`fcfs_priority_order(priority, enqueue_time, sign)`'s host form on numpy columns [n]
     (int priorities, float64 or int times, no NaN) of a queue in any order, as a serving loop's
     queue is after its first step: the previous order's remainder (by priority, then time)
     with new arrivals behind it.
 
-    Both keys (the time as its float bits made monotone, `_time_bits`) are packed into one
+    A queue whose rows past its ordered prefix (`fcfs_sorted_prefix`; `sorted_prefix` when
+    the caller has it) are at most half of it: only those are sorted, then merged into the
+    prefix (`_merge_tail`): O(n) work and the tail's sort, not a sort of the queue. Else both
+    keys (the time as its float bits made monotone, `_time_bits`) are packed into one
     sort when their spans and n - 1 fit 64 bits (the times of an epoch-based clock over hours
     do). Else the stable packed sort by priority, then each priority's run sorted stably by
     time (numpy's timsort: about linear on such a queue, whose runs are a few sorted pieces
@@ -431,6 +496,19 @@ def fcfs_time_perm_host(priority: np.ndarray, enqueue_time: np.ndarray, sign: in
     if n < 2:
         return np.zeros(n, dtype=np.int64)
     desc = sign < 0
+    k = fcfs_sorted_prefix(priority, enqueue_time, sign) if sorted_prefix is None else sorted_prefix
+    if k == n:
+        return np.arange(n, dtype=np.int64)
+    if 2 * k >= n:  # a short tail: sort it alone, merge it in
+        if n - k <= 64:  # a few arrivals: Python's stable sort, without the numpy calls' fixed cost
+            pl, tl = priority[k:].tolist(), enqueue_time[k:].tolist()
+            key = (lambda i: (-pl[i], tl[i])) if desc else (lambda i: (pl[i], tl[i]))
+            tail = np.array(sorted(range(n - k), key=key), dtype=np.int64)
+        else:
+            tail = fcfs_time_perm_host(priority[k:], enqueue_time[k:], sign, sorted_prefix=1)
+        out = None if tail is None else _merge_tail(priority, enqueue_time, desc, k, tail)
+        if out is not None:
+            return out
     t_lo, t_hi = _monotone_bits(np.array([enqueue_time.min(), enqueue_time.max()])).tolist()
     t_span = t_hi - t_lo
     p_lo, p_hi = int(priority.min()), int(priority.max())

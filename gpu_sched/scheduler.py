@@ -770,8 +770,13 @@ class GpuScheduler(ReferenceScheduler):
                 in_time_order = bool((t[1:] >= t[:-1]).all())
             if host:  # R-ORD-4: stable by (priority * sign, time), by priority alone in time order
                 pr = _rt_get(self._rt, rows, RT_PRIO)
-                perm = (dpolicy.fcfs_perm_host(pr, sign, self._col_bounds[RT_PRIO]) if in_time_order
-                        else dpolicy.fcfs_time_perm_host(pr, t, sign))
+                if in_time_order:
+                    perm = dpolicy.fcfs_perm_host(pr, sign, self._col_bounds[RT_PRIO])
+                else:  # a served queue: often in order already (no arrival since the last step)
+                    k = dpolicy.fcfs_sorted_prefix(pr, t, sign)
+                    if k == n:
+                        return OrderResult("fcfs", q)
+                    perm = dpolicy.fcfs_time_perm_host(pr, t, sign, sorted_prefix=k)
                 if perm is not None:
                     return OrderResult("fcfs", RowQueue(self, rows.take(perm, mode="clip")))
             tk = None if in_time_order else torch.from_numpy(t).to(dev)

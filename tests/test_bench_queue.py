@@ -176,3 +176,31 @@ def test_step_restore_puts_the_tree_back_exactly():
             assert torch.equal(state[0], before[0]) and state[1:] == before[1:], (pol, k)
             plans.append(plan.to_dict())
         assert all(p == plans[0] for p in plans), pol
+
+
+def test_order_arrivals_times_a_served_queue_with_its_newest_requests_behind():
+    """`order-arrivals`: the served order less its newest 1% (at least one), those behind it
+    in time order; the ordering puts them back (both backends, the same order)."""
+    from gpu_sched.config import SchedulerConfig
+
+    wl = _small_workload(300)
+    pool = bench_queue.kv_pool_size(wl, 8, 10_000)
+    orders = {}
+    for backend in ("reference", "torch"):
+        s, _ = bench_queue.make_scheduler(backend, "cpu", wl, pool)
+        bench_queue.set_queue(s, wl.queue)
+        s.config = SchedulerConfig(**bench_queue.POLICIES["lof"])
+        assert bench_queue.stage_fns(s, "order-arrivals", wl.max_len) is None
+        s.config = SchedulerConfig(**bench_queue.POLICIES["fcfs"])
+        fn, restore = bench_queue.stage_fns(s, "order-arrivals", wl.max_len)
+        assert restore is None
+        q = list(fn.__self__.queue)
+        a = max(1, len(q) // 100)
+        newest = sorted(wl.queue, key=lambda r: r.enqueue_time)[-a:]
+        assert [r.rid for r in q[-a:]] == [r.rid for r in newest]
+        want = [r.rid for r in sorted(wl.queue, key=lambda r: (-r.priority, r.enqueue_time))]
+        assert [r.rid for r in q] != want  # the arrivals are out of place
+        out = [r.rid for r in fn().queue]
+        assert out == want
+        orders[backend] = out
+    assert orders["reference"] == orders["torch"]

@@ -312,12 +312,14 @@ def _time_draws(rng, n):
     yield "int_ns", np.array([rng.randrange(-2**62, 2**62) for _ in range(n)], dtype=np.int64)
 
 
-def _serving_queue(rng, prio, times, sign):
+def _serving_queue(rng, prio, times, sign, arrivals=None):
     """(priority, time) columns as a serving loop holds them after a step: the previous
-    order's remainder (sorted by priority * sign, then time) and arrivals behind it."""
+    order's remainder (sorted by priority * sign, then time) and `arrivals` behind it (default:
+    half the rows; 0: the queue in order, as at a step with no arrival since the last)."""
     n = len(prio)
-    old = sorted(range(n // 2), key=lambda i: (int(prio[i]) * sign, times[i]))[rng.randrange(n // 2 + 1):]
-    idx = old + list(range(n // 2, n))
+    h = n - (n // 2 if arrivals is None else min(arrivals, n))
+    old = sorted(range(h), key=lambda i: (int(prio[i]) * sign, times[i]))[rng.randrange(min(h, 3) + 1):]
+    idx = old + list(range(h, n))
     return prio[idx], times[idx]
 
 
@@ -343,8 +345,10 @@ def test_fcfs_time_perm_host_any_queue_order(sign):
         for pk, draw in prio_kinds.items():
             for tk, times in _time_draws(rng, n):
                 prio = draw(n)
-                for layout in ("shuffled", "serving"):
-                    pr, tm = (prio, times) if layout == "shuffled" else _serving_queue(rng, prio, times, sign)
+                for layout in ("shuffled", "serving", "in_order", "few_arrivals"):
+                    arrivals = {"serving": None, "in_order": 0, "few_arrivals": rng.choice([1, 2, 5, n // 3])}
+                    pr, tm = ((prio, times) if layout == "shuffled"
+                              else _serving_queue(rng, prio, times, sign, arrivals[layout]))
                     want = sorted(range(len(pr)), key=lambda i: (int(pr[i]) * sign, tm[i]))
                     got = P.fcfs_time_perm_host(pr, tm, sign)
                     where = (n, pk, tk, layout, sign)
@@ -353,10 +357,14 @@ def test_fcfs_time_perm_host_any_queue_order(sign):
                         nones += 1
                     else:
                         assert got.dtype == np.int64 and got.tolist() == want, where
+                    k = P.fcfs_sorted_prefix(pr, tm, sign)  # the longest ordered prefix, exactly
+                    key = [(int(pr[i]) * sign, tm[i]) for i in range(len(pr))]
+                    assert all(key[i] <= key[i + 1] for i in range(k - 1)), where
+                    assert k == len(pr) or key[k - 1] > key[k], where
                     full = P.fcfs_priority_order(torch.from_numpy(pr), torch.from_numpy(tm), sign)
                     assert full.tolist() == want, where
                     checked += 1
-    assert checked == 7 * 5 * 5 * 2 and nones > 0
+    assert checked == 7 * 5 * 5 * 4 and nones > 0
 
 
 @pytest.mark.parametrize("sign", [1, -1])
