@@ -94,22 +94,28 @@ def _small_workload(n):
     return bench_queue.build_workload(args, n)
 
 
-def test_order_served_times_the_ordering_of_a_queue_kept_in_its_previous_order():
+def _fcfs_stage(wl, backend: str, stage: str):
+    """(scheduler, call) of a fcfs-with-priority-only stage on a scheduler holding wl's queue;
+    the stage is None for the other policies and restores nothing."""
     from gpu_sched.config import SchedulerConfig
 
+    s, _ = bench_queue.make_scheduler(backend, "cpu", wl, bench_queue.kv_pool_size(wl, 8, 10_000))
+    bench_queue.set_queue(s, wl.queue)
+    for pol in ("lof", "lpm", "routing-key"):
+        s.config = SchedulerConfig(**bench_queue.POLICIES[pol])
+        assert bench_queue.stage_fns(s, stage, wl.max_len) is None
+    s.config = SchedulerConfig(**bench_queue.POLICIES["fcfs"])
+    fn, restore = bench_queue.stage_fns(s, stage, wl.max_len)
+    assert restore is None
+    return s, fn
+
+
+def test_order_served_times_the_ordering_of_a_queue_kept_in_its_previous_order():
     wl = _small_workload(200)
-    pool = bench_queue.kv_pool_size(wl, 8, 10_000)
     orders = {}
     for backend in ("reference", "torch"):
-        s, _ = bench_queue.make_scheduler(backend, "cpu", wl, pool)
-        bench_queue.set_queue(s, wl.queue)
-        for pol in ("lof", "lpm", "routing-key"):  # the stage is fcfs-with-priority only
-            s.config = SchedulerConfig(**bench_queue.POLICIES[pol])
-            assert bench_queue.stage_fns(s, "order-served", wl.max_len) is None
-        s.config = SchedulerConfig(**bench_queue.POLICIES["fcfs"])
+        s, fn = _fcfs_stage(wl, backend, "order-served")
         before = [r.rid for r in s.queue]
-        fn, restore = bench_queue.stage_fns(s, "order-served", wl.max_len)
-        assert restore is None
         assert [r.rid for r in s.queue] == before  # the copy is served, not s
         served = fn.__self__.queue
         # what the stage is for: the served queue is not in enqueue-time order, so time is a key
@@ -181,19 +187,10 @@ def test_step_restore_puts_the_tree_back_exactly():
 def test_order_arrivals_times_a_served_queue_with_its_newest_requests_behind():
     """`order-arrivals`: the served order less its newest 1% (at least one), those behind it
     in time order; the ordering puts them back (both backends, the same order)."""
-    from gpu_sched.config import SchedulerConfig
-
     wl = _small_workload(300)
-    pool = bench_queue.kv_pool_size(wl, 8, 10_000)
     orders = {}
     for backend in ("reference", "torch"):
-        s, _ = bench_queue.make_scheduler(backend, "cpu", wl, pool)
-        bench_queue.set_queue(s, wl.queue)
-        s.config = SchedulerConfig(**bench_queue.POLICIES["lof"])
-        assert bench_queue.stage_fns(s, "order-arrivals", wl.max_len) is None
-        s.config = SchedulerConfig(**bench_queue.POLICIES["fcfs"])
-        fn, restore = bench_queue.stage_fns(s, "order-arrivals", wl.max_len)
-        assert restore is None
+        s, fn = _fcfs_stage(wl, backend, "order-arrivals")
         q = list(fn.__self__.queue)
         a = max(1, len(q) // 100)
         newest = sorted(wl.queue, key=lambda r: r.enqueue_time)[-a:]
