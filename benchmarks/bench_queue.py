@@ -493,11 +493,11 @@ def print_row(r: dict) -> None:
     p = "-" if r["p90_s"] is None else f"{r['p90_s']:.4g}"
     us = "-" if r["us_per_req"] is None else f"{r['us_per_req']:.3g}"
     chk = {True: "ok", False: "DIFF", None: ""}[r.get("plan_equal_ref")]
-    print(f"{r['policy']:11} {r['stage']:12} {r['n']:>8} {r['backend']:9} {r['device']:5} {med:>10} {p:>10} "
+    print(f"{r['policy']:11} {r['stage']:14} {r['n']:>8} {r['backend']:9} {r['device']:5} {med:>10} {p:>10} "
           f"{us:>9} {ratio:>9} {r['reps']:>4} {chk:>4} {r.get('note') or ''}", flush=True)
 
 
-HEADER = (f"{'policy':11} {'stage':12} {'n':>8} {'backend':9} {'dev':5} {'median s':>10} {'p90 s':>10} "
+HEADER = (f"{'policy':11} {'stage':14} {'n':>8} {'backend':9} {'dev':5} {'median s':>10} {'p90 s':>10} "
           f"{'us/req':>9} {'speedup':>9} {'reps':>4} {'plan':>4}")
 
 
