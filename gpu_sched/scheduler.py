@@ -198,6 +198,11 @@ class GpuScheduler(ReferenceScheduler):
     #: far past the stop point); on the host paths, with `SCALAR_WINDOW` when it admitted none
     #: (a full KV pool refuses the first request of step after step)
     adaptive_window = True
+    #: an admission window's first match of a row whose fill is not hashed yet hashes this
+    #: many leading tokens (then 4x more while the match reaches that part's end) instead of
+    #: the whole fill (`_find_lazy`: a 100k-token prompt with little cached prefix costs ~10
+    #: ms to hash whole); 0: hash the whole fill into the pools first
+    LAZY_FIND_TOKENS = 2048
     #: pause the cyclic garbage collector during `step` (on again after it, if it was on). A
     #: step that admits thousands of requests builds as many plan tuples, and every 700 new
     #: container objects start a collection that walks the young objects, the step's live
@@ -1670,7 +1675,18 @@ class GpuScheduler(ReferenceScheduler):
         """The matches of a few table rows by `FlatRadixTree._find_scalar` per row, on the
         pools' views: capped at max_prefix_len (`_checked_find`'s) or full-length
         (`_full_match`'s). int64 [4, n] (length, position, the hashes at the length and one
-        page on); the callers keep them as they keep the array search's."""
+        page on); the callers keep them as they keep the array search's. A capped search of
+        a row whose fill is not hashed yet (an admission window's first match of a fcfs, lof
+        or routing-key request) hashes only a leading part of the fill (`_find_lazy`)."""
+        if capped and self.LAZY_FIND_TOKENS > 0:
+            fresh = _rt_get(self._rt, rows, RT_TOFF) < 0
+            if fresh.any():
+                out = np.empty((4, len(rows)), dtype=np.int64)
+                if not fresh.all():
+                    out[:, ~fresh] = self._find_rows_scalar(rows[~fresh], capped)
+                for j in np.flatnonzero(fresh).tolist():
+                    out[:, j] = self._find_lazy(int(rows[j]))
+                return out
         self._ensure_hashed(rows)
         qt, qc = self._pool_views()
         tok, ch = qt[: self._qtop[0]], qc[: self._qtop[1]]
@@ -1678,6 +1694,32 @@ class GpuScheduler(ReferenceScheduler):
         find = self.cache.tree._find_scalar
         return np.array([find(tok, ch, toff, coff, min(fill, cap) if capped else fill, ns)
                          for toff, coff, fill, cap, ns in cols], dtype=np.int64).reshape(len(cols), 4).T.copy()
+
+    def _find_lazy(self, row: int) -> Tuple[int, int, int, int]:
+        """`_find_rows_scalar`'s capped search of one row whose fill is not in the pools, on
+        chunk hashes of a leading part of the fill only: `LAZY_FIND_TOKENS` tokens first,
+        4x more while the match reaches the part's last page end. A match m below that end
+        has depth m + P inside the part and absent, so (presence being monotone along the
+        fill's page ends) the search over the whole capped fill stops at m too, and the
+        hashes at m and m + P lie inside the part; a part that covers the capped fill is the
+        whole search. The values are those of the pooled search except
+        where it reads past the row's own tokens (hashes at a depth past the capped length,
+        which `check_matches` never probes). The pools are not written: the fill is hashed
+        whole when a path needs it there (lpm's ordering, the recorded step).
+        Returns (length, position, hash at the length, hash at length + P)."""
+        fill_len, cap, ns = self._rt[row, [RT_FILL, RT_CAP, RT_NS]].tolist()
+        tok = self._rt_owner[row].fill().astype(np.int32, copy=False)
+        tree = self.cache.tree
+        C, P = tree.C, self.config.page_size
+        L = min(fill_len, cap)
+        D = self.LAZY_FIND_TOKENS
+        while True:
+            d = min(D, L)
+            ch = tree._chunk_hashes_flat_host(tok[:d], np.array([d], dtype=np.int64), [ns], C)
+            got = tree._find_scalar(tok, ch, 0, 0, d, ns)
+            if d == L or got[0] + P <= d:  # m + P <= d // P * P, both multiples of P
+                return got
+            D *= 4
 
     def _admit_run(self, run: List[ReqState], ends: List[int], adder, rematch: Optional[ReqState] = None,
                    matched=None) -> None:

@@ -735,3 +735,70 @@ def test_dfs_weight_host_form_on_tree_ids_equals_torch_form():
             with P.torch_forms():
                 want = s._ranked_perm("dfs-weight", None, None, last)
             assert torch.equal(got, want), (seed, trial)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_lazy_first_match_equals_the_pooled_search(page_size, monkeypatch):
+    """`GpuScheduler._find_lazy` (an admission window's first match of a row whose fill is not
+    hashed: chunk hashes of a leading part only, grown 4x while the match reaches its last
+    page end) finds the length and position the search over the pooled, fully hashed
+    fill finds, and the same hashes where `check_matches` probes them (at the length when
+    it is over 0, one page on when that is within the capped length), for leading parts from
+    1 token up, matches that cross several part ends, namespaces and capped lengths; and a
+    fcfs run whose first matches all take it makes the reference's plans."""
+    from gpu_sched.scheduler import RT_CAP, RT_FILL
+
+    rng = random.Random(page_size)
+    bases = [[rng.randrange(1, 30000) for _ in range(rng.randrange(50, 900))] for _ in range(4)]
+
+    def requests(tag):
+        out = []
+        for i in range(40):
+            b = rng.choice(bases)
+            prompt = b[: rng.randrange(0, len(b) + 1)] + [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 300))]
+            out.append(Request(rid=f"{tag}{i}", prompt_ids=prompt, max_new_tokens=4, extra_key=rng.choice([None, None, "ns1"])))
+        return out
+
+    def seeded(s):
+        for k, b in enumerate(bases):
+            s.seed_cache(b, extra_key="ns1" if k == 3 else None)
+            s.seed_cache(b[: len(b) // 2] + [7] * 40)
+        return s
+
+    cfg = SchedulerConfig(schedule_policy="fcfs", page_size=page_size)
+    s = seeded(GpuScheduler(cfg, 400_000))
+    s.submit(requests("q"), now=0.0)
+    rows = s._queue_rows(s.queue)
+    P = page_size
+    lazies = {}
+    for lazy in (1, 16, 33, 2048):
+        monkeypatch.setattr(GpuScheduler, "LAZY_FIND_TOKENS", lazy)
+        assert (s._rt[rows, RT_TOFF] < 0).all()  # not hashed: every row takes the lazy search
+        lazies[lazy] = np.stack([np.array(s._find_lazy(int(r)), dtype=np.int64) for r in rows], axis=1)
+    s._ensure_hashed(rows)
+    want = s._find_rows_scalar(rows, capped=True)  # hashed: the pooled search
+    Lq = np.minimum(s._rt[rows, RT_FILL], s._rt[rows, RT_CAP]) // P * P
+    assert want[0].max() > 2 * 33  # matches longer than the small leading parts
+    for lazy, got in lazies.items():
+        assert np.array_equal(got[:2], want[:2]), lazy
+        h1 = want[0] > 0
+        assert np.array_equal(got[2][h1], want[2][h1]), lazy
+        h2 = want[0] + P <= Lq
+        assert np.array_equal(got[3][h2], want[3][h2]), lazy
+    # whole steps with every first match lazy (small leading parts), against the reference
+    monkeypatch.setattr(GpuScheduler, "LAZY_FIND_TOKENS", 16)
+    cfg = SchedulerConfig(schedule_policy="fcfs", page_size=page_size, max_prefill_tokens=700,
+                          chunked_prefill_size=None)
+    ref, dev = seeded(ReferenceScheduler(cfg, 400_000)), seeded(GpuScheduler(cfg, 400_000))
+    reqs = requests("r")
+    for s in (ref, dev):
+        s.submit([Request(**{f: getattr(r, f) for f in r.__dataclass_fields__}) for r in reqs], now=0.0)
+    admitted = 0
+    for step in range(12):
+        pa, pb = ref.step(0.5), dev.step(0.5)
+        assert pa.to_dict() == pb.to_dict(), step
+        admitted += len(pa.admitted)
+        done = {rid: 1 for rid, _, _ in pa.admitted}
+        ref.complete_prefill(done)
+        dev.complete_prefill(done)
+    assert admitted > 10
