@@ -1635,7 +1635,7 @@ class GpuScheduler(ReferenceScheduler):
             miss = np.flatnonzero(~ok.cpu().numpy())
         if miss.size:
             mrows = rows[miss]
-            if self._scalar_find(miss.size):
+            if self._scalar_find(miss.size) or self._lazy_rows(mrows):
                 kept = self._find_rows_scalar(mrows, capped=True)
                 self._keep_found(mrows, kept)
                 fm, fp = torch.from_numpy(kept[0]), torch.from_numpy(kept[1])
@@ -1670,6 +1670,18 @@ class GpuScheduler(ReferenceScheduler):
         rather than by the array search: a few rows (`FIND_SCALAR_MAX`), the torch backend on
         the host paths' CPU."""
         return n <= self.FIND_SCALAR_MAX and self._host_paths()
+
+    def _lazy_rows(self, rows: np.ndarray) -> bool:
+        """Whether many rows' first capped searches go one by one through `_find_rows_scalar`
+        anyway (so the unhashed ones take `_find_lazy`) rather than the array search over
+        fills hashed whole: on the host paths, when the rows' unhashed fills average over
+        4 x `LAZY_FIND_TOKENS` tokens (a whole fill costs ~30 ns a token to hash with 31-bit
+        token ids, a lazy search about the hashing of `LAZY_FIND_TOKENS` tokens and ~10
+        lookups)."""
+        if self.LAZY_FIND_TOKENS <= 0 or not self._host_paths():
+            return False
+        fresh = rows[_rt_get(self._rt, rows, RT_TOFF) < 0]
+        return int(_rt_get(self._rt, fresh, RT_FILL).sum()) > 4 * self.LAZY_FIND_TOKENS * len(rows)
 
     def _find_rows_scalar(self, rows: np.ndarray, capped: bool) -> np.ndarray:
         """The matches of a few table rows by `FlatRadixTree._find_scalar` per row, on the
