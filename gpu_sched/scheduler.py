@@ -1710,7 +1710,8 @@ class GpuScheduler(ReferenceScheduler):
     def _find_lazy(self, row: int) -> Tuple[int, int, int, int]:
         """`_find_rows_scalar`'s capped search of one row whose fill is not in the pools, on
         chunk hashes of a leading part of the fill only: `LAZY_FIND_TOKENS` tokens first,
-        4x more while the match reaches the part's last page end. A match m below that end
+        4x more while the match reaches the part's last page end (the whole capped fill once
+        4x would pass half of it: at most ~1.4x the tokens of hashing it whole). A match m below that end
         has depth m + P inside the part and absent, so (presence being monotone along the
         fill's page ends) the search over the whole capped fill stops at m too, and the
         hashes at m and m + P lie inside the part; a part that covers the capped fill is the
@@ -1731,7 +1732,7 @@ class GpuScheduler(ReferenceScheduler):
             got = tree._find_scalar(tok, ch, 0, 0, d, ns)
             if d == L or got[0] + P <= d:  # m + P <= d // P * P, both multiples of P
                 return got
-            D *= 4
+            D = L if 8 * D >= L else 4 * D  # the whole once 4x would pass half of it
 
     def _admit_run(self, run: List[ReqState], ends: List[int], adder, rematch: Optional[ReqState] = None,
                    matched=None) -> None:
