@@ -317,8 +317,9 @@ def arrivals_order(s, frac: float = 0.01):
     """(order call, None) on a deep copy of s whose queue is in the order s's ordering gives
     it, except its newest `frac` of requests (at least one), which are behind the rest in
     enqueue-time order: a serving loop's queue after arrivals (`order-arrivals`)."""
-    c = copy.deepcopy(s)
-    q = list(c._order().queue)
+    order, _ = served_order(s)
+    c = order.__self__
+    q = list(c.queue)
     a = max(1, int(len(q) * frac))
     newest = sorted(q, key=lambda r: r.enqueue_time)[-a:]
     ids = {id(r) for r in newest}

@@ -25,7 +25,6 @@ The engine-facing bookkeeping (KV slots of running requests) stays on the host.
 
 from __future__ import annotations
 
-import collections
 import gc
 import operator
 import os
@@ -323,7 +322,7 @@ class GpuScheduler(ReferenceScheduler):
                 q.in_time = None
             else:
                 q.in_time = bool((times[1:] >= times[:-1]).all()) and (
-                    not len(head) or times[0] >= self._rt[head[-1], RT_TIME:RT_TIME + 1].view(np.float64)[0])
+                    not len(head) or times[0] >= _rt_get(self._rt, head[-1:], RT_TIME).view(np.float64)[0])
             q.rows = np.concatenate([head, rows]) if len(head) else rows
             q.tail = []
             self._views.add(q)
