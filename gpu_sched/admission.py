@@ -366,53 +366,63 @@ def match_lock_drops(parent: torch.Tensor, key_len: torch.Tensor, lock_ref: torc
 LOCK_WALK_MAX = 64  # `lock_drops` on the host: up to this many requests, Python walks of their paths
 
 
-def _lock_drops_walk(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray,
-                     last_node: List[int], cover: List[int], valid: List[bool]) -> List[int]:
-    """`lock_drops` for a few requests, by walking their paths in queue order in Python: the
-    first request to reach a node is its F (later walks stop there: the nodes above were
-    reached first by the same or an earlier request), so the cost is the number of distinct
-    path nodes, not the tree's node count (the rounds of `_lock_drops_host` scan every node).
-    A walk goes up from a live node only (the rounds' `anc` stops at a dead one). Exact for
-    any path depth (the rounds' result when `max_depth` bounds it). Takes the requests'
-    columns as Python lists (node arrays as numpy views); returns the Q drops as a list."""
-    Q = len(last_node)
-    N = parent.size
-    ln = [min(max(v, 0), N - 1) for v in last_node]  # as the other forms' clip
-    cov, ok = cover, valid
-    first = {}  # node -> F, the first request whose whole-covered path holds it
-    partial = [False] * Q
-    for i in range(Q):
-        if not ok[i]:
-            continue
-        v = ln[i]
-        if cov[i] < key_len[v]:  # the match ends inside node v: its path starts at the parent
-            partial[i] = True
-            v = int(parent[v])
-        while v > 0 and v not in first:
-            first[v] = i
+class LockDropWalk:
+    """`lock_drops` of requests given one at a time in queue order (`add`), by walking their
+    paths in Python: the first request to reach a node is its F (later walks stop there: the
+    nodes above were reached first by the same or an earlier request), so the cost is the
+    number of distinct path nodes, not the tree's node count (the rounds of
+    `_lock_drops_host` scan every node). Request i's drop depends on requests 0..i only
+    (first ranks, and the partial covers of a node before its F), so it is known when i is
+    added: an admission loop walks only the requests it reaches. A walk goes up from a live
+    node only (the rounds' `anc` stops at a dead one). Exact for any path depth (the rounds'
+    result when `max_depth` bounds it). Node arrays are numpy views of the tree's columns,
+    read as they are when each request is added (nothing on the tree may change between)."""
+
+    __slots__ = ("parent", "key_len", "lock_ref", "alive", "top", "first", "mp", "prev")
+
+    def __init__(self, parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray):
+        self.parent, self.key_len, self.lock_ref, self.alive = parent, key_len, lock_ref, alive
+        self.top = parent.size - 1
+        self.first = set()  # nodes some earlier request's whole-covered path holds (their F is known)
+        self.mp = {}  # node -> largest partial cover of it before its F
+        self.prev = {}  # node -> largest partial cover of it so far
+
+    def add(self, last_node: int, cover: int, valid: bool) -> int:
+        """The next request's drop [tokens]: its match ends `cover` tokens into node
+        `last_node` (clipped to the node ids, as the other forms clip); 0 if not `valid`."""
+        if not valid:
+            return 0
+        parent, key_len, lock_ref, alive, first, mp = self.parent, self.key_len, self.lock_ref, self.alive, self.first, self.mp
+        v0 = min(max(last_node, 0), self.top)
+        drop = 0
+        partial = cover < key_len[v0]
+        v = int(parent[v0]) if partial else v0  # a match inside node v0: its whole path starts at the parent
+        while v > 0 and v not in first:  # this request is F of every node it reaches first
+            first.add(v)
             if not alive[v]:
                 break
+            if lock_ref[v] == 0:
+                drop += int(key_len[v]) - mp.get(v, 0)
             v = int(parent[v])
-    drop = [0] * Q
-    mp = {}  # node -> largest partial cover of it before its F
-    if any(partial):
-        prev = {}  # node -> largest partial cover of it so far
-        for i in range(Q):
-            if not partial[i]:
-                continue
-            v, c = ln[i], cov[i]
-            f = first.get(v, Q)
-            if i < f and c > mp.get(v, 0):
-                mp[v] = c
-            p = prev.get(v, 0)
-            if c > p:
-                prev[v] = c
-                if f > i and lock_ref[v] == 0:
-                    drop[i] += c - p
-    for v, i in first.items():
-        if alive[v] and lock_ref[v] == 0:
-            drop[i] += int(key_len[v]) - mp.get(v, 0)
-    return drop
+        if partial:
+            before = v0 not in first  # v0's F (if any) comes after this request
+            if before and cover > mp.get(v0, 0):
+                mp[v0] = cover
+            p = self.prev.get(v0, 0)
+            if cover > p:
+                self.prev[v0] = cover
+                if before and lock_ref[v0] == 0:
+                    drop += cover - p
+        return drop
+
+
+def _lock_drops_walk(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray,
+                     last_node: List[int], cover: List[int], valid: List[bool]) -> List[int]:
+    """`lock_drops` for a few requests (`LockDropWalk` over them in queue order). Takes the
+    requests' columns as Python lists (node arrays as numpy views); returns the Q drops as a
+    list."""
+    walk = LockDropWalk(parent, key_len, lock_ref, alive)
+    return [walk.add(v, c, ok) for v, c, ok in zip(last_node, cover, valid)]
 
 
 def lock_drops_np(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray,

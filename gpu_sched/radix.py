@@ -985,6 +985,59 @@ class FlatRadixTree:
 
         return m, pos, at(m), at(m + P)
 
+    def _walk_scalar(self, tok: np.ndarray, length: int, ns: int) -> Tuple[int, int, int, int]:
+        """`_find_scalar` of one query from its tokens alone, without its chunk hashes: a walk
+        down the tree as the reference's match walks it. From depth d (a page end on the
+        query's path) the hash one page on is rolled from the hash at d (`hsh` at d's pool
+        position, or the namespace seed at 0) over that page's tokens in Python and looked up
+        (`_probe_scalar`); found at position p in node X, the rest of X is compared with the
+        query's next tokens in one numpy call, and the walk goes on from the last equal page
+        end (X's end: the next node by the next lookup; inside X: the match ends there). Equal
+        tokens on a path are present prefixes, so this finds the length and position the
+        hash search finds; its cost is one lookup and one comparison per node on the matched
+        path, not a hash of the query (an admission's first match of a long prompt that
+        shares one cached node: ~15 us against ~150 for hashing its leading 2k tokens and
+        searching them). tok: the query's tokens (int numpy [>= length]); length [tokens].
+        Returns (matched length, pool position of its last token or -1, hash at the length,
+        hash at length + P): the hashes as `depth_hashes` has them where `check_matches`
+        probes them (at the length when it is over 0, one page on when that is within
+        floorP(length)); 0 elsewhere."""
+        P = self.P
+        Lq = length // P * P
+        keys, vals, owner, key_off, key_len, ptok, hsh = map(
+            self._np, ("hkeys", "hvals", "owner", "key_off", "key_len", "tok", "hsh"))
+        B1, B2, M = self.B1, self.B2, (1 << 31) - 1
+        a, b = self._seed(ns, P1), self._seed(ns, P2)  # the hash at depth d, per modulus
+        d, pos, h_next = 0, -1, 0
+        while d + P <= Lq:
+            a2, b2 = a, b
+            for t in tok[d : d + P].tolist():
+                a2, b2 = (a2 * B1 + t + 1) % P1, (b2 * B2 + t + 1) % P2
+            h = (a2 << 31) | b2
+            slot = self._probe_scalar(keys, [h])[0]
+            if slot < 0:  # depth d + P absent: the match ends at d
+                h_next = h
+                break
+            p = int(vals[slot])
+            d, pos, a, b = d + P, p, a2, b2
+            X = int(owner[p])
+            n = min(int(key_off[X]) + int(key_len[X]) - 1 - p, Lq - d)  # X's tokens after p, within Lq
+            if n <= 0:
+                continue
+            diff = np.flatnonzero(ptok[p + 1 : p + 1 + n] != tok[d : d + n])
+            r = n if diff.size == 0 else int(diff[0]) // P * P
+            if r:
+                d, pos = d + r, p + r
+                hv = int(hsh[pos])
+                a, b = hv >> 31, hv & M
+            if r < n:  # a page of X differs from the query's: the match ends at d
+                a2, b2 = a, b
+                for t in tok[d : d + P].tolist():
+                    a2, b2 = (a2 * B1 + t + 1) % P1, (b2 * B2 + t + 1) % P2
+                h_next = (a2 << 31) | b2
+                break
+        return d, pos, ((a << 31) | b) if d > 0 else 0, h_next if d + P <= Lq else 0
+
     def _search_scalar(self, hs, hi: int, lo: int = 0, lo_pos: int = -1) -> Tuple[int, int]:
         """`_search` of one row on a CPU table as a binary search of scalar probes: the largest
         j in [0, hi] whose hash hs[j - 1] is present (presence is monotone in j, so any search

@@ -42,7 +42,7 @@ from .reference.state import ReqState
 from .row_queue import LazyList, RowQueue, rid_list
 from . import policy as dpolicy
 from .admission import (STOP_CODES, STOP_NAMES, STOP_NO_TOKEN, STOP_OTHER, STOP_PREEMPT, STOP_QUEUE_END, HeldCols,
-                        QueueCols, StepConfig, StepState, _lock_drops_walk, admit_step, admit_step_host, lock_drops,
+                        LockDropWalk, QueueCols, StepConfig, StepState, admit_step, admit_step_host, lock_drops,
                         lock_drops_np, match_lock_drops, preempt_select, read_step_result)
 from .radix import _match_nodes_host, _path_position_host
 
@@ -59,7 +59,7 @@ BACKENDS = ("torch", "triton")
 (RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_TOFF, RT_COFF,
  RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_HEADT, RT_HEAD, RT_STAMP, RT_PRIO, RT_TIME, RT_RKEY) = range(20)
 RT_COLS = 20
-#: the row-table columns `_window_drops_scalar` reads
+#: the row-table columns `_ScalarMatcher` reads
 _SCALAR_COLS = np.array([RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2])
 _LOOP_COLS = np.array([RT_FILL, RT_OUT, RT_MAXNEW])
 #: the columns `_write_rows` writes, in its order
@@ -85,6 +85,71 @@ def _rt_get(rt: np.ndarray, rows: np.ndarray, c: int) -> np.ndarray:
 def _rt_set(rt: np.ndarray, rows: np.ndarray, c: int, v) -> None:
     """rt[rows, c] = v through the contiguous column view (faster than the 2-D form)."""
     rt[:, c][rows] = v
+
+
+class _ScalarMatcher:
+    """The capped matches (R-STEP-3.4) and lock drops of a small admission window's rows, one
+    row at a time in window order, as `_window_loop` reaches them (`__call__(j)` -> (match
+    length, drop) [tokens]), so that nothing is matched past the loop's stop point. A match
+    known on the tree's content is climbed to its capped depth (`path_position`'s climb), a
+    kept one is checked by its two lookups (`check_matches`' test, `_probe_scalar`), a row
+    with no match to trust or whose check fails is searched (`_find_rows_scalar`, as
+    `_checked_find` does, and kept); the drops are `admission.LockDropWalk`'s. `ms`, `ps`: the
+    lengths and last pool positions so far (`_admit_run` applies them without a tensor).
+    Nothing on the tree changes while the loop runs (searches only read it)."""
+
+    __slots__ = ("s", "rows", "tree", "P", "ver", "owner", "key_off", "key_len", "parent", "walk", "ms", "ps", "pos")
+
+    def __init__(self, sched: "GpuScheduler", rows: np.ndarray):
+        tree = sched.cache.tree
+        self.s, self.rows, self.tree = sched, rows, tree
+        self.P, self.ver = sched.config.page_size, tree.version
+        self.owner, self.key_off, self.key_len, self.parent = map(tree._np, ("owner", "key_off", "key_len", "parent"))
+        self.walk = LockDropWalk(self.parent, self.key_len, tree._np("lock_ref"), tree._np("alive"))
+        self.ms: List[int] = []
+        self.ps: List[int] = []
+
+    def holds(self, mlen: int, Lq: int, h1: int, h2: int) -> bool:
+        """Whether a kept match of length mlen (prefix hashes h1 at mlen, h2 one page on) is
+        the row's match on the tree now (`check_matches`' test by two lookups): depth mlen is
+        present (or 0) and depth mlen + P absent (or past Lq). Keeps mlen's position in
+        `pos`."""
+        P = self.P
+        self.pos, pos2 = self.tree._lookup_scalar([h1, h2])
+        return not (mlen > Lq or mlen % P or mlen > 0 and self.pos < 0 or mlen + P <= Lq and pos2 >= 0)
+
+    def __call__(self, j: int) -> Tuple[int, int]:
+        if j != len(self.ms):
+            raise RuntimeError(f"_ScalarMatcher: row {j} asked for after {len(self.ms)} rows")
+        s, P, owner, key_off = self.s, self.P, self.owner, self.key_off
+        row = self.rows[j : j + 1]
+        fill, cap, mver, mlen, mpos, h1, h2 = s._rt[int(row[0]), _SCALAR_COLS].tolist()
+        Lq = min(fill, cap) // P * P
+        node = cover = 0
+        if mver == self.ver:  # the full match on this content: its capped part lies on its path
+            m, pos = min(Lq, mlen), -1
+            if m > 0:
+                X = int(owner[mpos])
+                start = mlen - (mpos - int(key_off[X]) + 1)  # the depth where node X begins
+                while m <= start:
+                    X = int(self.parent[X])
+                    start -= int(self.key_len[X])
+                node, cover = X, m - start
+                pos = int(key_off[X]) + cover - 1
+        else:
+            if mver == -1 or not self.holds(mlen, Lq, h1, h2):
+                kept = s._find_rows_scalar(row, capped=True)
+                s._keep_found(row, kept)
+                mlen, pos = int(kept[0, 0]), int(kept[1, 0])
+            else:
+                pos = self.pos if mlen > 0 else -1
+            m = mlen
+            if m > 0:  # its node holds pos
+                node = int(owner[pos])
+                cover = pos - int(key_off[node]) + 1
+        self.ms.append(m)
+        self.ps.append(pos)
+        return m, self.walk.add(node, cover, m > 0)
 
 
 class _RowCols:
@@ -197,10 +262,11 @@ class GpuScheduler(ReferenceScheduler):
     #: far past the stop point); on the host paths, with `SCALAR_WINDOW` when it admitted none
     #: (a full KV pool refuses the first request of step after step)
     adaptive_window = True
-    #: an admission window's first match of a row whose fill is not hashed yet hashes this
-    #: many leading tokens (then 4x more while the match reaches that part's end) instead of
-    #: the whole fill (`_find_lazy`: a 100k-token prompt with little cached prefix costs ~10
-    #: ms to hash whole); 0: hash the whole fill into the pools first
+    #: an admission window's first match of a row whose fill is not hashed yet walks the tree
+    #: on the fill's tokens (`_find_lazy`) instead of hashing the whole fill (a 100k-token
+    #: prompt with little cached prefix costs ~10 ms to hash whole); a window of many such
+    #: rows does so too when their fills average over 4x this many tokens (`_lazy_rows`);
+    #: 0: hash the whole fill into the pools first
     LAZY_FIND_TOKENS = 2048
     #: pause the cyclic garbage collector during `step` (on again after it, if it was on). A
     #: step that admits thousands of requests builds as many plan tuples, and every 700 new
@@ -1316,9 +1382,10 @@ class GpuScheduler(ReferenceScheduler):
                 and not self.config.enable_priority_preemption)
 
     def _scalar_admission(self, rest, adder, running_bs: int, rows: Optional[np.ndarray] = None):
-        """R-STEP-3 over a small window. With the cache on, the window's matches and lock
-        drops come from `_window_drops_scalar` (or `_window_drops` when many rows need a
-        search) and `_window_loop` decides it. With the cache disabled (ignore-EOS requests
+        """R-STEP-3 over a small window. With the cache on, `_window_loop` decides it, each
+        row's match and lock drop made when the loop reaches the row (`_ScalarMatcher`; at
+        most `SCALAR_WINDOW` scalar searches, where the array search of a window of fresh
+        rows would hash every fill whole). With the cache disabled (ignore-EOS requests
         take R-ADM-6's path there) the reference's own loop (`_admit_one` and
         `PrefillAdder.add_one_req`, one request at a time) runs on a copy of the adder whose
         cache is a `_DisabledCache`, every re-match (R-STEP-3.4) empty at the root. Nothing
@@ -1329,12 +1396,10 @@ class GpuScheduler(ReferenceScheduler):
         if rows is None:
             rows = self._rows_of(rest)
         if not self.cache.disable:
-            got = self._window_drops_scalar(rows)
-            if got is None:  # more rows whose match must be searched for than FIND_SCALAR_MAX
-                m, drop, ev, matched = self._window_drops(Q, rows, _RowCols(self._rt, rows))
-                got = m.tolist(), drop.tolist(), ev, matched
-            ms, drops, ev, matched = got
-            return self._window_loop(rows, ms, drops, int(ev), adder, running_bs), matched
+            match = _ScalarMatcher(self, rows)  # each row's match and drop when the loop reaches it
+            vals = self._window_loop(rows, None, None, self.cache.tree.host_int("evictable_size"), adder,
+                                     running_bs, row_match=match)
+            return vals, (match.ms, match.ps)
         # the budgets as the loop leaves them (the real adder takes them after): a shallow copy
         # by its __dict__ (copy.copy's __reduce_ex__ path costs a few us more)
         sub = object.__new__(type(adder))
@@ -1419,7 +1484,7 @@ class GpuScheduler(ReferenceScheduler):
         return self._window_loop(rows, m, drop, ev, adder, running_bs, lead)
 
     def _window_loop(self, rows: np.ndarray, ms, drops, ev: int, adder,
-                     running_bs: int, lead=None) -> List[int]:
+                     running_bs: int, lead=None, row_match=None) -> List[int]:
         """R-STEP-3 and R-ADM-1..3 over a window with the cache on and no priority preemption
         (a small one whole, a large one from `_window_lead`'s first index), in
         `_static_admission`'s read-back layout: the loop `_admit_one` and
@@ -1431,7 +1496,10 @@ class GpuScheduler(ReferenceScheduler):
         (`_scalar_admission` with the cache disabled) takes 5-7 us per request; this takes
         about 2. `lead` (from `_window_lead`): (k0, then the sums over requests 0..k0-1,
         all admitted whole, of the I, cur_off and rem_input commits, lock drops and hit
-        tokens, and their extend ends): the loop starts at request k0 with those applied."""
+        tokens, and their extend ends): the loop starts at request k0 with those applied.
+        `row_match` (instead of ms and drops, without `lead`): called with j = 0, 1, ... as
+        the loop re-matches request j, returns (ms[j], drops[j]) (`_ScalarMatcher`), so rows
+        past the stop point are never matched."""
         cfg = self.config
         P, clip, align = cfg.page_size, cfg.clip_max_new_tokens, cfg.truncation_align_size
         cap, pmax = cfg.max_running_requests, cfg.prefill_max_requests
@@ -1442,7 +1510,7 @@ class GpuScheduler(ReferenceScheduler):
         ncan0 = ncan = len(adder.can_run)
         full = self.batch_is_full
         ends: List[int] = []
-        stop, k, ci = "queue_end", len(ms), -1
+        stop, k, ci = "queue_end", len(rows), -1
         k0 = 0
         if lead is not None:
             k0, dI, dC, dE, dD, hit, ends = lead
@@ -1450,7 +1518,7 @@ class GpuScheduler(ReferenceScheduler):
             if rc is not None:
                 rc -= dE
             rows, ms, drops = rows[k0:], ms[k0:], drops[k0:]
-        if not isinstance(ms, list):
+        if row_match is None and not isinstance(ms, list):
             ms, drops = ms.tolist(), drops.tolist()
         cols = self._rt[rows[:, None], _LOOP_COLS].tolist()
         for i, (fill, out, maxnew) in enumerate(cols):
@@ -1464,16 +1532,16 @@ class GpuScheduler(ReferenceScheduler):
             if full:
                 stop, k = "batch_full", j
                 break
-            # add_one_req (R-ADM-3) with prefix ms[i]
+            # the re-match (R-STEP-3.4, D5), then add_one_req (R-ADM-3) with that prefix
+            prefix, drop = row_match(j) if row_match is not None else (ms[i], drops[i])
             if pmax is not None and ncan >= pmax:
                 stop, k = "add_other", j
                 break
-            prefix = ms[i]
             ext = fill - prefix
             total = ext + min(max(maxnew - out, 0), clip) + P
             in_paged = -(-ext // P) * P
             res = None
-            for evict in (ev, ev - drops[i]):  # refused() before and after the temporary lock
+            for evict in (ev, ev - drop):  # refused() before and after the temporary lock
                 if total >= float(A + evict - I) - RN:
                     res = "add_no_token"
                 elif rc is None and ncan and in_paged >= rin:
@@ -1501,7 +1569,7 @@ class GpuScheduler(ReferenceScheduler):
                 if res == "add_no_token":
                     full = bool(ncan or self.running)
                 break
-            ev -= drops[i]  # the lock is kept
+            ev -= drop  # the lock is kept
             ends.append(end)
             ncan += 1
             e = -(-n_ext // P) * P  # _commit (R-ADM-2)
@@ -1523,62 +1591,6 @@ class GpuScheduler(ReferenceScheduler):
         na = ncan - ncan0
         return [STOP_CODES[stop], k, ci, int(full), I, cur, rin, rc if rc is not None else 0, hit, inp, 1,
                 na] + ends
-
-    def _window_drops_scalar(self, rows: np.ndarray):
-        """`_window_drops` for a small window in Python over the rows: a match known on the
-        tree's content is climbed to its capped depth (`path_position`'s climb), a kept one is
-        checked by its two lookups (`check_matches`' test, `_probe_scalar`), the lock drops
-        are `admission._lock_drops_walk`; rows with no match to trust or that fail the check
-        are searched (`_find_rows_scalar`, as `_checked_find` does). Returns (m list, drops
-        list, evictable [tokens], (m, pos) lists, which `_admit_run` applies without a
-        tensor), or None when more than `FIND_SCALAR_MAX` rows need a search or the cache is
-        disabled."""
-        if self.cache.disable:
-            return None
-        tree = self.cache.tree
-        P = self.config.page_size
-        ver = tree.version
-        owner, key_off, key_len, parent = map(tree._np, ("owner", "key_off", "key_len", "parent"))
-        ms, ps, nodes, covers = [], [], [], []
-        search = []  # window indices of rows whose match must be searched for
-        cols = self._rt[rows[:, None], _SCALAR_COLS].tolist()
-        # the kept matches' two lookups each, all at once (`check_matches`' test, below)
-        found = iter(tree._lookup_scalar([h for c in cols if c[2] not in (ver, -1) for h in c[5:]]))
-        for fill, cap, mver, mlen, mpos, h1, h2 in cols:
-            Lq = min(fill, cap) // P * P
-            if mver == ver:  # the full match on this content: its capped part lies on its path
-                d = min(Lq, mlen)
-                if d == 0:
-                    ms.append(0), ps.append(-1), nodes.append(0), covers.append(0)
-                    continue
-                X = int(owner[mpos])
-                start = mlen - (mpos - int(key_off[X]) + 1)  # the depth where node X begins
-                while d <= start:
-                    X = int(parent[X])
-                    start -= int(key_len[X])
-                cover = d - start
-                ms.append(d), ps.append(int(key_off[X]) + cover - 1), nodes.append(X), covers.append(cover)
-                continue
-            # mlen is the match iff depth mlen is present (or 0) and depth mlen + P absent (or past Lq)
-            pos, pos2 = (next(found), next(found)) if mver != -1 else (-1, -1)
-            if mver == -1 or mlen > Lq or mlen % P or mlen > 0 and pos < 0 or mlen + P <= Lq and pos2 >= 0:
-                search.append(len(ms))
-                mlen = 0  # found below
-            ms.append(mlen), ps.append(pos if mlen > 0 else -1), nodes.append(0), covers.append(0)
-        if search:
-            if len(search) > self.FIND_SCALAR_MAX:
-                return None
-            kept = self._find_rows_scalar(rows[search], capped=True)
-            self._keep_found(rows[search], kept)
-            for j, mlen, pos in zip(search, kept[0].tolist(), kept[1].tolist()):
-                ms[j], ps[j] = mlen, pos
-        for j, pos in enumerate(ps):
-            if ms[j] > 0 and not covers[j]:  # a checked or searched match: its node holds pos
-                X = int(owner[pos])
-                nodes[j], covers[j] = X, pos - int(key_off[X]) + 1
-        drops = _lock_drops_walk(parent, key_len, tree._np("lock_ref"), tree._np("alive"), nodes, covers,
-                                 [v > 0 for v in ms])
-        return ms, drops, tree.host_int("evictable_size"), (ms, ps)
 
     def _rematch(self, r: ReqState) -> None:
         hint = self._match_hint  # `_scalar_admission`'s window match, else a match on the tree
@@ -1675,8 +1687,7 @@ class GpuScheduler(ReferenceScheduler):
         anyway (so the unhashed ones take `_find_lazy`) rather than the array search over
         fills hashed whole: on the host paths, when the rows' unhashed fills average over
         4 x `LAZY_FIND_TOKENS` tokens (a whole fill costs ~30 ns a token to hash with 31-bit
-        token ids, a lazy search about the hashing of `LAZY_FIND_TOKENS` tokens and ~10
-        lookups)."""
+        token ids, a walk a lookup and a token comparison per node on its matched path)."""
         if self.LAZY_FIND_TOKENS <= 0 or not self._host_paths():
             return False
         fresh = rows[_rt_get(self._rt, rows, RT_TOFF) < 0]
@@ -1688,7 +1699,7 @@ class GpuScheduler(ReferenceScheduler):
         (`_full_match`'s). int64 [4, n] (length, position, the hashes at the length and one
         page on); the callers keep them as they keep the array search's. A capped search of
         a row whose fill is not hashed yet (an admission window's first match of a fcfs, lof
-        or routing-key request) hashes only a leading part of the fill (`_find_lazy`)."""
+        or routing-key request) walks the tree on the fill's tokens instead (`_find_lazy`)."""
         if capped and self.LAZY_FIND_TOKENS > 0:
             fresh = _rt_get(self._rt, rows, RT_TOFF) < 0
             if fresh.any():
@@ -1707,31 +1718,16 @@ class GpuScheduler(ReferenceScheduler):
                          for toff, coff, fill, cap, ns in cols], dtype=np.int64).reshape(len(cols), 4).T.copy()
 
     def _find_lazy(self, row: int) -> Tuple[int, int, int, int]:
-        """`_find_rows_scalar`'s capped search of one row whose fill is not in the pools, on
-        chunk hashes of a leading part of the fill only: `LAZY_FIND_TOKENS` tokens first,
-        4x more while the match reaches the part's last page end (the whole capped fill once
-        4x would pass half of it: at most ~1.4x the tokens of hashing it whole). A match m below that end
-        has depth m + P inside the part and absent, so (presence being monotone along the
-        fill's page ends) the search over the whole capped fill stops at m too, and the
-        hashes at m and m + P lie inside the part; a part that covers the capped fill is the
-        whole search. The values are those of the pooled search except
-        where it reads past the row's own tokens (hashes at a depth past the capped length,
-        which `check_matches` never probes). The pools are not written: the fill is hashed
-        whole when a path needs it there (lpm's ordering, the recorded step).
+        """`_find_rows_scalar`'s capped search of one row whose fill is not in the pools, by a
+        walk of the tree on the fill's tokens (`FlatRadixTree._walk_scalar`: a lookup and a
+        token comparison per node on the matched path, no hash of the fill). The values are
+        those of the pooled search where `check_matches` probes them (the hashes at a depth
+        of 0 or past the capped length are not). The pools are not written: the fill is
+        hashed whole when a path needs it there (lpm's ordering, the recorded step).
         Returns (length, position, hash at the length, hash at length + P)."""
         fill_len, cap, ns = self._rt[row, [RT_FILL, RT_CAP, RT_NS]].tolist()
-        tok = self._rt_owner[row].fill().astype(np.int32, copy=False)
-        tree = self.cache.tree
-        C, P = tree.C, self.config.page_size
-        L = min(fill_len, cap)
-        D = self.LAZY_FIND_TOKENS
-        while True:
-            d = min(D, L)
-            ch = tree._chunk_hashes_flat_host(tok[:d], np.array([d], dtype=np.int64), [ns], C)
-            got = tree._find_scalar(tok, ch, 0, 0, d, ns)
-            if d == L or got[0] + P <= d:  # m + P <= d // P * P, both multiples of P
-                return got
-            D = L if 8 * D >= L else 4 * D  # the whole once 4x would pass half of it
+        tok = self._rt_owner[row].fill()
+        return self.cache.tree._walk_scalar(tok, min(fill_len, cap), ns)
 
     def _admit_run(self, run: List[ReqState], ends: List[int], adder, rematch: Optional[ReqState] = None,
                    matched=None) -> None:
@@ -1755,7 +1751,7 @@ class GpuScheduler(ReferenceScheduler):
         if not rs:
             return
         tree = self.cache.tree
-        if isinstance(matched[0], list):  # a small window's lists (`_window_drops_scalar`): no tensor
+        if isinstance(matched[0], list):  # a small window's lists (`_ScalarMatcher`): no tensor
             m, last = matched[0], tree._apply_list(*matched)
             vals = m + last
         elif isinstance(matched[0], np.ndarray) or tree._host_form() and matched[0].is_cpu:

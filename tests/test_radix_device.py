@@ -929,6 +929,43 @@ def test_host_match_and_eviction_equal_torch_forms(page_size):
     assert {("match", True), ("match", False), ("evict", True)} <= kinds
 
 
+@pytest.mark.parametrize("page_size,chunk_pages", [(1, None), (1, 3), (4, None), (4, 1), (16, None)])
+def test_walk_finds_what_the_hash_search_finds(page_size, chunk_pages):
+    """`_walk_scalar` (a query's match by a walk on its tokens: a lookup per node, the rest of
+    the node compared) gives the length and pool position `_find_scalar` (binary searches
+    over the query's chunk and page hashes) gives, and the same hashes where `check_matches`
+    probes them, on a CPU tree under inserts, matches that split nodes, evictions (dead nodes,
+    table tombstones) and locks, in two namespaces, for queries capped anywhere."""
+    P = page_size
+    rng = np.random.default_rng(7 + P)
+    tree = FlatRadixTree(P, max_nodes=512, token_capacity=400 * P, seed=5, chunk_pages=chunk_pages)
+    bases = [rng.integers(0, 5, int(rng.integers(1, 14)) * P).astype(np.int32) for _ in range(6)]
+    kinds = set()
+    for step in range(300):
+        b = bases[int(rng.integers(len(bases)))]
+        seq = np.concatenate([b[: int(rng.integers(len(b) + 1))], rng.integers(0, 5, int(rng.integers(0, 2 * P)))]).astype(np.int32)
+        ns = int(rng.integers(2))
+        L = int(rng.integers(len(seq) + 1)) if rng.integers(3) == 0 else len(seq)
+        Lq = L // P * P
+        ch = tree._chunk_hashes_flat_host(seq, np.array([len(seq)], dtype=np.int64), [ns], tree.C)
+        want = tree._find_scalar(seq, ch, 0, 0, L, ns)
+        got = tree._walk_scalar(seq, L, ns)
+        assert got[:2] == want[:2], (step, got, want)
+        if want[0] > 0:
+            assert got[2] == want[2], (step, "hash at the length")
+        if want[0] + P <= Lq:
+            assert got[3] == want[3], (step, "hash one page on")
+        kinds.add("root miss" if want[0] == 0 else "whole" if want[0] == Lq else "stops inside")
+        op = int(rng.integers(5))
+        if op == 0 and int(tree.evictable_size) > 0:
+            tree.evict(int(rng.integers(1, int(tree.evictable_size) + 1)))
+        elif op == 1:
+            tree.match(torch.from_numpy(seq)[None], torch.tensor([len(seq)]), torch.tensor([ns]))  # splits
+        elif len(seq) >= P and tree.top + len(seq) < tree.tok.numel():
+            tree.insert(torch.from_numpy(seq), torch.arange(len(seq)) + step * 1000, ns)
+    assert kinds == {"root miss", "whole", "stops inside"}, kinds
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_insert_and_match_equals_insert_then_match(page_size):
     """`insert_and_match` (on a CPU tree: the match applied at the position the insert knows,

@@ -381,6 +381,39 @@ def test_window_after_a_loop_that_admitted_nothing(monkeypatch):
     assert plans[0].budgets == plans[1].budgets
 
 
+@pytest.mark.parametrize("pmax", [None, 2])
+def test_small_window_matches_only_the_rows_the_loop_reaches(pmax, monkeypatch):
+    """A small window's rows are matched as the loop reaches them (`_ScalarMatcher`): a loop
+    that stops at its fifth request (or third, at prefill_max_requests 2) searches those rows
+    and not the window's other 15 or 17; the request it stops at is re-matched first, as the
+    reference re-matches before add_one_req, so its match (which splits a cached node) is
+    applied. Plans, budgets and cache sizes stay the reference's step after step."""
+    searched = []
+    find = GpuScheduler._find_rows_scalar
+    monkeypatch.setattr(GpuScheduler, "_find_rows_scalar",
+                        lambda self, rows, capped: searched.extend(rows.tolist()) or find(self, rows, capped))
+    cfg = SchedulerConfig(schedule_policy="fcfs", chunked_prefill_size=None, max_prefill_tokens=250,
+                          prefill_max_requests=pmax)
+    scheds = [ReferenceScheduler(cfg, 100000), GpuScheduler(cfg, 100000)]
+    for s in scheds:
+        s.seed_cache(np.arange(1, 301, dtype=np.int32))
+        # each shares 40 + 7i tokens with the cached one (its match ends inside that node), then 60 of its own
+        s.submit([Request(rid=f"r{i}", prompt_ids=list(range(1, 41 + 7 * i)) + [5000 + i] * 60, max_new_tokens=4)
+                  for i in range(20)], now=0.0)
+    for step in range(4):
+        searched.clear()
+        plans = [s.step(1.0) for s in scheds]
+        assert plan_fields(plans[1]) == plan_fields(plans[0]), step
+        if step == 0:
+            stop_at = 4 if pmax is None else 2
+            assert [a[0] for a in plans[0].admitted] == [f"r{i}" for i in range(stop_at)]
+            assert plans[0].stop == "add_other"
+            assert len(searched) == stop_at + 1, searched  # the admitted rows and the one it stops at
+        for s in scheds:
+            s.complete_prefill({rid: 7 for rid, _, _ in plans[0].admitted})
+        scheds[1].check_integrity()
+
+
 def test_unadmitted_slice_and_general_filter():
     """R-STEP-4 on GpuScheduler: a leading run of admitted requests (after the in-flight chunk)
     is cut off as a slice; anything else gives the reference's filter."""
@@ -398,16 +431,31 @@ def test_unadmitted_slice_and_general_filter():
         s.chunked = None
 
 
+@pytest.mark.parametrize("scalar", [True, False], ids=["scalar", "array"])
 @pytest.mark.parametrize("name", ["fcfs-priority-preempt", "lof", "routing-key"])
-def test_kept_capped_matches_checked_in_windows(name, monkeypatch):
+def test_kept_capped_matches_checked_in_windows(name, scalar, monkeypatch):
     """Policies that do not match while ordering keep each admission window's capped matches
-    (`_checked_find`, tree version -2) and check them at the next step instead of searching:
-    across a 200-step run with inserts, evictions and retractions between steps, kept matches
-    must be both accepted and refused (the tree moved under them), and every step stays the
-    reference's."""
+    (`_checked_find` or `_ScalarMatcher`, tree version -2) and check them at the next step
+    instead of searching: across a 200-step run with inserts, evictions and retractions
+    between steps, kept matches must be both accepted and refused (the tree moved under
+    them), and every step stays the reference's. `scalar`: small windows decided one request
+    at a time (their checks by two lookups, `_ScalarMatcher.holds`), else every window by the
+    array forms (`check_matches`)."""
     from gpu_sched.radix import FlatRadixTree
+    from gpu_sched.scheduler import _ScalarMatcher
 
     seen = {"ok": 0, "refused": 0}
+    if scalar:
+        orig_holds = _ScalarMatcher.holds
+
+        def spy_holds(self, *a):
+            ok = orig_holds(self, *a)
+            seen["ok" if ok else "refused"] += 1
+            return ok
+
+        monkeypatch.setattr(_ScalarMatcher, "holds", spy_holds)
+    else:
+        monkeypatch.setattr(GpuScheduler, "SCALAR_WINDOW", 0)
     orig = FlatRadixTree.check_matches
 
     def spy(self, lengths, guess, *a, **k):
@@ -740,12 +788,12 @@ def test_dfs_weight_host_form_on_tree_ids_equals_torch_form():
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_lazy_first_match_equals_the_pooled_search(page_size, monkeypatch):
     """`GpuScheduler._find_lazy` (an admission window's first match of a row whose fill is not
-    hashed: chunk hashes of a leading part only, grown 4x while the match reaches its last
-    page end) finds the length and position the search over the pooled, fully hashed
-    fill finds, and the same hashes where `check_matches` probes them (at the length when
-    it is over 0, one page on when that is within the capped length), for leading parts from
-    1 token up, matches that cross several part ends, namespaces and capped lengths; and a
-    fcfs run whose first matches all take it makes the reference's plans."""
+    hashed: a walk of the tree on the fill's tokens, `FlatRadixTree._walk_scalar`) finds the
+    length and position the search over the pooled, fully hashed fill finds, and the same
+    hashes where `check_matches` probes them (at the length when it is over 0, one page on
+    when that is within the capped length), for matches that end at a node's end, inside a
+    node (split or not) and across several nodes, namespaces and capped lengths; and a fcfs
+    run whose first matches all take it makes the reference's plans."""
     from gpu_sched.scheduler import RT_CAP, RT_FILL
 
     rng = random.Random(page_size)
@@ -770,22 +818,19 @@ def test_lazy_first_match_equals_the_pooled_search(page_size, monkeypatch):
     s.submit(requests("q"), now=0.0)
     rows = s._queue_rows(s.queue)
     P = page_size
-    lazies = {}
-    for lazy in (1, 16, 33, 2048):
-        monkeypatch.setattr(GpuScheduler, "LAZY_FIND_TOKENS", lazy)
-        assert (s._rt[rows, RT_TOFF] < 0).all()  # not hashed: every row takes the lazy search
-        lazies[lazy] = np.stack([np.array(s._find_lazy(int(r)), dtype=np.int64) for r in rows], axis=1)
+    assert (s._rt[rows, RT_TOFF] < 0).all()  # not hashed: every row takes the walk
+    got = np.stack([np.array(s._find_lazy(int(r)), dtype=np.int64) for r in rows], axis=1)
     s._ensure_hashed(rows)
     want = s._find_rows_scalar(rows, capped=True)  # hashed: the pooled search
     Lq = np.minimum(s._rt[rows, RT_FILL], s._rt[rows, RT_CAP]) // P * P
-    assert want[0].max() > 2 * 33  # matches longer than the small leading parts
-    for lazy, got in lazies.items():
-        assert np.array_equal(got[:2], want[:2]), lazy
-        h1 = want[0] > 0
-        assert np.array_equal(got[2][h1], want[2][h1]), lazy
-        h2 = want[0] + P <= Lq
-        assert np.array_equal(got[3][h2], want[3][h2]), lazy
-    # whole steps with every first match lazy (small leading parts), against the reference
+    assert want[0].max() > 2 * 33 and (want[0] == 0).any()  # long matches, and misses at the root
+    assert ((want[0] > 0) & (want[0] < Lq)).sum() > 5  # matches that stop before the capped length
+    assert np.array_equal(got[:2], want[:2])
+    h1 = want[0] > 0
+    assert np.array_equal(got[2][h1], want[2][h1])
+    h2 = want[0] + P <= Lq
+    assert np.array_equal(got[3][h2], want[3][h2])
+    # whole steps with every first match a walk (windows of many fresh rows too), against the reference
     monkeypatch.setattr(GpuScheduler, "LAZY_FIND_TOKENS", 16)
     cfg = SchedulerConfig(schedule_policy="fcfs", page_size=page_size, max_prefill_tokens=700,
                           chunked_prefill_size=None)
