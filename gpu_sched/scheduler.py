@@ -60,7 +60,9 @@ BACKENDS = ("torch", "triton")
  RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_HEADT, RT_HEAD, RT_STAMP, RT_PRIO, RT_TIME, RT_RKEY) = range(20)
 RT_COLS = 20
 #: the row-table columns `_ScalarMatcher` reads
-_SCALAR_COLS = np.array([RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2])
+_SCALAR_COLS = np.array([RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_TOFF, RT_OUT, RT_MAXNEW])
+#: the columns a kept capped match writes (`_keep_found`): version -2, length, position, hashes
+_KEEP_COLS = np.array([RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2])
 _LOOP_COLS = np.array([RT_FILL, RT_OUT, RT_MAXNEW])
 #: the columns `_write_rows` writes, in its order
 _WRITE_COLS = np.array([RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_PRIO, RT_TIME, RT_RKEY,
@@ -118,12 +120,13 @@ class _ScalarMatcher:
         self.pos, pos2 = self.tree._lookup_scalar([h1, h2])
         return not (mlen > Lq or mlen % P or mlen > 0 and self.pos < 0 or mlen + P <= Lq and pos2 >= 0)
 
-    def __call__(self, j: int) -> Tuple[int, int]:
+    def __call__(self, j: int) -> Tuple[int, int, int, int, int]:
+        """Row j's (match length, lock drop, fill length, output length, max_new_tokens)."""
         if j != len(self.ms):
             raise RuntimeError(f"_ScalarMatcher: row {j} asked for after {len(self.ms)} rows")
         s, P, owner, key_off = self.s, self.P, self.owner, self.key_off
-        row = self.rows[j : j + 1]
-        fill, cap, mver, mlen, mpos, h1, h2 = s._rt[int(row[0]), _SCALAR_COLS].tolist()
+        r = int(self.rows[j])
+        fill, cap, mver, mlen, mpos, h1, h2, toff, out, maxnew = s._rt[r, _SCALAR_COLS].tolist()
         Lq = min(fill, cap) // P * P
         node = cover = 0
         if mver == self.ver:  # the full match on this content: its capped part lies on its path
@@ -138,9 +141,12 @@ class _ScalarMatcher:
                 pos = int(key_off[X]) + cover - 1
         else:
             if mver == -1 or not self.holds(mlen, Lq, h1, h2):
-                kept = s._find_rows_scalar(row, capped=True)
-                s._keep_found(row, kept)
-                mlen, pos = int(kept[0, 0]), int(kept[1, 0])
+                if toff < 0 and s.LAZY_FIND_TOKENS > 0:  # not hashed: the walk (`_find_rows_scalar`'s choice)
+                    kept = s._find_lazy(r)
+                else:
+                    kept = s._find_rows_scalar(self.rows[j : j + 1], capped=True)[:, 0].tolist()
+                s._rt[r, _KEEP_COLS] = (-2, *kept)  # `_keep_found` for one row
+                mlen, pos = kept[0], kept[1]
             else:
                 pos = self.pos if mlen > 0 else -1
             m = mlen
@@ -149,7 +155,7 @@ class _ScalarMatcher:
                 cover = pos - int(key_off[node]) + 1
         self.ms.append(m)
         self.ps.append(pos)
-        return m, self.walk.add(node, cover, m > 0)
+        return m, self.walk.add(node, cover, m > 0), fill, out, maxnew
 
 
 class _RowCols:
@@ -1498,8 +1504,9 @@ class GpuScheduler(ReferenceScheduler):
         all admitted whole, of the I, cur_off and rem_input commits, lock drops and hit
         tokens, and their extend ends): the loop starts at request k0 with those applied.
         `row_match` (instead of ms and drops, without `lead`): called with j = 0, 1, ... as
-        the loop re-matches request j, returns (ms[j], drops[j]) (`_ScalarMatcher`), so rows
-        past the stop point are never matched."""
+        the loop re-matches request j, returns (ms[j], drops[j], and the row's fill, output
+        and max_new_tokens lengths) (`_ScalarMatcher`), so rows past the stop point are never
+        matched or read."""
         cfg = self.config
         P, clip, align = cfg.page_size, cfg.clip_max_new_tokens, cfg.truncation_align_size
         cap, pmax = cfg.max_running_requests, cfg.prefill_max_requests
@@ -1518,10 +1525,11 @@ class GpuScheduler(ReferenceScheduler):
             if rc is not None:
                 rc -= dE
             rows, ms, drops = rows[k0:], ms[k0:], drops[k0:]
-        if row_match is None and not isinstance(ms, list):
-            ms, drops = ms.tolist(), drops.tolist()
-        cols = self._rt[rows[:, None], _LOOP_COLS].tolist()
-        for i, (fill, out, maxnew) in enumerate(cols):
+        if row_match is None:
+            if not isinstance(ms, list):
+                ms, drops = ms.tolist(), drops.tolist()
+            cols = self._rt[rows[:, None], _LOOP_COLS].tolist()
+        for i in range(len(rows)):
             j = k0 + i  # the window's index
             if (float(A + ev - I) - RN > 0 and A + ev - cur > 0
                     and (rin <= 0 or rc is not None and rc <= 0)):  # budget_state() is OTHER
@@ -1533,7 +1541,11 @@ class GpuScheduler(ReferenceScheduler):
                 stop, k = "batch_full", j
                 break
             # the re-match (R-STEP-3.4, D5), then add_one_req (R-ADM-3) with that prefix
-            prefix, drop = row_match(j) if row_match is not None else (ms[i], drops[i])
+            if row_match is not None:  # the matcher reads the row's lengths too
+                prefix, drop, fill, out, maxnew = row_match(j)
+            else:
+                prefix, drop = ms[i], drops[i]
+                fill, out, maxnew = cols[i]
             if pmax is not None and ncan >= pmax:
                 stop, k = "add_other", j
                 break

@@ -388,10 +388,11 @@ def test_small_window_matches_only_the_rows_the_loop_reaches(pmax, monkeypatch):
     and not the window's other 15 or 17; the request it stops at is re-matched first, as the
     reference re-matches before add_one_req, so its match (which splits a cached node) is
     applied. Plans, budgets and cache sizes stay the reference's step after step."""
-    searched = []
-    find = GpuScheduler._find_rows_scalar
+    searched = []  # rows searched (every row here is fresh: each takes the walk, `_find_lazy`)
+    find, walk = GpuScheduler._find_rows_scalar, GpuScheduler._find_lazy
     monkeypatch.setattr(GpuScheduler, "_find_rows_scalar",
                         lambda self, rows, capped: searched.extend(rows.tolist()) or find(self, rows, capped))
+    monkeypatch.setattr(GpuScheduler, "_find_lazy", lambda self, row: searched.append(row) or walk(self, row))
     cfg = SchedulerConfig(schedule_policy="fcfs", chunked_prefill_size=None, max_prefill_tokens=250,
                           prefill_max_requests=pmax)
     scheds = [ReferenceScheduler(cfg, 100000), GpuScheduler(cfg, 100000)]
