@@ -1709,17 +1709,18 @@ class GpuScheduler(ReferenceScheduler):
         """The matches of a few table rows by `FlatRadixTree._find_scalar` per row, on the
         pools' views: capped at max_prefix_len (`_checked_find`'s) or full-length
         (`_full_match`'s). int64 [4, n] (length, position, the hashes at the length and one
-        page on); the callers keep them as they keep the array search's. A capped search of
-        a row whose fill is not hashed yet (an admission window's first match of a fcfs, lof
-        or routing-key request) walks the tree on the fill's tokens instead (`_find_lazy`)."""
-        if capped and self.LAZY_FIND_TOKENS > 0:
+        page on); the callers keep them as they keep the array search's. A row whose fill is
+        not hashed yet (a request's first match: an admission window's of a fcfs, lof or
+        routing-key request, an ordering's of a few new lpm or dfs-weight ones) walks the tree
+        on the fill's tokens instead (`_find_lazy`)."""
+        if self.LAZY_FIND_TOKENS > 0:
             fresh = _rt_get(self._rt, rows, RT_TOFF) < 0
             if fresh.any():
                 out = np.empty((4, len(rows)), dtype=np.int64)
                 if not fresh.all():
                     out[:, ~fresh] = self._find_rows_scalar(rows[~fresh], capped)
                 for j in np.flatnonzero(fresh).tolist():
-                    out[:, j] = self._find_lazy(int(rows[j]))
+                    out[:, j] = self._find_lazy(int(rows[j]), capped)
                 return out
         self._ensure_hashed(rows)
         qt, qc = self._pool_views()
@@ -1729,17 +1730,18 @@ class GpuScheduler(ReferenceScheduler):
         return np.array([find(tok, ch, toff, coff, min(fill, cap) if capped else fill, ns)
                          for toff, coff, fill, cap, ns in cols], dtype=np.int64).reshape(len(cols), 4).T.copy()
 
-    def _find_lazy(self, row: int) -> Tuple[int, int, int, int]:
-        """`_find_rows_scalar`'s capped search of one row whose fill is not in the pools, by a
-        walk of the tree on the fill's tokens (`FlatRadixTree._walk_scalar`: a lookup and a
-        token comparison per node on the matched path, no hash of the fill). The values are
-        those of the pooled search where `check_matches` probes them (the hashes at a depth
-        of 0 or past the capped length are not). The pools are not written: the fill is
-        hashed whole when a path needs it there (lpm's ordering, the recorded step).
+    def _find_lazy(self, row: int, capped: bool = True) -> Tuple[int, int, int, int]:
+        """`_find_rows_scalar`'s search of one row whose fill is not in the pools (capped at
+        max_prefix_len or full-length), by a walk of the tree on the fill's tokens
+        (`FlatRadixTree._walk_scalar`: a lookup and a token comparison per node on the
+        matched path, no hash of the fill). The values are those of the pooled search where
+        `check_matches` probes them (the hashes at a depth of 0 or past the searched length
+        are not). The pools are not written: the fill is hashed whole when a path needs it
+        there (R-ORD-9's head groups, an array search, the recorded step).
         Returns (length, position, hash at the length, hash at length + P)."""
         fill_len, cap, ns = self._rt[row, [RT_FILL, RT_CAP, RT_NS]].tolist()
         tok = self._rt_owner[row].fill()
-        return self.cache.tree._walk_scalar(tok, min(fill_len, cap), ns)
+        return self.cache.tree._walk_scalar(tok, min(fill_len, cap) if capped else fill_len, ns)
 
     def _admit_run(self, run: List[ReqState], ends: List[int], adder, rematch: Optional[ReqState] = None,
                    matched=None) -> None:

@@ -820,17 +820,20 @@ def test_lazy_first_match_equals_the_pooled_search(page_size, monkeypatch):
     rows = s._queue_rows(s.queue)
     P = page_size
     assert (s._rt[rows, RT_TOFF] < 0).all()  # not hashed: every row takes the walk
-    got = np.stack([np.array(s._find_lazy(int(r)), dtype=np.int64) for r in rows], axis=1)
+    got = {c: np.stack([np.array(s._find_lazy(int(r), c), dtype=np.int64) for r in rows], axis=1)
+           for c in (True, False)}  # capped at max_prefix_len (admission) and full-length (ordering)
     s._ensure_hashed(rows)
-    want = s._find_rows_scalar(rows, capped=True)  # hashed: the pooled search
-    Lq = np.minimum(s._rt[rows, RT_FILL], s._rt[rows, RT_CAP]) // P * P
-    assert want[0].max() > 2 * 33 and (want[0] == 0).any()  # long matches, and misses at the root
-    assert ((want[0] > 0) & (want[0] < Lq)).sum() > 5  # matches that stop before the capped length
-    assert np.array_equal(got[:2], want[:2])
-    h1 = want[0] > 0
-    assert np.array_equal(got[2][h1], want[2][h1])
-    h2 = want[0] + P <= Lq
-    assert np.array_equal(got[3][h2], want[3][h2])
+    for capped in (True, False):
+        want = s._find_rows_scalar(rows, capped=capped)  # hashed: the pooled search
+        Lq = (np.minimum(s._rt[rows, RT_FILL], s._rt[rows, RT_CAP]) if capped else s._rt[rows, RT_FILL]) // P * P
+        assert want[0].max() > 2 * 33 and (want[0] == 0).any()  # long matches, and misses at the root
+        assert ((want[0] > 0) & (want[0] < Lq)).sum() > 5  # matches that stop before the searched length
+        g = got[capped]
+        assert np.array_equal(g[:2], want[:2]), capped
+        h1 = want[0] > 0
+        assert np.array_equal(g[2][h1], want[2][h1]), capped
+        h2 = want[0] + P <= Lq
+        assert np.array_equal(g[3][h2], want[3][h2]), capped
     # whole steps with every first match a walk (windows of many fresh rows too), against the reference
     monkeypatch.setattr(GpuScheduler, "LAZY_FIND_TOKENS", 16)
     cfg = SchedulerConfig(schedule_policy="fcfs", page_size=page_size, max_prefill_tokens=700,
