@@ -392,7 +392,8 @@ class LockDropWalk:
         `last_node` (clipped to the node ids, as the other forms clip); 0 if not `valid`."""
         if not valid:
             return 0
-        parent, key_len, lock_ref, alive, first, mp = self.parent, self.key_len, self.lock_ref, self.alive, self.first, self.mp
+        parent, key_len, lock_ref, alive = self.parent, self.key_len, self.lock_ref, self.alive
+        first, mp = self.first, self.mp
         v0 = min(max(last_node, 0), self.top)
         drop = 0
         partial = cover < key_len[v0]

@@ -17,9 +17,11 @@ finish / abort / seed_* / check_integrity); tests hold one against the other. Wh
     (`gpu_sched.admission.admit_step`: prefix sums, chunks, ignore-EOS grid, stop reason, budgets),
     read back once and applied on the host.
     On the CPU a window of up to `SCALAR_WINDOW` requests is decided instead one request at
-    a time over the window's precomputed matches and lock drops (`_scalar_admission`,
-    `_window_loop`), and on the host paths a larger one by prefix sums that find the first
-    request the loop does not simply admit, then the same loop from there (`_window_lead`).
+    a time, each request's match and lock drop made when the loop reaches it
+    (`_scalar_admission`, `_ScalarMatcher`, `_window_loop`; a fill not hashed yet is matched
+    by a walk of the tree on its tokens), and on the host paths a larger one by prefix sums
+    that find the first request the loop does not simply admit, then the same loop from
+    there (`_window_lead`).
 The engine-facing bookkeeping (KV slots of running requests) stays on the host.
 """
 
@@ -91,12 +93,13 @@ def _rt_set(rt: np.ndarray, rows: np.ndarray, c: int, v) -> None:
 
 class _ScalarMatcher:
     """The capped matches (R-STEP-3.4) and lock drops of a small admission window's rows, one
-    row at a time in window order, as `_window_loop` reaches them (`__call__(j)` -> (match
-    length, drop) [tokens]), so that nothing is matched past the loop's stop point. A match
-    known on the tree's content is climbed to its capped depth (`path_position`'s climb), a
-    kept one is checked by its two lookups (`check_matches`' test, `_probe_scalar`), a row
-    with no match to trust or whose check fails is searched (`_find_rows_scalar`, as
-    `_checked_find` does, and kept); the drops are `admission.LockDropWalk`'s. `ms`, `ps`: the
+    row at a time in window order, as `_window_loop` reaches them (`__call__(j)` -> match
+    length and drop [tokens], and the row's lengths), so that nothing is matched past the
+    loop's stop point. A match known on the tree's content is climbed to its capped depth
+    (`path_position`'s climb), a kept one is checked by its two lookups (`holds`:
+    `check_matches`' test), a row with no match to trust or whose check fails is searched
+    and kept (a fill not hashed yet by the walk `_find_lazy`, else `_find_rows_scalar`, as
+    `_checked_find` does); the drops are `admission.LockDropWalk`'s. `ms`, `ps`: the
     lengths and last pool positions so far (`_admit_run` applies them without a tensor).
     Nothing on the tree changes while the loop runs (searches only read it)."""
 
@@ -244,12 +247,12 @@ class GpuScheduler(ReferenceScheduler):
     """
 
     admit_window = 256
-    #: admission windows of up to this many requests are decided one request at a time on
-    #: their precomputed matches and lock drops (`_scalar_admission`: ~2.5 us a request for
-    #: the drops, ~1.5 for the decision on a CPU), larger ones by `_static_admission` (on the
-    #: host paths: numpy matches and drops, then `_window_lead`). 128 measured the same
-    #: within noise; kept matches not on the tree's current content (fcfs) cost the numpy
-    #: form more (fcfs at 1k, every window through it: 400 us a step against 180)
+    #: admission windows of up to this many requests are decided one request at a time,
+    #: each request's match and lock drop made when the loop reaches it (`_scalar_admission`,
+    #: `_ScalarMatcher`: rows past the stop point cost nothing), larger ones by
+    #: `_static_admission` (on the host paths: numpy matches and drops, then `_window_lead`).
+    #: Kept matches not on the tree's current content (fcfs) cost the numpy form more (fcfs
+    #: at 1k, every window through it: 400 us a step against 180)
     SCALAR_WINDOW = 32
     #: larger host windows (cache on, no priority preemption) by `_window_lead`, else by
     #: `admit_step_host` (the tests run both)
