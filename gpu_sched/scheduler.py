@@ -417,6 +417,8 @@ class GpuScheduler(ReferenceScheduler):
 
     def _rid_list(self, q) -> Sequence[str]:
         if isinstance(q, RowQueue):  # arrivals enter the row table now (once each), not per step
+            if not q.tail and not len(q.rows):  # an empty queue (most steps of a light load)
+                return []
             return rid_list(self, self._queue_rows(q))
         return super()._rid_list(q)
 
