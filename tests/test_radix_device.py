@@ -943,7 +943,8 @@ def test_walk_finds_what_the_hash_search_finds(page_size, chunk_pages):
     kinds = set()
     for step in range(300):
         b = bases[int(rng.integers(len(bases)))]
-        seq = np.concatenate([b[: int(rng.integers(len(b) + 1))], rng.integers(0, 5, int(rng.integers(0, 2 * P)))]).astype(np.int32)
+        seq = np.concatenate([b[: int(rng.integers(len(b) + 1))],
+                              rng.integers(0, 5, int(rng.integers(0, 2 * P)))]).astype(np.int32)
         ns = int(rng.integers(2))
         L = int(rng.integers(len(seq) + 1)) if rng.integers(3) == 0 else len(seq)
         Lq = L // P * P

@@ -392,7 +392,8 @@ def test_small_window_matches_only_the_rows_the_loop_reaches(pmax, monkeypatch):
     find, walk = GpuScheduler._find_rows_scalar, GpuScheduler._find_lazy
     monkeypatch.setattr(GpuScheduler, "_find_rows_scalar",
                         lambda self, rows, capped: searched.extend(rows.tolist()) or find(self, rows, capped))
-    monkeypatch.setattr(GpuScheduler, "_find_lazy", lambda self, row: searched.append(row) or walk(self, row))
+    monkeypatch.setattr(GpuScheduler, "_find_lazy",
+                        lambda self, row, capped=True: searched.append(row) or walk(self, row, capped))
     cfg = SchedulerConfig(schedule_policy="fcfs", chunked_prefill_size=None, max_prefill_tokens=250,
                           prefill_max_requests=pmax)
     scheds = [ReferenceScheduler(cfg, 100000), GpuScheduler(cfg, 100000)]
