@@ -997,11 +997,13 @@ class FlatRadixTree:
         hash search finds; its cost is one lookup and one comparison per node on the matched
         path, not a hash of the query (an admission's first match of a long prompt that
         shares one cached node: ~15 us against ~150 for hashing its leading 2k tokens and
-        searching them). tok: the query's tokens (int numpy [>= length]); length [tokens].
-        Returns (matched length, pool position of its last token or -1, hash at the length,
-        hash at length + P): the hashes as `depth_hashes` has them where `check_matches`
-        probes them (at the length when it is over 0, one page on when that is within
-        floorP(length)); 0 elsewhere."""
+        searching them). tok: the query's tokens (int numpy [>= length]: a capped search's
+        whole fill); length [tokens], the depth searched up to. Returns (matched length, pool
+        position of its last token or -1, hash at the length, hash at length + P): the hashes
+        as the pooled search has them wherever tok reaches (at the length when it is over 0;
+        one page on when that is within floorP(len(tok)), past `length` too: a capped match
+        kept in the row table is checked later against the full fill, `_full_match`); 0
+        elsewhere."""
         P = self.P
         Lq = length // P * P
         keys, vals, owner, key_off, key_len, ptok, hsh = map(
@@ -1036,7 +1038,13 @@ class FlatRadixTree:
                     a2, b2 = (a2 * B1 + t + 1) % P1, (b2 * B2 + t + 1) % P2
                 h_next = (a2 << 31) | b2
                 break
-        return d, pos, ((a << 31) | b) if d > 0 else 0, h_next if d + P <= Lq else 0
+        else:  # the walk reached Lq: the hash one page on from the query's own tokens, if it has them
+            if d + P <= tok.size:
+                a2, b2 = a, b
+                for t in tok[d : d + P].tolist():
+                    a2, b2 = (a2 * B1 + t + 1) % P1, (b2 * B2 + t + 1) % P2
+                h_next = (a2 << 31) | b2
+        return d, pos, ((a << 31) | b) if d > 0 else 0, h_next if d + P <= tok.size // P * P else 0
 
     def _search_scalar(self, hs, hi: int, lo: int = 0, lo_pos: int = -1) -> Tuple[int, int]:
         """`_search` of one row on a CPU table as a binary search of scalar probes: the largest

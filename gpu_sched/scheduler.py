@@ -1714,10 +1714,10 @@ class GpuScheduler(ReferenceScheduler):
         """The matches of a few table rows by `FlatRadixTree._find_scalar` per row, on the
         pools' views: capped at max_prefix_len (`_checked_find`'s) or full-length
         (`_full_match`'s). int64 [4, n] (length, position, the hashes at the length and one
-        page on); the callers keep them as they keep the array search's. A row whose fill is
-        not hashed yet (a request's first match: an admission window's of a fcfs, lof or
-        routing-key request, an ordering's of a few new lpm or dfs-weight ones) walks the tree
-        on the fill's tokens instead (`_find_lazy`)."""
+        page on); the callers keep them as they keep the array search's. With
+        `LAZY_FIND_TOKENS` > 0, a row whose fill is not hashed yet (a request's first match: an
+        admission window's of a fcfs, lof or routing-key request, an ordering's of a few new
+        lpm or dfs-weight ones) walks the tree on the fill's tokens instead (`_find_lazy`)."""
         if self.LAZY_FIND_TOKENS > 0:
             fresh = _rt_get(self._rt, rows, RT_TOFF) < 0
             if fresh.any():
@@ -1740,9 +1740,11 @@ class GpuScheduler(ReferenceScheduler):
         max_prefix_len or full-length), by a walk of the tree on the fill's tokens
         (`FlatRadixTree._walk_scalar`: a lookup and a token comparison per node on the
         matched path, no hash of the fill). The values are those of the pooled search where
-        `check_matches` probes them (the hashes at a depth of 0 or past the searched length
-        are not). The pools are not written: the fill is hashed whole when a path needs it
-        there (R-ORD-9's head groups, an array search, the recorded step).
+        `check_matches` probes them (the hash at the length when it is over 0, and one page
+        on wherever the fill reaches, past a capped length too: `_full_match` checks a kept
+        capped match against the whole fill). The pools are not written: the fill is hashed
+        whole when a path needs it there (R-ORD-9's head groups, an array search, the
+        recorded step).
         Returns (length, position, hash at the length, hash at length + P)."""
         fill_len, cap, ns = self._rt[row, [RT_FILL, RT_CAP, RT_NS]].tolist()
         tok = self._rt_owner[row].fill()

@@ -933,9 +933,11 @@ def test_host_match_and_eviction_equal_torch_forms(page_size):
 def test_walk_finds_what_the_hash_search_finds(page_size, chunk_pages):
     """`_walk_scalar` (a query's match by a walk on its tokens: a lookup per node, the rest of
     the node compared) gives the length and pool position `_find_scalar` (binary searches
-    over the query's chunk and page hashes) gives, and the same hashes where `check_matches`
-    probes them, on a CPU tree under inserts, matches that split nodes, evictions (dead nodes,
-    table tombstones) and locks, in two namespaces, for queries capped anywhere."""
+    over the query's chunk and page hashes) gives, and the same hashes wherever the query's
+    tokens reach (one page past a capped length too: a kept capped match is checked later
+    against the whole fill), on a CPU tree under inserts, matches that split nodes,
+    evictions (dead nodes, table tombstones) and locks, in two namespaces, for queries capped
+    anywhere."""
     P = page_size
     rng = np.random.default_rng(7 + P)
     tree = FlatRadixTree(P, max_nodes=512, token_capacity=400 * P, seed=5, chunk_pages=chunk_pages)
@@ -954,8 +956,10 @@ def test_walk_finds_what_the_hash_search_finds(page_size, chunk_pages):
         assert got[:2] == want[:2], (step, got, want)
         if want[0] > 0:
             assert got[2] == want[2], (step, "hash at the length")
-        if want[0] + P <= Lq:
+        if want[0] + P <= len(seq):
             assert got[3] == want[3], (step, "hash one page on")
+            if want[0] + P > Lq:
+                kinds.add("next page past the cap")
         kinds.add("root miss" if want[0] == 0 else "whole" if want[0] == Lq else "stops inside")
         op = int(rng.integers(5))
         if op == 0 and int(tree.evictable_size) > 0:
@@ -964,7 +968,7 @@ def test_walk_finds_what_the_hash_search_finds(page_size, chunk_pages):
             tree.match(torch.from_numpy(seq)[None], torch.tensor([len(seq)]), torch.tensor([ns]))  # splits
         elif len(seq) >= P and tree.top + len(seq) < tree.tok.numel():
             tree.insert(torch.from_numpy(seq), torch.arange(len(seq)) + step * 1000, ns)
-    assert kinds == {"root miss", "whole", "stops inside"}, kinds
+    assert kinds == {"root miss", "whole", "stops inside", "next page past the cap"}, kinds
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])

@@ -416,6 +416,30 @@ def test_small_window_matches_only_the_rows_the_loop_reaches(pmax, monkeypatch):
         scheds[1].check_integrity()
 
 
+def test_kept_capped_match_checked_against_the_whole_fill():
+    """A capped match kept by an admission window (here: fcfs, lpm falling back at a queue
+    over `lpm_fallback_queue_len`) holds the fill's hash one page past the cap, so when the
+    next step orders by lpm and checks it against the whole fill (`_full_match`,
+    `check_matches`), a cached page past the cap refuses it and the row is searched again:
+    the full match, its stamps and R-ORD-9's deprioritized list stay the reference's."""
+    X = list(range(1, 34))  # cached whole; r1's capped match (max_prefix_len 32) ends one page short
+    cfg = SchedulerConfig(schedule_policy="lpm", lpm_fallback_queue_len=2, prefill_max_requests=1,
+                          chunked_prefill_size=None)
+    scheds = [ReferenceScheduler(cfg, 100000), GpuScheduler(cfg, 100000)]
+    for s in scheds:
+        s.seed_cache(np.array(X, dtype=np.int32))
+        s.submit([Request(rid="r0", prompt_ids=[900 + i for i in range(10)], max_new_tokens=4),
+                  Request(rid="r1", prompt_ids=X, max_new_tokens=4),
+                  Request(rid="r2", prompt_ids=X[:32] + [777, 778, 779], max_new_tokens=4)], now=0.0)
+    for step in range(3):
+        plans = [s.step(1.0) for s in scheds]
+        assert plans[1].to_dict() == plans[0].to_dict(), step
+        assert plans[0].active_policy == ("fcfs" if step == 0 else "lpm"), step
+        for s in scheds:
+            s.complete_prefill({rid: 7 for rid, _, _ in plans[0].admitted})
+    scheds[1].check_integrity()
+
+
 def test_unadmitted_slice_and_general_filter():
     """R-STEP-4 on GpuScheduler: a leading run of admitted requests (after the in-flight chunk)
     is cut off as a slice; anything else gives the reference's filter."""
@@ -833,7 +857,7 @@ def test_lazy_first_match_equals_the_pooled_search(page_size, monkeypatch):
         assert np.array_equal(g[:2], want[:2]), capped
         h1 = want[0] > 0
         assert np.array_equal(g[2][h1], want[2][h1]), capped
-        h2 = want[0] + P <= Lq
+        h2 = want[0] + P <= s._rt[rows, RT_FILL] // P * P  # the fill's own tokens reach it (past the cap too)
         assert np.array_equal(g[3][h2], want[3][h2]), capped
     # whole steps with every first match a walk (windows of many fresh rows too), against the reference
     monkeypatch.setattr(GpuScheduler, "LAZY_FIND_TOKENS", 16)
