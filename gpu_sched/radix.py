@@ -1009,12 +1009,16 @@ class FlatRadixTree:
         keys, vals, owner, key_off, key_len, ptok, hsh = map(
             self._np, ("hkeys", "hvals", "owner", "key_off", "key_len", "tok", "hsh"))
         B1, B2, M = self.B1, self.B2, (1 << 31) - 1
+
+        def roll(a: int, b: int, d: int) -> Tuple[int, int]:  # the hash at d rolled over tok's page at d
+            for t in tok[d : d + P].tolist():
+                a, b = (a * B1 + t + 1) % P1, (b * B2 + t + 1) % P2
+            return a, b
+
         a, b = self._seed(ns, P1), self._seed(ns, P2)  # the hash at depth d, per modulus
         d, pos, h_next = 0, -1, 0
         while d + P <= Lq:
-            a2, b2 = a, b
-            for t in tok[d : d + P].tolist():
-                a2, b2 = (a2 * B1 + t + 1) % P1, (b2 * B2 + t + 1) % P2
+            a2, b2 = roll(a, b, d)
             h = (a2 << 31) | b2
             slot = self._probe_scalar(keys, [h])[0]
             if slot < 0:  # depth d + P absent: the match ends at d
@@ -1033,16 +1037,12 @@ class FlatRadixTree:
                 hv = int(hsh[pos])
                 a, b = hv >> 31, hv & M
             if r < n:  # a page of X differs from the query's: the match ends at d
-                a2, b2 = a, b
-                for t in tok[d : d + P].tolist():
-                    a2, b2 = (a2 * B1 + t + 1) % P1, (b2 * B2 + t + 1) % P2
+                a2, b2 = roll(a, b, d)
                 h_next = (a2 << 31) | b2
                 break
         else:  # the walk reached Lq: the hash one page on from the query's own tokens, if it has them
             if d + P <= tok.size:
-                a2, b2 = a, b
-                for t in tok[d : d + P].tolist():
-                    a2, b2 = (a2 * B1 + t + 1) % P1, (b2 * B2 + t + 1) % P2
+                a2, b2 = roll(a, b, d)
                 h_next = (a2 << 31) | b2
         return d, pos, ((a << 31) | b) if d > 0 else 0, h_next if d + P <= tok.size // P * P else 0
 

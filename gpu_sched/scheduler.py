@@ -103,7 +103,7 @@ class _ScalarMatcher:
     lengths and last pool positions so far (`_admit_run` applies them without a tensor).
     Nothing on the tree changes while the loop runs (searches only read it)."""
 
-    __slots__ = ("s", "rows", "tree", "P", "ver", "owner", "key_off", "key_len", "parent", "walk", "ms", "ps", "pos")
+    __slots__ = ("s", "rows", "tree", "P", "ver", "owner", "key_off", "key_len", "parent", "walk", "ms", "ps")
 
     def __init__(self, sched: "GpuScheduler", rows: np.ndarray):
         tree = sched.cache.tree
@@ -114,14 +114,14 @@ class _ScalarMatcher:
         self.ms: List[int] = []
         self.ps: List[int] = []
 
-    def holds(self, mlen: int, Lq: int, h1: int, h2: int) -> bool:
+    def holds(self, mlen: int, Lq: int, h1: int, h2: int) -> Tuple[bool, int]:
         """Whether a kept match of length mlen (prefix hashes h1 at mlen, h2 one page on) is
         the row's match on the tree now (`check_matches`' test by two lookups): depth mlen is
-        present (or 0) and depth mlen + P absent (or past Lq). Keeps mlen's position in
-        `pos`."""
+        present (or 0) and depth mlen + P absent (or past Lq); and the pool position found
+        for depth mlen (-1 if absent)."""
         P = self.P
-        self.pos, pos2 = self.tree._lookup_scalar([h1, h2])
-        return not (mlen > Lq or mlen % P or mlen > 0 and self.pos < 0 or mlen + P <= Lq and pos2 >= 0)
+        pos, pos2 = self.tree._lookup_scalar([h1, h2])
+        return not (mlen > Lq or mlen % P or mlen > 0 and pos < 0 or mlen + P <= Lq and pos2 >= 0), pos
 
     def __call__(self, j: int) -> Tuple[int, int, int, int, int]:
         """Row j's (match length, lock drop, fill length, output length, max_new_tokens)."""
@@ -143,15 +143,16 @@ class _ScalarMatcher:
                 node, cover = X, m - start
                 pos = int(key_off[X]) + cover - 1
         else:
-            if mver == -1 or not self.holds(mlen, Lq, h1, h2):
+            ok, pos = self.holds(mlen, Lq, h1, h2) if mver != -1 else (False, -1)
+            if not ok:
                 if toff < 0 and s.LAZY_FIND_TOKENS > 0:  # not hashed: the walk (`_find_rows_scalar`'s choice)
                     kept = s._find_lazy(r)
                 else:
                     kept = s._find_rows_scalar(self.rows[j : j + 1], capped=True)[:, 0].tolist()
                 s._rt[r, _KEEP_COLS] = (-2, *kept)  # `_keep_found` for one row
                 mlen, pos = kept[0], kept[1]
-            else:
-                pos = self.pos if mlen > 0 else -1
+            elif mlen == 0:
+                pos = -1
             m = mlen
             if m > 0:  # its node holds pos
                 node = int(owner[pos])
@@ -1684,7 +1685,7 @@ class GpuScheduler(ReferenceScheduler):
         position, hashes at the length and one page on) with tree version -2: checked before
         use (`check_matches`), never trusted."""
         _rt_set(self._rt, rows, RT_MVER, -2)
-        for c, v in zip((RT_MLEN, RT_MPOS, RT_H1, RT_H2), kept):
+        for c, v in zip(_KEEP_COLS[1:].tolist(), kept):  # length, position, the two hashes
             _rt_set(self._rt, rows, c, v)
 
     def _host_paths(self) -> bool:
