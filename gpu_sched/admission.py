@@ -376,13 +376,15 @@ class LockDropWalk:
     added: an admission loop walks only the requests it reaches. A walk goes up from a live
     node only (the rounds' `anc` stops at a dead one). Exact for any path depth (the rounds'
     result when `max_depth` bounds it). Node arrays are numpy views of the tree's columns,
-    read as they are when each request is added (nothing on the tree may change between)."""
+    read as they are when each request is added (nothing on the tree may change between):
+    numpy arrays, or memoryviews of them (`FlatRadixTree._mv`: Python ints per read, several
+    times cheaper)."""
 
     __slots__ = ("parent", "key_len", "lock_ref", "alive", "top", "first", "mp", "prev")
 
     def __init__(self, parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray):
         self.parent, self.key_len, self.lock_ref, self.alive = parent, key_len, lock_ref, alive
-        self.top = parent.size - 1
+        self.top = len(parent) - 1
         self.first = set()  # nodes some earlier request's whole-covered path holds (their F is known)
         self.mp = {}  # node -> largest partial cover of it before its F
         self.prev = {}  # node -> largest partial cover of it so far

@@ -229,6 +229,11 @@ class FlatRadixTree:
         `.numpy()` does."""
         return self._host_arrays.get(self, name)
 
+    def _mv(self, name: str) -> memoryview:
+        """`_np(name)` as a memoryview (`policy.HostViews.mv`): Python ints on indexing, for
+        the per-node reads and writes of the scalar walks."""
+        return self._host_arrays.mv(self, name)
+
     # ---- backends --------------------------------------------------------------------------
     @staticmethod
     def _check_backend(backend: str) -> str:
@@ -504,7 +509,7 @@ class FlatRadixTree:
         keys = self._np("hkeys")
         H = keys.size
         if h.size <= PROBE_SCALAR_MAX:
-            return np.array(self._probe_scalar(keys, h.tolist()), dtype=np.int64)
+            return np.array(self._probe_scalar(self._mv("hkeys"), h.tolist()), dtype=np.int64)
         slot = np.full(h.size, -1, dtype=np.int64)
         if h.size == 0 or self.max_probe <= 0:
             return slot
@@ -536,8 +541,9 @@ class FlatRadixTree:
         """`_probe_host` for a few keys, one Python loop each: the same home slot (Python's
         exact product agrees with int64's wrapped one in the bits the slot reads) and the same
         max_probe slots in order, stopping at the key or an empty slot (tombstones are passed)."""
-        mask = keys.size - 1
-        key_at = keys.item  # a Python int: cheaper to compare than a numpy scalar
+        mask = len(keys) - 1
+        # a Python int: cheaper to compare than a numpy scalar (a memoryview's is cheapest)
+        key_at = keys.__getitem__ if isinstance(keys, memoryview) else keys.item
         out = []
         for h in hs:
             pos = ((h * HASH_MIX) >> 32) & mask
@@ -555,8 +561,8 @@ class FlatRadixTree:
 
     def _lookup_scalar(self, hs: List[int]) -> List[int]:
         """`lookup` of a few hashes on a CPU table, in Python: their values, -1 if absent."""
-        vals = self._np("hvals")
-        return [int(vals[s]) if s >= 0 else -1 for s in self._probe_scalar(self._np("hkeys"), hs)]
+        vals = self._mv("hvals")
+        return [vals[s] if s >= 0 else -1 for s in self._probe_scalar(self._mv("hkeys"), hs)]
 
     def lookup(self, h: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
         """Pool position stored for each prefix hash, -1 if absent."""
@@ -1006,8 +1012,8 @@ class FlatRadixTree:
         elsewhere."""
         P = self.P
         Lq = length // P * P
-        keys, vals, owner, key_off, key_len, ptok, hsh = map(
-            self._np, ("hkeys", "hvals", "owner", "key_off", "key_len", "tok", "hsh"))
+        keys, vals, owner, key_off, key_len, hsh = map(self._mv, ("hkeys", "hvals", "owner", "key_off", "key_len", "hsh"))
+        ptok = self._np("tok")
         B1, B2, M = self.B1, self.B2, (1 << 31) - 1
 
         def roll(a: int, b: int, d: int) -> Tuple[int, int]:  # the hash at d rolled over tok's page at d
@@ -1024,17 +1030,20 @@ class FlatRadixTree:
             if slot < 0:  # depth d + P absent: the match ends at d
                 h_next = h
                 break
-            p = int(vals[slot])
+            p = vals[slot]
             d, pos, a, b = d + P, p, a2, b2
-            X = int(owner[p])
-            n = min(int(key_off[X]) + int(key_len[X]) - 1 - p, Lq - d)  # X's tokens after p, within Lq
+            X = owner[p]
+            n = min(key_off[X] + key_len[X] - 1 - p, Lq - d)  # X's tokens after p, within Lq
             if n <= 0:
                 continue
-            diff = np.flatnonzero(ptok[p + 1 : p + 1 + n] != tok[d : d + n])
-            r = n if diff.size == 0 else int(diff[0]) // P * P
+            xs, qs = ptok[p + 1 : p + 1 + n], tok[d : d + n]
+            if qs.dtype == xs.dtype and xs.tobytes() == qs.tobytes():  # equal tokens: one memcmp
+                r = n
+            else:
+                r = int(np.flatnonzero(xs != qs)[0]) // P * P
             if r:
                 d, pos = d + r, p + r
-                hv = int(hsh[pos])
+                hv = hsh[pos]
                 a, b = hv >> 31, hv & M
             if r < n:  # a page of X differs from the query's: the match ends at d
                 a2, b2 = roll(a, b, d)
@@ -1052,13 +1061,13 @@ class FlatRadixTree:
         finds the same point) and its stored value (-1 for 0). hs: a sequence of int hashes.
         A caller that knows j >= lo (value lo_pos there) searches above lo only: hs[:lo] is
         not read."""
-        keys, vals = self._np("hkeys"), self._np("hvals")
+        keys, vals = self._mv("hkeys"), self._mv("hvals")
         a, pos = lo, lo_pos
         while a < hi:
             mid = (a + hi + 1) // 2
             slot = self._probe_scalar(keys, [int(hs[mid - 1])])[0]
             if slot >= 0:
-                a, pos = mid, int(vals[slot])
+                a, pos = mid, vals[slot]
             else:
                 hi = mid - 1
         return a, pos
@@ -1470,13 +1479,13 @@ class FlatRadixTree:
         id); later rows ending there find the cut made. None, having changed nothing, when the
         rows end inside nodes at two or more positions (the batched form orders those splits'
         node ids by rounds)."""
-        owner, key_off, key_len = self._np("owner"), self._np("key_off"), self._np("key_len")
+        owner, key_off, key_len = self._mv("owner"), self._mv("key_off"), self._mv("key_len")
         last, cut = [], None
         for i, (mi, p) in enumerate(zip(m, pos)):
             if mi <= 0:
                 last.append(0)
                 continue
-            x = int(owner[p])
+            x = owner[p]
             if p - key_off[x] + 1 < key_len[x]:
                 if cut is None:
                     cut = (i, p, x)
@@ -1485,9 +1494,9 @@ class FlatRadixTree:
             last.append(x)
         if cut is not None:
             i, p, x = cut
-            head = self._split_host(x, p - int(key_off[x]) + 1, stamps[i], cids[i])
+            head = self._split_host(x, p - key_off[x] + 1, stamps[i], cids[i])
             last = [head if (mi > 0 and q == p) else v for mi, q, v in zip(m, pos, last)]
-        _stamp_walks(self._np("parent"), self._np("last_access"), last, stamps)
+        _stamp_walks(self._mv("parent"), self._mv("last_access"), last, stamps)
         return last
 
     def _split_host(self, piece: int, cover: int, stamp: int, cid: int) -> int:
@@ -1495,7 +1504,7 @@ class FlatRadixTree:
         the first `cover` tokens of node `piece` (stamp and creation id `cid`). Returns the
         head's id."""
         (head,) = self._alloc_ids(1)
-        v = self._np
+        v = self._mv
         for name in ("parent", "key_off", "start", "lock_ref", "order", "ns"):
             a = v(name)
             a[head] = a[piece]
@@ -1504,14 +1513,14 @@ class FlatRadixTree:
         v("cid")[head] = cid
         v("nchild")[head] = 1
         v("alive")[head] = True
-        o = int(v("key_off")[piece])
-        v("owner")[o : o + cover] = head
-        v("key_off")[piece] += cover
+        o = v("key_off")[piece]
+        self._np("owner")[o : o + cover] = head
+        v("key_off")[piece] = o + cover
         v("key_len")[piece] -= cover
         v("start")[piece] += cover
         v("parent")[piece] = head
         la = v("last_access")
-        la[piece] = max(int(la[piece]), stamp)
+        la[piece] = max(la[piece], stamp)
         return head
 
     def _apply_list(self, m: List[int], pos: List[int]) -> List[int]:
@@ -1618,7 +1627,7 @@ class FlatRadixTree:
             return
         if _host(nodes):
             if nodes.numel() <= SCALAR_BATCH:
-                _stamp_walks(self._np("parent"), self._np("last_access"), nodes.tolist(), stamp.tolist())
+                _stamp_walks(self._mv("parent"), self._mv("last_access"), nodes.tolist(), stamp.tolist())
                 return
             b = self.node_bound()  # every live id is below it
             _stamp_paths_host(self._np("parent")[:b], self._np("last_access")[:b], nodes.numpy(), stamp.numpy())
@@ -1930,19 +1939,19 @@ class FlatRadixTree:
         """`lock` (sign 1) or `unlock` (sign -1) of a few nodes on the CPU in Python: the
         path counts by walks, then the same updates. False, with nothing changed, for an
         unlock below zero."""
-        parent, lock_ref, key_len = self._np("parent"), self._np("lock_ref"), self._np("key_len")
+        parent, lock_ref, key_len = self._mv("parent"), self._mv("lock_ref"), self._mv("key_len")
         cnt = {}
         for v in nodes:
             while v > 0:
                 cnt[v] = cnt.get(v, 0) + 1
-                v = int(parent[v])
+                v = parent[v]
         if sign < 0 and any(lock_ref[u] < c for u, c in cnt.items()):
             return False
         delta = 0
         for u, c in cnt.items():
-            ref = int(lock_ref[u])
+            ref = lock_ref[u]
             if ref == (0 if sign > 0 else c):  # the node leaves (lock) or joins (unlock) evictable
-                delta += int(key_len[u])
+                delta += key_len[u]
             lock_ref[u] = ref + sign * c
         if delta:
             self._move_host_sizes(sign * delta)
@@ -2248,11 +2257,12 @@ def _clear_runs_before(keys, c, mask: int) -> int:
     return cleared
 
 
-def _stamp_walks(parent: np.ndarray, last_access: np.ndarray, nodes: List[int], stamps: List[int]) -> None:
+def _stamp_walks(parent, last_access, nodes: List[int], stamps: List[int]) -> None:
     """`FlatRadixTree._stamp_paths` for a few nodes in Python, one walk after another on numpy
     views: each walk stops at a node holding a larger stamp, as in the level-by-level form,
     and ends with the same maxima (a larger stamp of the batch covers the path above it,
-    whichever walk runs first)."""
+    whichever walk runs first). parent, last_access: 1-d int64 views (memoryviews from
+    `FlatRadixTree._mv` read as Python ints)."""
     for v, st in zip(nodes, stamps):
         while v >= 0 and last_access[v] <= st:
             last_access[v] = st

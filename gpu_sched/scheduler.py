@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 import operator
 import os
+import struct
 import weakref
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -62,9 +63,10 @@ BACKENDS = ("torch", "triton")
  RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_HEADT, RT_HEAD, RT_STAMP, RT_PRIO, RT_TIME, RT_RKEY) = range(20)
 RT_COLS = 20
 #: the row-table columns `_ScalarMatcher` reads
-_SCALAR_COLS = np.array([RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_TOFF, RT_OUT, RT_MAXNEW])
+_SCALAR_COLS = (RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_TOFF, RT_OUT, RT_MAXNEW)
 #: the columns a kept capped match writes (`_keep_found`): version -2, length, position, hashes
 _KEEP_COLS = np.array([RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2])
+_KEEP_COLS_LIST = _KEEP_COLS.tolist()
 _LOOP_COLS = np.array([RT_FILL, RT_OUT, RT_MAXNEW])
 #: the columns `_write_rows` writes, in its order
 _WRITE_COLS = np.array([RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_PRIO, RT_TIME, RT_RKEY,
@@ -72,11 +74,24 @@ _WRITE_COLS = np.array([RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, R
 _WRITE_TIME = int(np.flatnonzero(_WRITE_COLS == RT_TIME)[0])  # where the float time's bits go
 _WRITE_PRIO = int(np.flatnonzero(_WRITE_COLS == RT_PRIO)[0])
 _WRITE_MAXNEW = int(np.flatnonzero(_WRITE_COLS == RT_MAXNEW)[0])
+_WRITE_COLS_LIST = _WRITE_COLS.tolist()
 #: and those `_find_rows_scalar` reads
 _FIND_COLS = np.array([RT_TOFF, RT_COFF, RT_FILL, RT_CAP, RT_NS])
 _DEV_ROW = operator.attrgetter("dev_row")
 _OUTPUT_IDS = operator.attrgetter("req.output_ids")
 _PRIORITY = operator.attrgetter("priority")
+_F64 = struct.Struct("<d")
+_I64 = struct.Struct("<q")
+
+
+def _time_bits(t: float) -> int:
+    """A float time's int64 bits, as `np.float64(t).view(np.int64)` gives them."""
+    return _I64.unpack(_F64.pack(t))[0]
+
+
+def _bits_time(b: int) -> float:
+    """`_time_bits`' inverse: the float64 whose bits are the int64 b."""
+    return _F64.unpack(_I64.pack(b))[0]
 
 
 def _rt_get(rt: np.ndarray, rows: np.ndarray, c: int) -> np.ndarray:
@@ -109,8 +124,8 @@ class _ScalarMatcher:
         tree = sched.cache.tree
         self.s, self.rows, self.tree = sched, rows, tree
         self.P, self.ver = sched.config.page_size, tree.version
-        self.owner, self.key_off, self.key_len, self.parent = map(tree._np, ("owner", "key_off", "key_len", "parent"))
-        self.walk = LockDropWalk(self.parent, self.key_len, tree._np("lock_ref"), tree._np("alive"))
+        self.owner, self.key_off, self.key_len, self.parent = map(tree._mv, ("owner", "key_off", "key_len", "parent"))
+        self.walk = LockDropWalk(self.parent, self.key_len, tree._mv("lock_ref"), tree._mv("alive"))
         self.ms: List[int] = []
         self.ps: List[int] = []
 
@@ -129,19 +144,20 @@ class _ScalarMatcher:
             raise RuntimeError(f"_ScalarMatcher: row {j} asked for after {len(self.ms)} rows")
         s, P, owner, key_off = self.s, self.P, self.owner, self.key_off
         r = int(self.rows[j])
-        fill, cap, mver, mlen, mpos, h1, h2, toff, out, maxnew = s._rt[r, _SCALAR_COLS].tolist()
+        rt = memoryview(s._rt)  # Python ints per read (a fancy index costs several numpy calls)
+        fill, cap, mver, mlen, mpos, h1, h2, toff, out, maxnew = [rt[r, c] for c in _SCALAR_COLS]
         Lq = min(fill, cap) // P * P
         node = cover = 0
         if mver == self.ver:  # the full match on this content: its capped part lies on its path
             m, pos = min(Lq, mlen), -1
             if m > 0:
-                X = int(owner[mpos])
-                start = mlen - (mpos - int(key_off[X]) + 1)  # the depth where node X begins
+                X = owner[mpos]
+                start = mlen - (mpos - key_off[X] + 1)  # the depth where node X begins
                 while m <= start:
-                    X = int(self.parent[X])
-                    start -= int(self.key_len[X])
+                    X = self.parent[X]
+                    start -= self.key_len[X]
                 node, cover = X, m - start
-                pos = int(key_off[X]) + cover - 1
+                pos = key_off[X] + cover - 1
         else:
             ok, pos = self.holds(mlen, Lq, h1, h2) if mver != -1 else (False, -1)
             if not ok:
@@ -149,14 +165,15 @@ class _ScalarMatcher:
                     kept = s._find_lazy(r)
                 else:
                     kept = s._find_rows_scalar(self.rows[j : j + 1], capped=True)[:, 0].tolist()
-                s._rt[r, _KEEP_COLS] = (-2, *kept)  # `_keep_found` for one row
+                for c, v in zip(_KEEP_COLS_LIST, (-2, *kept)):  # `_keep_found` for one row
+                    rt[r, c] = v
                 mlen, pos = kept[0], kept[1]
             elif mlen == 0:
                 pos = -1
             m = mlen
             if m > 0:  # its node holds pos
-                node = int(owner[pos])
-                cover = pos - int(key_off[node]) + 1
+                node = owner[pos]
+                cover = pos - key_off[node] + 1
         self.ms.append(m)
         self.ps.append(pos)
         return m, self.walk.add(node, cover, m > 0), fill, out, maxnew
@@ -261,6 +278,10 @@ class GpuScheduler(ReferenceScheduler):
     #: first searches of up to this many rows at once run as scalar binary searches on the
     #: host (`FlatRadixTree._find_scalar`, ~10 lookups a row) instead of probe rounds
     FIND_SCALAR_MAX = 8
+    #: up to this many requests' rows are looked up, written and refreshed one by one in
+    #: Python on a memoryview of the row table (`_rows_scalar`, ~2 us a row) rather than by
+    #: numpy calls over them (~25 calls, 50-80 us for one arrival on a cold cache)
+    ROWS_SCALAR_MAX = 8
     #: kept full matches are re-validated through the tree's change log while it holds at most
     #: this many hashes per row to re-validate (sorting and testing it costs ~0.1 us a hash);
     #: past that, by two table lookups per row (`check_matches`, ~0.5 us a lookup on a CPU).
@@ -383,22 +404,34 @@ class GpuScheduler(ReferenceScheduler):
     def _queue_rows(self, q: RowQueue) -> np.ndarray:
         """Rows of every request in `q` (int64 [len(q)]): its tail's rows are looked up
         (`_rows_of`, written if new or stale) and their enqueue time and priority refreshed
-        (a requeued request gets a new enqueue time), then the tail joins the rows."""
+        (a requeued request gets a new enqueue time), then the tail joins the rows. A tail of
+        up to `ROWS_SCALAR_MAX` requests (a serving loop's arrivals of one step) is written in
+        Python (`_rows_scalar`), the same values as the numpy form's."""
         if q.tail:
-            tail = q.tail
-            rows = self._rows_of(tail)
-            prio = np.fromiter(map(_PRIORITY, tail), np.int64, len(tail))
-            self._widen_bounds(RT_PRIO, prio)
-            _rt_set(self._rt, rows, RT_PRIO, prio)
-            times = np.fromiter(map(_ENQUEUE_TIME, tail), np.float64, len(tail))
-            _rt_set(self._rt, rows, RT_TIME, times.view(np.int64))
+            tail, head = q.tail, q.rows
+            if len(tail) <= self.ROWS_SCALAR_MAX:  # Python writes on a memoryview, no numpy call per column
+                rl = self._rows_scalar(tail)
+                mv = memoryview(self._rt)
+                times = [r.enqueue_time for r in tail]
+                for r, row, t in zip(tail, rl, times):
+                    mv[row, RT_PRIO] = r.priority
+                    mv[row, RT_TIME] = _time_bits(t)
+                self._widen_bounds(RT_PRIO, [r.priority for r in tail])
+                rows = np.array(rl, dtype=np.int64)
+                ordered = all(x <= y for x, y in zip(times, times[1:]))
+            else:
+                rows = self._rows_of(tail)
+                prio = np.fromiter(map(_PRIORITY, tail), np.int64, len(tail))
+                self._widen_bounds(RT_PRIO, prio)
+                _rt_set(self._rt, rows, RT_PRIO, prio)
+                times = np.fromiter(map(_ENQUEUE_TIME, tail), np.float64, len(tail))
+                _rt_set(self._rt, rows, RT_TIME, times.view(np.int64))
+                ordered = bool((times[1:] >= times[:-1]).all())
             # the joined rows' time order, known where the rows' own is (O(tail), not O(queue))
-            head = q.rows
             if len(head) and not q.in_time:
                 q.in_time = None
             else:
-                q.in_time = bool((times[1:] >= times[:-1]).all()) and (
-                    not len(head) or times[0] >= _rt_get(self._rt, head[-1:], RT_TIME).view(np.float64)[0])
+                q.in_time = ordered and (not len(head) or bool(times[0] >= _bits_time(self._rt.item(int(head[-1]), RT_TIME))))
             q.rows = np.concatenate([head, rows]) if len(head) else rows
             q.tail = []
             self._views.add(q)
@@ -620,6 +653,8 @@ class GpuScheduler(ReferenceScheduler):
         `_new_row`); offsets move when the pools are rebuilt (the row's stamp moves with them).
         Returns int64 [len(rs)]."""
         n = len(rs)
+        if n <= self.ROWS_SCALAR_MAX:
+            return np.array(self._rows_scalar(rs), dtype=np.int64)
         idx = np.fromiter(map(_DEV_ROW, rs), np.int64, n)
         need = int((idx < 0).sum())
         if need > len(self._rt_free) and self._reserve_rows(need):
@@ -637,6 +672,24 @@ class GpuScheduler(ReferenceScheduler):
                     r.dev_row = self._new_row(r)
             self._write_rows(reqs)
             idx[miss] = [r.dev_row for r in reqs]
+        return idx
+
+    def _rows_scalar(self, rs: Sequence[ReqState]) -> List[int]:
+        """`_rows_of` for a few requests (`ROWS_SCALAR_MAX`) in Python: the same rows, reserved,
+        made and (re)written in the same cases, as a list."""
+        idx = [r.dev_row for r in rs]
+        need = sum(i < 0 for i in idx)
+        if need > len(self._rt_free) and self._reserve_rows(need):
+            idx = [r.dev_row for r in rs]  # as `_rows_of`: read again, grow without sweeping
+            self._reserve_rows(sum(i < 0 for i in idx), sweep=False)
+        mv = memoryview(self._rt)
+        stale = [r for r, i in zip(rs, idx) if i < 0 or mv[i, RT_OUT] != len(r.req.output_ids)]
+        if stale:
+            for r in stale:
+                if r.dev_row < 0:
+                    r.dev_row = self._new_row(r)
+            self._write_rows(stale)
+            idx = [r.dev_row for r in rs]
         return idx
 
     def _reserve_rows(self, need: int, sweep: bool = True) -> bool:
@@ -679,19 +732,30 @@ class GpuScheduler(ReferenceScheduler):
         n = len(reqs)
         self._stamp += 1
         ns = (lambda r: 0) if self.cache.disable else (lambda r: self.cache.ns_id(r.req.extra_key))
-        vals = np.array([[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.max_prefix_len(),
-                          ns(r), r.priority, 0, self._rk_intern(r.req.routing_key), -1, -1, self._stamp, -1]
-                         for r in reqs], dtype=np.int64).reshape(n, len(_WRITE_COLS))
+        rows = [[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.max_prefix_len(),
+                 ns(r), r.priority, 0, self._rk_intern(r.req.routing_key), -1, -1, self._stamp, -1] for r in reqs]
+        if n <= self.ROWS_SCALAR_MAX:  # one Python write per value on a memoryview of the table
+            mv = memoryview(self._rt)
+            for r, vals in zip(reqs, rows):
+                vals[_WRITE_TIME] = _time_bits(r.enqueue_time)
+                row = r.dev_row
+                for c, v in zip(_WRITE_COLS_LIST, vals):
+                    mv[row, c] = v
+            self._widen_bounds(RT_PRIO, [v[_WRITE_PRIO] for v in rows])
+            self._widen_bounds(RT_MAXNEW, [v[_WRITE_MAXNEW] for v in rows])
+            return
+        vals = np.array(rows, dtype=np.int64).reshape(n, len(_WRITE_COLS))
         vals[:, _WRITE_TIME] = np.array([r.enqueue_time for r in reqs], dtype=np.float64).view(np.int64)
         self._widen_bounds(RT_PRIO, vals[:, _WRITE_PRIO])
         self._widen_bounds(RT_MAXNEW, vals[:, _WRITE_MAXNEW])
         self._rt[np.fromiter(map(_DEV_ROW, reqs), np.int64, n)[:, None], _WRITE_COLS] = vals
 
-    def _widen_bounds(self, c: int, vals: np.ndarray) -> None:
-        """Widen `_col_bounds[c]` to cover `vals` (int64 [k], about to be written to column c)."""
-        if not vals.size:
+    def _widen_bounds(self, c: int, vals) -> None:
+        """Widen `_col_bounds[c]` to cover `vals` (int64 [k], or a list of ints, about to be
+        written to column c)."""
+        if not len(vals):
             return
-        lo, hi = int(vals.min()), int(vals.max())
+        lo, hi = (min(vals), max(vals)) if isinstance(vals, list) else (int(vals.min()), int(vals.max()))
         b = self._col_bounds[c]
         self._col_bounds[c] = (lo, hi) if b is None else (min(b[0], lo), max(b[1], hi))
 
@@ -1747,7 +1811,8 @@ class GpuScheduler(ReferenceScheduler):
         whole when a path needs it there (R-ORD-9's head groups, an array search, the
         recorded step).
         Returns (length, position, hash at the length, hash at length + P)."""
-        fill_len, cap, ns = self._rt[row, [RT_FILL, RT_CAP, RT_NS]].tolist()
+        rt = memoryview(self._rt)
+        fill_len, cap, ns = rt[row, RT_FILL], rt[row, RT_CAP], rt[row, RT_NS]
         tok = self._rt_owner[row].fill()
         return self.cache.tree._walk_scalar(tok, min(fill_len, cap) if capped else fill_len, ns)
 

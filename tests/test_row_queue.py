@@ -328,3 +328,68 @@ def test_queue_time_order_flag(times):
         # known either way at times (an ordering's rest is unknown: fcfs with priority
         # reorders it; reversed assignments and out-of-order batches are known False)
         assert flags == {False, True, None}, flags
+
+
+@pytest.mark.parametrize("disable_cache", [False, True])
+def test_scalar_row_writes_equal_the_numpy_form(disable_cache):
+    """A few requests' rows (up to `GpuScheduler.ROWS_SCALAR_MAX`: `_rows_scalar` and the
+    small-tail `_queue_rows`, Python writes on a memoryview of the row table) are looked up,
+    written, refreshed and flagged exactly as the numpy form does it: the same rows, table
+    values, column bounds and time-order flag after every submit, over arrivals of 0..12
+    (both forms in one run), out-of-order and absent priorities and times, routing keys and
+    namespaces, retraction requeues (stale rows rewritten, new enqueue times), finishes and
+    aborts (an emptied queue: the arrivals' own order decides the flag); the plans stay
+    equal."""
+    rng = random.Random(11 + disable_cache)
+    cfg = SchedulerConfig(schedule_policy="fcfs", enable_priority_scheduling=True, max_prefill_tokens=80,
+                          disable_radix_cache=disable_cache)
+    a, b = GpuScheduler(cfg, 1500), GpuScheduler(cfg, 1500)
+    b.ROWS_SCALAR_MAX = 0  # the numpy form throughout
+    k, retracted, ratio, flags = 0, 0, 0.7, set()
+    for step in range(70):
+        m = rng.choice([0, 1, 2, 5, 8, 12])
+        ts = [float(step * 10 + rng.randrange(12)) for _ in range(m)]
+        if step % 3 == 0:  # in order, ties included; else as drawn (often out of order)
+            ts = sorted(ts) if step % 2 else [float(step * 10)] * m
+        new = [Request(rid=f"q{k + i}", prompt_ids=[rng.randrange(9) for _ in range(rng.randrange(2, 40))],
+                       max_new_tokens=rng.choice([1, 5, 17, 300]), priority=rng.choice([None, -2, 0, 3, 9]),
+                       routing_key=rng.choice([None, "a", "b"]),
+                       extra_key=rng.choice([None, "ns"]), enqueue_time=ts[i]) for i in range(m)]
+        k += m
+        if step % 6 == 5 and len(a.queue):  # an empty queue: the arrivals' own order decides the flag
+            rids = [r.rid for r in a.queue]
+            a.abort(rids)
+            b.abort(rids)
+        for s in (a, b):
+            s.submit([Request(**{f: getattr(r, f) for f in r.__dataclass_fields__}) for r in new], now=float(step))
+        ra, rb = a._queue_rows(a.queue), b._queue_rows(b.queue)
+        assert np.array_equal(ra, rb) and np.array_equal(a._rt[ra], b._rt[rb]), step
+        assert a.queue.in_time == b.queue.in_time and a._col_bounds == b._col_bounds, step
+        flags.add(a.queue.in_time)
+        pa, pb = a.step(ratio), b.step(ratio)
+        assert pa.to_dict() == pb.to_dict(), step
+        done = {rid: 1 for rid, _, _ in pa.admitted}
+        a.complete_prefill(done)
+        b.complete_prefill(done)
+        if a.running:  # a decode step, as `run_pair` (tests/test_scheduler_differential.py) runs it
+            if not a.decode_fits():
+                out = a.retract_decode()
+                assert out == b.retract_decode()
+                retracted += len(out)
+                ratio = min(1.0, ratio + 0.1)
+            else:
+                assert b.decode_fits()
+            toks = {r.rid: rng.randrange(9) for r in a.running}
+            a.decode(toks)
+            b.decode(toks)
+            ratio = max(0.1, ratio - 0.05)
+        if a.running and step % 4 == 0:
+            rid = a.running[0].rid
+            a.finish([rid])
+            b.finish([rid])
+        if step % 9 == 8 and len(a.queue) > 1:
+            rid = a.queue[0].rid
+            a.abort([rid])
+            b.abort([rid])
+    assert retracted > 0 and k > 100  # requeues happened, rows were reused
+    assert flags == {False, True, None}, flags
