@@ -382,7 +382,7 @@ class LockDropWalk:
 
     __slots__ = ("parent", "key_len", "lock_ref", "alive", "top", "first", "mp", "prev")
 
-    def __init__(self, parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarray, alive: np.ndarray):
+    def __init__(self, parent, key_len, lock_ref, alive):
         self.parent, self.key_len, self.lock_ref, self.alive = parent, key_len, lock_ref, alive
         self.top = len(parent) - 1
         self.first = set()  # nodes some earlier request's whole-covered path holds (their F is known)

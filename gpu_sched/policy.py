@@ -128,7 +128,8 @@ def host_ok() -> bool:
 class HostViews:
     """numpy views of an owner's CPU tensors, by attribute name, made once per tensor: the
     tensors are written in place, and `.numpy()` costs 5-15 us per call on a cold cache against
-    a dict read here. A view is made anew when the attribute holds another tensor (a rebuilt
+    a dict read here. Each entry is [tensor, numpy view, memoryview of it or None]
+    (`mv`, made on first use). A view is made anew when the attribute holds another tensor (a rebuilt
     table or pool). Not copied with its owner: a copy, deep copy or pickle starts empty and
     makes its own views of the copied tensors (copied views would hold their data apart)."""
 

@@ -537,10 +537,11 @@ class FlatRadixTree:
             done += w
         return slot
 
-    def _probe_scalar(self, keys: np.ndarray, hs: List[int]) -> List[int]:
+    def _probe_scalar(self, keys, hs: List[int]) -> List[int]:
         """`_probe_host` for a few keys, one Python loop each: the same home slot (Python's
         exact product agrees with int64's wrapped one in the bits the slot reads) and the same
-        max_probe slots in order, stopping at the key or an empty slot (tombstones are passed)."""
+        max_probe slots in order, stopping at the key or an empty slot (tombstones are passed).
+        keys: the table's keys, a memoryview (`_mv("hkeys")`) or a numpy array."""
         mask = len(keys) - 1
         # a Python int: cheaper to compare than a numpy scalar (a memoryview's is cheapest)
         key_at = keys.__getitem__ if isinstance(keys, memoryview) else keys.item
@@ -1039,8 +1040,9 @@ class FlatRadixTree:
             xs, qs = ptok[p + 1 : p + 1 + n], tok[d : d + n]
             if qs.dtype == xs.dtype and xs.tobytes() == qs.tobytes():  # equal tokens: one memcmp
                 r = n
-            else:
-                r = int(np.flatnonzero(xs != qs)[0]) // P * P
+            else:  # another dtype, or a token differs: the first difference, if any
+                diff = np.flatnonzero(xs != qs)
+                r = n if diff.size == 0 else int(diff[0]) // P * P
             if r:
                 d, pos = d + r, p + r
                 hv = hsh[pos]
@@ -1472,7 +1474,7 @@ class FlatRadixTree:
         return None if last is None else torch.tensor(last, dtype=torch.int64)
 
     def _apply_walks(self, m: List[int], pos: List[int], stamps, cids) -> Optional[List[int]]:
-        """`_apply` of a few matches in Python on numpy views: the nodes holding their last
+        """`_apply` of a few matches in Python on memoryviews (`_mv`): the nodes holding their last
         tokens (`_match_ends`; 0 where m is 0), at most one split, then the stamp walks
         (`_stamp_walks`). The split is `_apply`'s single round: the first row ending at the one
         interior position cuts its node there (`_split_host`, that row's stamp and creation
@@ -1500,7 +1502,8 @@ class FlatRadixTree:
         return last
 
     def _split_host(self, piece: int, cover: int, stamp: int, cid: int) -> int:
-        """`_split_writes` of one piece on a CPU tree, on numpy views: a new head node takes
+        """`_split_writes` of one piece on a CPU tree, on its arrays' views (memoryviews for
+        the per-node values, `_mv`; numpy for the owner run): a new head node takes
         the first `cover` tokens of node `piece` (stamp and creation id `cid`). Returns the
         head's id."""
         (head,) = self._alloc_ids(1)
@@ -2258,8 +2261,8 @@ def _clear_runs_before(keys, c, mask: int) -> int:
 
 
 def _stamp_walks(parent, last_access, nodes: List[int], stamps: List[int]) -> None:
-    """`FlatRadixTree._stamp_paths` for a few nodes in Python, one walk after another on numpy
-    views: each walk stops at a node holding a larger stamp, as in the level-by-level form,
+    """`FlatRadixTree._stamp_paths` for a few nodes in Python, one walk after another on the
+    arrays' views: each walk stops at a node holding a larger stamp, as in the level-by-level form,
     and ends with the same maxima (a larger stamp of the batch covers the path above it,
     whichever walk runs first). parent, last_access: 1-d int64 views (memoryviews from
     `FlatRadixTree._mv` read as Python ints)."""

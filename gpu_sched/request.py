@@ -123,8 +123,8 @@ class Request:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, (int, np.integer)):
             raise TypeError(f"{who}: max_new_tokens must be an int, got {self.max_new_tokens!r}")
         self.max_new_tokens = int(self.max_new_tokens)
-        if self.max_new_tokens < 0:
-            raise ValueError(f"{who}: max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not 0 <= self.max_new_tokens <= INT64_MAX:
+            raise ValueError(f"{who}: max_new_tokens must be in [0, 2^63 - 1] (int64), got {self.max_new_tokens}")
         for name in ("ignore_eos", "return_logprob"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{who}: {name} must be a bool, got {getattr(self, name)!r}")

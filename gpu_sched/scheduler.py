@@ -84,13 +84,13 @@ _F64 = struct.Struct("<d")
 _I64 = struct.Struct("<q")
 
 
-def _time_bits(t: float) -> int:
+def _f64_bits(t: float) -> int:
     """A float time's int64 bits, as `np.float64(t).view(np.int64)` gives them."""
     return _I64.unpack(_F64.pack(t))[0]
 
 
-def _bits_time(b: int) -> float:
-    """`_time_bits`' inverse: the float64 whose bits are the int64 b."""
+def _bits_f64(b: int) -> float:
+    """`_f64_bits`' inverse: the float64 whose bits are the int64 b."""
     return _F64.unpack(_I64.pack(b))[0]
 
 
@@ -408,14 +408,14 @@ class GpuScheduler(ReferenceScheduler):
         up to `ROWS_SCALAR_MAX` requests (a serving loop's arrivals of one step) is written in
         Python (`_rows_scalar`), the same values as the numpy form's."""
         if q.tail:
-            tail, head = q.tail, q.rows
+            tail = q.tail
             if len(tail) <= self.ROWS_SCALAR_MAX:  # Python writes on a memoryview, no numpy call per column
                 rl = self._rows_scalar(tail)
                 mv = memoryview(self._rt)
                 times = [r.enqueue_time for r in tail]
                 for r, row, t in zip(tail, rl, times):
                     mv[row, RT_PRIO] = r.priority
-                    mv[row, RT_TIME] = _time_bits(t)
+                    mv[row, RT_TIME] = _f64_bits(t)
                 self._widen_bounds(RT_PRIO, [r.priority for r in tail])
                 rows = np.array(rl, dtype=np.int64)
                 ordered = all(x <= y for x, y in zip(times, times[1:]))
@@ -428,10 +428,11 @@ class GpuScheduler(ReferenceScheduler):
                 _rt_set(self._rt, rows, RT_TIME, times.view(np.int64))
                 ordered = bool((times[1:] >= times[:-1]).all())
             # the joined rows' time order, known where the rows' own is (O(tail), not O(queue))
+            head = q.rows
             if len(head) and not q.in_time:
                 q.in_time = None
             else:
-                q.in_time = ordered and (not len(head) or bool(times[0] >= _bits_time(self._rt.item(int(head[-1]), RT_TIME))))
+                q.in_time = ordered and (not len(head) or bool(times[0] >= _bits_f64(self._rt.item(int(head[-1]), RT_TIME))))
             q.rows = np.concatenate([head, rows]) if len(head) else rows
             q.tail = []
             self._views.add(q)
@@ -737,7 +738,7 @@ class GpuScheduler(ReferenceScheduler):
         if n <= self.ROWS_SCALAR_MAX:  # one Python write per value on a memoryview of the table
             mv = memoryview(self._rt)
             for r, vals in zip(reqs, rows):
-                vals[_WRITE_TIME] = _time_bits(r.enqueue_time)
+                vals[_WRITE_TIME] = _f64_bits(r.enqueue_time)
                 row = r.dev_row
                 for c, v in zip(_WRITE_COLS_LIST, vals):
                     mv[row, c] = v

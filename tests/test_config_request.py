@@ -190,6 +190,7 @@ def test_request_normalises_fields():
 BAD_REQUESTS = [
     # (kwargs, exception, words that must appear in the message)
     (dict(max_new_tokens=-1), ValueError, ["max_new_tokens", "-1"]),
+    (dict(max_new_tokens=2**63), ValueError, ["max_new_tokens", str(2**63)]),
     (dict(max_new_tokens=2.0), TypeError, ["max_new_tokens", "2.0"]),
     (dict(max_new_tokens=True), TypeError, ["max_new_tokens", "True"]),
     (dict(prompt_ids=[1, -1, 2]), ValueError, ["prompt_ids[1]", "-1"]),

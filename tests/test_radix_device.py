@@ -954,6 +954,7 @@ def test_walk_finds_what_the_hash_search_finds(page_size, chunk_pages):
         want = tree._find_scalar(seq, ch, 0, 0, L, ns)
         got = tree._walk_scalar(seq, L, ns)
         assert got[:2] == want[:2], (step, got, want)
+        assert tree._walk_scalar(seq.astype(np.int64), L, ns) == got, step  # tokens of another dtype
         if want[0] > 0:
             assert got[2] == want[2], (step, "hash at the length")
         if want[0] + P <= len(seq):
