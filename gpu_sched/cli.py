@@ -1,6 +1,6 @@
 """`gpu-sched` command line: replay, trace-stats, conformance.
 
-  gpu-sched replay [--trace PATH] [--policy lpm] [--kv-tokens N] [--cost-model NAME] [--check]
+  gpu-sched replay [--trace PATH] [--policy POLICY] [--kv-tokens N] [--cost-model NAME] [--check]
                    [--out DIR] [--compare-policies fcfs,lpm,dfs-weight] [SGLang scheduler flags]
   gpu-sched trace-stats PATH
   gpu-sched conformance FILE
@@ -501,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--synthetic-requests", type=int, default=400, metavar="N",
                    help="requests of the synthetic workload (default %(default)s; without --trace)")
     r.add_argument("--routing-keys", type=int, default=0, metavar="N",
-                   help="give requests one of N routing keys (from the first prefix block or session; "
+                   help="give requests one of N routing keys (from the first prefix block not every request "
+                        "shares, or the session; "
                         "sim.traces.assign_keys): no trace records any, and without keys routing-key "
                         "orders as fcfs (default 0: none)")
     r.add_argument("--priority-levels", type=int, default=0, metavar="K",

@@ -305,6 +305,20 @@ def test_trace_stats_real(mooncake, azure):
     assert trace_stats(azure)["repeat_block_frac"] is None
 
 
+def test_assign_keys_on_mooncake_tell_conversations_apart(mooncake):
+    """On the Mooncake trace (every request's first block is block 0) `--routing-keys 16`
+    spreads the requests over all 16 keys, none holding most of them, and a conversation's
+    turns (requests sharing their first two blocks) share one."""
+    out = assign_keys(mooncake, routing_keys=16)
+    counts = np.bincount([int(r.routing_key[3:]) for r in out.requests], minlength=16)
+    assert (counts > 0).all() and counts.max() < len(out.requests) // 4, counts
+    by_pair = {}
+    for r in out.requests:
+        if len(r.hash_ids) >= 2:
+            by_pair.setdefault(tuple(r.hash_ids[:2]), set()).add(r.routing_key)
+    assert sum(len(v) > 1 for v in by_pair.values()) == 0 and max(map(len, by_pair.values())) == 1
+
+
 def test_assign_keys_groups_by_prefix_and_session():
     """Routing keys follow a request's first prefix block (Mooncake) or its session (synthetic),
     else a seeded draw; priorities are seeded draws in [0, K); the input trace is unchanged."""
@@ -321,6 +335,11 @@ def test_assign_keys_groups_by_prefix_and_session():
     assert out == assign_keys(tr, routing_keys=4, priority_levels=3, seed=1)  # deterministic
     assert out.source == "src" and all(r.routing_key is None and r.priority is None for r in tr.requests)
     assert [r.prompt_ids().tolist() for r in out.requests] == [r.prompt_ids().tolist() for r in reqs]
+    # every request starts with the same block (the Mooncake trace's block 0, a shared system
+    # prompt): keys come from the first block that tells them apart, the last one if none does
+    shared = Trace(name="s", requests=[TraceRequest(index=i, arrival_s=0.1 * i, input_len=1000, output_len=1, hash_ids=h)
+                                       for i, h in enumerate([(0, 7, 8), (0, 7, 9), (0, 10), (0,), (0, 5)])])
+    assert [r.routing_key for r in assign_keys(shared, routing_keys=4).requests] == ["key3", "key3", "key2", "key0", "key1"]
     none = assign_keys(tr, routing_keys=0, priority_levels=0)
     assert all(r.routing_key is None and r.priority is None for r in none.requests)
     with pytest.raises(ValueError, match="routing_keys must be >= 0"):

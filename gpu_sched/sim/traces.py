@@ -23,7 +23,7 @@ import zlib
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -394,15 +394,34 @@ def synthetic_workload(num_requests: int = 400, *, seed: int = 0, request_rate: 
     return Trace(name="synthetic", requests=[replace(r, index=i) for i, r in enumerate(created)])
 
 
+def _common_lead(blocks: List[Sequence[int]]) -> int:
+    """How many leading prefix blocks every one of `blocks` (hash-id sequences) has in common
+    (0 for none given)."""
+    if not blocks:
+        return 0
+    first, lead = blocks[0], len(blocks[0])
+    for h in blocks[1:]:
+        k, m = 0, min(lead, len(h))
+        while k < m and h[k] == first[k]:
+            k += 1
+        lead = k
+        if not lead:
+            break
+    return lead
+
+
 def assign_keys(trace: Trace, *, routing_keys: int = 0, priority_levels: int = 0, seed: int = 0) -> Trace:
     """A copy of `trace` whose requests carry routing keys and priorities, which no public
     trace records, so that the routing-key policy (R-ORD-7) and priority scheduling have
     something to order by.
 
-    routing_keys N >= 1: request -> "key{j}", j in [0, N): from the first prefix block for a
-    Mooncake request (`hash_ids[0] % N`: requests that share their first 512 tokens, e.g. a
-    conversation's turns or a system prompt, share a key), from the session for a synthetic
-    one (`session % N`), else drawn uniformly (seeded). 0: no keys (None).
+    routing_keys N >= 1: request -> "key{j}", j in [0, N): for a Mooncake request from its
+    first prefix block that not every request of the trace shares (`hash_ids[b] % N`, b = the
+    length of the leading blocks all requests with blocks have in common, or its last block
+    if it has no other: in the Mooncake trace every request starts with block 0, a shared
+    system prompt, so b = 1 and a conversation's turns, which share their first 1k tokens,
+    share a key), from the session for a synthetic one (`session % N`), else drawn uniformly
+    (seeded). 0: no keys (None).
     priority_levels K >= 1: priorities drawn uniformly from [0, K) (seeded by `seed`); 0: none.
     Deterministic: the same arguments give the same keys on every machine.
     Raises ValueError for a negative count, TypeError for a non-int."""
@@ -415,12 +434,13 @@ def assign_keys(trace: Trace, *, routing_keys: int = 0, priority_levels: int = 0
     n = len(trace.requests)
     drawn = rng.integers(0, max(routing_keys, 1), n)
     prio = rng.integers(0, max(priority_levels, 1), n)
+    lead = _common_lead([r.hash_ids for r in trace.requests if r.hash_ids]) if routing_keys else 0
     reqs = []
     for i, r in enumerate(trace.requests):
         key, p = None, None
         if routing_keys:
             if r.hash_ids:
-                j = int(r.hash_ids[0]) % routing_keys
+                j = int(r.hash_ids[min(lead, len(r.hash_ids) - 1)]) % routing_keys
             elif r.session is not None:
                 j = int(r.session) % routing_keys
             else:
