@@ -435,7 +435,7 @@ def test_decode_bad_tokens_change_nothing(serving, tokens, exc, words):
     (lambda s: s.abort("ab"), TypeError, "got the string 'ab': pass ['ab']"),
     (lambda s: s.finish(["a", "b", "a"]), ValueError, "finish: request 'a' is given twice"),
     (lambda s: s.abort(["b", "b"]), ValueError, "abort: request 'b' is given twice"),
-    (lambda s: s.finish(["a", "zz"]), ValueError, "'zz' is not running"),
+    (lambda s: s.finish(["a", "zz"]), ValueError, "'zz' is not running: no such request"),
     (lambda s: s.finish(None), TypeError, "finish takes an iterable of rids, got NoneType None"),
     (lambda s: s.abort(7), TypeError, "abort takes an iterable of rids, got int 7"),
 ])
@@ -460,8 +460,12 @@ def test_finish_during_prefill_says_so(serving):
     with pytest.raises(ValueError, match="finish: request 'a' is in the prefill being run: call complete_prefill"):
         serving.finish(["a"])
     assert _engine_state(serving) == before
-    with pytest.raises(ValueError, match="finish: request 'zz' is not running"):
+    with pytest.raises(ValueError, match="finish: request 'zz' is not running: no such request"):
         serving.finish(["zz"])
+    serving.submit([Request("w", [5, 6], 2)])
+    with pytest.raises(ValueError, match="finish: request 'w' is not running: it is waiting in the queue"):
+        serving.finish(["w"])
+    assert [r.rid for r in serving.queue] == ["w"]
 
 
 @pytest.mark.parametrize("kind", ["reference", "torch"])
@@ -551,3 +555,16 @@ def test_submit_and_step_reject_bad_arguments(serving):
         serving.step(0.5, now="1")
     assert _engine_state(serving) == before
     serving.check_integrity()
+
+
+def test_step_before_complete_prefill_names_the_prefill(serving):
+    """A second step() before complete_prefill() is refused, naming the plan's requests still
+    in prefill, and changes nothing."""
+    before = _engine_state(serving)
+    with pytest.raises(RuntimeError) as e:
+        serving.step(0.7)
+    assert "step() called before complete_prefill() of the previous plan (its prefill: 3 request(s), " \
+           "['a', 'b', 'ab'])" in str(e.value)
+    assert _engine_state(serving) == before
+    serving.complete_prefill({"a": 1, "b": 2, "ab": 3})
+    serving.step(0.7)

@@ -167,7 +167,9 @@ class ReferenceScheduler:
             for a ratio that is not a number in (0, 1] or a time that is not finite (nothing
             changes)."""
         if self.prefilling:
-            raise RuntimeError("step() called before complete_prefill() of the previous plan")
+            rids = [r.rid for r in self.prefilling]
+            raise RuntimeError(f"step() called before complete_prefill() of the previous plan (its prefill: "
+                               f"{len(rids)} request(s), {rids[:5]}{' ...' if len(rids) > 5 else ''})")
         ratio = check_real("new_token_ratio", new_token_ratio, "a number in (0, 1]")
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"new_token_ratio must be in (0, 1], got {new_token_ratio}")
@@ -470,8 +472,10 @@ class ReferenceScheduler:
                     where = "is in the prefill being run: call complete_prefill() first"
                 elif self.chunked is not None and self.chunked.rid == rid:
                     where = "is the chunked request: its prompt is still being prefilled, chunk by chunk"
+                elif rid in self.reqs:
+                    where = "is not running: it is waiting in the queue (abort() drops a waiting request)"
                 else:
-                    where = "is not running"
+                    where = "is not running: no such request (never submitted, or finished or aborted already)"
                 raise ValueError(f"finish: request {rid!r} {where}")
         for rid in rids:
             r = index[rid]
