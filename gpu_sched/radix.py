@@ -542,21 +542,28 @@ class FlatRadixTree:
         exact product agrees with int64's wrapped one in the bits the slot reads) and the same
         max_probe slots in order, stopping at the key or an empty slot (tombstones are passed).
         keys: the table's keys, a memoryview (`_mv("hkeys")`) or a numpy array."""
-        mask = len(keys) - 1
+        mask, more = len(keys) - 1, self.max_probe - 1
+        if more < 0:
+            return [-1] * len(hs)
         # a Python int: cheaper to compare than a numpy scalar (a memoryview's is cheapest)
         key_at = keys.__getitem__ if isinstance(keys, memoryview) else keys.item
         out = []
         for h in hs:
             pos = ((h * HASH_MIX) >> 32) & mask
+            k = key_at(pos)  # the home slot first: at the table's load most probes end there
+            if k == h:
+                out.append(pos)
+                continue
             slot = -1
-            for _ in range(self.max_probe):
-                k = key_at(pos)
-                if k == h:
-                    slot = pos
-                    break
-                if k == EMPTY:
-                    break
-                pos = (pos + 1) & mask
+            if k != EMPTY:
+                for _ in range(more):
+                    pos = (pos + 1) & mask
+                    k = key_at(pos)
+                    if k == h:
+                        slot = pos
+                        break
+                    if k == EMPTY:
+                        break
             out.append(slot)
         return out
 
