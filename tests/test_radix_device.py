@@ -1034,3 +1034,34 @@ def test_check_integrity_catches_corruption(corrupt, message):
     corrupt(tree, leaf)
     with pytest.raises(AssertionError, match=message):
         tree.check_integrity()
+
+
+def test_scalar_walks_follow_a_rebuilt_hash_table():
+    """The scalar walks read memoryviews of the tree's arrays (`FlatRadixTree._mv`, kept per
+    tensor): after the hash table is rebuilt (`_rehash`, as a load past 3/4 does: new hkeys
+    / hvals tensors, here twice as large) the scalar lookups and walks read the new table, as
+    the array forms do, with views of the old one still held; a deep copy's views are its
+    own."""
+    rng = np.random.default_rng(5)
+    tree = FlatRadixTree(1, max_nodes=512, token_capacity=2048)
+    seqs = [rng.integers(0, 50, int(rng.integers(5, 60))).astype(np.int32) for _ in range(30)]
+
+    def check(i, seq):
+        h = tree.prefix_hashes(torch.from_numpy(seq)[None], torch.tensor([len(seq)]), torch.tensor([0]), 1)[0]
+        assert tree._lookup_scalar(h.tolist()) == tree.lookup(h).tolist(), i
+        assert tree._walk_scalar(seq, len(seq), 0)[:2] == (len(seq), int(tree.lookup(h[-1:])[0])), i
+
+    for i, seq in enumerate(seqs[:15]):
+        tree.insert(torch.from_numpy(seq), torch.arange(len(seq)) + i * 100, 0)
+        check(i, seq)
+    old_t, old_v, H = tree.hkeys, tree._mv("hkeys"), tree.hkeys.numel()
+    tree._rehash(extra=H)
+    assert tree.hkeys is not old_t and tree.hkeys.numel() > H and tree._mv("hkeys") is not old_v
+    for i, seq in enumerate(seqs):
+        if i >= 15:
+            tree.insert(torch.from_numpy(seq), torch.arange(len(seq)) + i * 100, 0)
+        check(i, seq)
+    twin = copy.deepcopy(tree)
+    assert twin._mv("hkeys") is not tree._mv("hkeys")
+    for seq in seqs:
+        assert twin._walk_scalar(seq, len(seq), 0) == tree._walk_scalar(seq, len(seq), 0)
