@@ -1003,9 +1003,9 @@ class FlatRadixTree:
         """`_find_scalar` of one query from its tokens alone, without its chunk hashes: a walk
         down the tree as the reference's match walks it. From depth d (a page end on the
         query's path) the hash one page on is rolled from the hash at d (`hsh` at d's pool
-        position, or the namespace seed at 0) over that page's tokens in Python and looked up
-        (`_probe_scalar`); found at position p in node X, the rest of X is compared with the
-        query's next tokens in one numpy call, and the walk goes on from the last equal page
+        position, or the namespace seed at 0) over that page's tokens in Python (`_roll`) and
+        looked up (`_probe_scalar`); found at position p in node X, the rest of X is compared
+        with the query's next tokens (their bytes, numpy for the first difference), and the walk goes on from the last equal page
         end (X's end: the next node by the next lookup; inside X: the match ends there). Equal
         tokens on a path are present prefixes, so this finds the length and position the
         hash search finds; its cost is one lookup and one comparison per node on the matched
@@ -1022,12 +1022,10 @@ class FlatRadixTree:
         Lq = length // P * P
         keys, vals, owner, key_off, key_len, hsh = map(self._mv, ("hkeys", "hvals", "owner", "key_off", "key_len", "hsh"))
         ptok = self._np("tok")
-        B1, B2, M = self.B1, self.B2, (1 << 31) - 1
+        M = (1 << 31) - 1
 
         def roll(a: int, b: int, d: int) -> Tuple[int, int]:  # the hash at d rolled over tok's page at d
-            for t in tok[d : d + P].tolist():
-                a, b = (a * B1 + t + 1) % P1, (b * B2 + t + 1) % P2
-            return a, b
+            return self._roll(a, b, tok[d : d + P].tolist())
 
         a, b = self._seed(ns, P1), self._seed(ns, P2)  # the hash at depth d, per modulus
         d, pos, h_next = 0, -1, 0
@@ -1098,13 +1096,20 @@ class FlatRadixTree:
         start, top = toff + lo * self.C, tok.size - 1
         x = tok[max(min(start, top), 0) : start + n_in * self.P].tolist() if tok.size else []
         x += [x[-1] if tok.size else 0] * (n_in * self.P - len(x))  # past the pool: its last token
-        B1, B2 = self.B1, self.B2
-        out = []
-        for j, t in enumerate(x, start=1):
-            a, b = (a * B1 + t + 1) % P1, (b * B2 + t + 1) % P2
-            if j % self.P == 0:
-                out.append((a << 31) | b)
+        P, out = self.P, []
+        for j in range(0, n_in * P, P):
+            a, b = self._roll(a, b, x[j : j + P])
+            out.append((a << 31) | b)
         return out
+
+    def _roll(self, a: int, b: int, toks) -> Tuple[int, int]:
+        """A prefix hash's residues (a mod P1, b mod P2) rolled on over the tokens `toks` (Python
+        ints), one token at a time: H(d + 1) = (H(d) * B + t_d + 1) mod p per modulus (the
+        residues of `prefix_hashes`' power sums)."""
+        B1, B2 = self.B1, self.B2
+        for t in toks:
+            a, b = (a * B1 + t + 1) % P1, (b * B2 + t + 1) % P2
+        return a, b
 
     def depth_hashes(self, tok, tok_start, ns, ch, ch_start, d) -> Tuple[torch.Tensor, torch.Tensor]:
         """Prefix hashes of queries at depths d and d + P (what `check_matches` probes), from

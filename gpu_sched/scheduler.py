@@ -65,8 +65,7 @@ RT_COLS = 20
 #: the row-table columns `_ScalarMatcher` reads
 _SCALAR_COLS = (RT_FILL, RT_CAP, RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2, RT_TOFF, RT_OUT, RT_MAXNEW)
 #: the columns a kept capped match writes (`_keep_found`): version -2, length, position, hashes
-_KEEP_COLS = np.array([RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2])
-_KEEP_COLS_LIST = _KEEP_COLS.tolist()
+_KEEP_COLS = (RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2)
 _LOOP_COLS = np.array([RT_FILL, RT_OUT, RT_MAXNEW])
 #: the columns `_write_rows` writes, in its order
 _WRITE_COLS = np.array([RT_FILL, RT_OUT, RT_PROMPT, RT_MAXNEW, RT_IGN, RT_CAP, RT_NS, RT_PRIO, RT_TIME, RT_RKEY,
@@ -165,7 +164,7 @@ class _ScalarMatcher:
                     kept = s._find_lazy(r)
                 else:
                     kept = s._find_rows_scalar(self.rows[j : j + 1], capped=True)[:, 0].tolist()
-                for c, v in zip(_KEEP_COLS_LIST, (-2, *kept)):  # `_keep_found` for one row
+                for c, v in zip(_KEEP_COLS, (-2, *kept)):  # `_keep_found` for one row
                     rt[r, c] = v
                 mlen, pos = kept[0], kept[1]
             elif mlen == 0:
@@ -1750,7 +1749,7 @@ class GpuScheduler(ReferenceScheduler):
         position, hashes at the length and one page on) with tree version -2: checked before
         use (`check_matches`), never trusted."""
         _rt_set(self._rt, rows, RT_MVER, -2)
-        for c, v in zip(_KEEP_COLS[1:].tolist(), kept):  # length, position, the two hashes
+        for c, v in zip(_KEEP_COLS[1:], kept):  # length, position, the two hashes
             _rt_set(self._rt, rows, c, v)
 
     def _host_paths(self) -> bool:
