@@ -319,11 +319,18 @@ def arrivals_order(s, frac: float = 0.01):
     enqueue-time order: a serving loop's queue after arrivals (`order-arrivals`)."""
     order, _ = served_order(s)
     c = order.__self__
-    q = list(c.queue)
-    a = max(1, int(len(q) * frac))
-    newest = sorted(q, key=lambda r: r.enqueue_time)[-a:]
+    q = c.queue
+    items = list(q)
+    a = max(1, int(len(items) * frac))
+    newest = sorted(items, key=lambda r: r.enqueue_time)[-a:]
     ids = {id(r) for r in newest}
-    c.queue = [r for r in q if id(r) not in ids] + newest
+    if isinstance(q, RowQueue):  # as a serving loop leaves it: the ordering's rows (known to be in
+        # its order) without the newest, which wait behind them as submitted requests do
+        keep = np.array([id(r) not in ids for r in items], dtype=bool)
+        o = q.ordered
+        c.queue = RowQueue(c, q.rows[keep], list(newest), None, o and (o[0], int(keep[: o[1]].sum())))
+    else:
+        c.queue = [r for r in items if id(r) not in ids] + newest
     return c._order, None
 
 

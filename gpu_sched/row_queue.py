@@ -68,16 +68,22 @@ class RowQueue(_ListLike):
         in_time: whether `rows` are in enqueue-time order (non-decreasing), where the maker
             knows it (the scheduler's consolidation of the tail, and slices, masks and copies
             of a queue that was); None: unknown (an ordering's result), read when needed.
+        ordered: (key, k) when the first k rows are known to be in the order of ordering key
+            `key` (e.g. ("fcfs", sign): R-ORD-4's), set on an ordering's result and kept by
+            R-STEP-4's slice, copies and the tail's consolidation (arrivals join behind the k
+            rows), so the next step's ordering merges the arrivals in instead of checking or
+            sorting the queue; None: unknown.
     """
 
-    __slots__ = ("_s", "rows", "tail", "in_time", "__weakref__")
+    __slots__ = ("_s", "rows", "tail", "in_time", "ordered", "__weakref__")
 
     def __init__(self, sched, rows: np.ndarray = _EMPTY, tail: Optional[list] = None,
-                 in_time: Optional[bool] = None):
+                 in_time: Optional[bool] = None, ordered: Optional[tuple] = None):
         self._s = sched
         self.rows = rows
         self.tail = [] if tail is None else tail
         self.in_time = in_time
+        self.ordered = ordered
         if len(rows):
             sched._views.add(self)
 
@@ -122,8 +128,10 @@ class RowQueue(_ListLike):
 
     def after(self, k: int) -> "RowQueue":
         """The queue without its first k requests (R-STEP-4's rest as a slice)."""
-        r = len(self.rows)  # a suffix of rows in time order is in time order
-        return RowQueue(self._s, self.rows[k:], list(self.tail[max(k - r, 0) :]), self.in_time)
+        r = len(self.rows)  # a suffix of rows in time order (or in an ordering's order) stays so
+        o = self.ordered
+        return RowQueue(self._s, self.rows[k:], list(self.tail[max(k - r, 0) :]), self.in_time,
+                        None if o is None else (o[0], max(o[1] - k, 0)))
 
     def append(self, r) -> None:
         self.tail.append(r)
@@ -132,7 +140,7 @@ class RowQueue(_ListLike):
         self.tail.extend(rs)
 
     def copy(self) -> "RowQueue":
-        return RowQueue(self._s, self.rows, list(self.tail), self.in_time)
+        return RowQueue(self._s, self.rows, list(self.tail), self.in_time, self.ordered)
 
     __copy__ = copy  # a copy is a live view too (deepcopy copies its scheduler with it)
 
@@ -140,7 +148,7 @@ class RowQueue(_ListLike):
         """Hold the requests themselves instead of rows (before the rows are reused)."""
         self.tail = self._values()
         self.rows = _EMPTY
-        self.in_time = None
+        self.in_time = self.ordered = None
 
 
 class LazyList(_ListLike):

@@ -100,6 +100,13 @@ def _rt_get(rt: np.ndarray, rows: np.ndarray, c: int) -> np.ndarray:
     return rt[:, c].take(rows, mode="clip")
 
 
+def _ordered_rows(q: RowQueue, key: tuple) -> int:
+    """How many leading rows of q (its tail consolidated) are known to be in the order of
+    ordering key `key` (`RowQueue.ordered`; 0 when unknown or by another key)."""
+    o = q.ordered
+    return o[1] if o is not None and o[0] == key else 0
+
+
 def _rt_set(rt: np.ndarray, rows: np.ndarray, c: int, v) -> None:
     """rt[rows, c] = v through the contiguous column view (faster than the 2-D form)."""
     rt[:, c][rows] = v
@@ -443,11 +450,13 @@ class GpuScheduler(ReferenceScheduler):
         q = self.queue
         if r.dev_row >= 0 and len(q.rows):
             keep = q.rows != r.dev_row  # a queued request's row is its own (never reused)
-            if not keep.all():  # a subsequence keeps the time order
-                self.queue = RowQueue(self, q.rows[keep], list(q.tail), q.in_time)
+            if not keep.all():  # a subsequence keeps the time order and an ordering's order
+                o = q.ordered
+                self.queue = RowQueue(self, q.rows[keep], list(q.tail), q.in_time,
+                                      None if o is None else (o[0], int(keep[: o[1]].sum())))
                 return
         if any(x is r for x in q.tail):
-            self.queue = RowQueue(self, q.rows, [x for x in q.tail if x is not r], q.in_time)
+            self.queue = RowQueue(self, q.rows, [x for x in q.tail if x is not r], q.in_time, q.ordered)
 
     def _rid_list(self, q) -> Sequence[str]:
         if isinstance(q, RowQueue):  # arrivals enter the row table now (once each), not per step
@@ -907,27 +916,33 @@ class GpuScheduler(ReferenceScheduler):
         if cfg.effective_policy == "fcfs":
             if not (cfg.enable_priority_scheduling and n):
                 return OrderResult("fcfs", q)
+            key = ("fcfs", sign)
+            done = _ordered_rows(q, key)  # a served queue's rows already in R-ORD-4 order
+            if done == n:  # no arrival since the last ordering
+                return OrderResult("fcfs", q)
             # a queue appended to in arrival order needs no time key: known from how the
-            # queue was made (`RowQueue.in_time`), else checked on the host
+            # queue was made (`RowQueue.in_time`), else checked on the host (not for a served
+            # queue with its arrivals behind it: those are merged in)
             in_time_order = q.in_time
             t = None
             if not in_time_order:
                 t = _rt_get(self._rt, rows, RT_TIME).view(np.float64)
-                in_time_order = bool((t[1:] >= t[:-1]).all())
+                in_time_order = not (host and 2 * done >= n) and bool((t[1:] >= t[:-1]).all())
             if host:  # R-ORD-4: stable by (priority * sign, time), by priority alone in time order
                 pr = _rt_get(self._rt, rows, RT_PRIO)
                 if in_time_order:
                     perm = dpolicy.fcfs_perm_host(pr, sign, self._col_bounds[RT_PRIO])
                 else:  # a served queue: often in order already (no arrival since the last step)
-                    k = dpolicy.fcfs_sorted_prefix(pr, t, sign)
+                    k = done if 2 * done >= n else dpolicy.fcfs_sorted_prefix(pr, t, sign)
                     if k == n:
+                        q.ordered = (key, n)
                         return OrderResult("fcfs", q)
                     perm = dpolicy.fcfs_time_perm_host(pr, t, sign, sorted_prefix=k)
                 if perm is not None:
-                    return OrderResult("fcfs", RowQueue(self, rows.take(perm, mode="clip")))
+                    return OrderResult("fcfs", RowQueue(self, rows.take(perm, mode="clip"), ordered=(key, n)))
             tk = None if in_time_order else torch.from_numpy(t).to(dev)
             perm = dpolicy.fcfs_priority_order(col(RT_PRIO), tk, sign, backend=be)
-            return OrderResult("fcfs", RowQueue(self, rows[perm.cpu().numpy()]))
+            return OrderResult("fcfs", RowQueue(self, rows[perm.cpu().numpy()], ordered=(key, n)))
         policy = active_policy(cfg, n)
         if policy in ("lpm", "dfs-weight"):
             if n == 0:
@@ -999,14 +1014,25 @@ class GpuScheduler(ReferenceScheduler):
         if n == 0 or policy == "fcfs":  # fcfs here: the lpm fallback sorts nothing (R-ORD-2)
             return OrderResult(policy, q)
         if policy == "lof":
+            use_prio = cfg.enable_priority_scheduling
+            key = ("lof", sign if use_prio else 0)
+            done = _ordered_rows(q, key)
+            if done == n:  # a served queue, no arrival since the last ordering
+                return OrderResult(policy, q)
             if host:  # R-ORD-5
-                prio = _rt_get(self._rt, rows, RT_PRIO) if cfg.enable_priority_scheduling else None
-                perm = dpolicy.lof_perm_host(_rt_get(self._rt, rows, RT_MAXNEW), prio, sign,
-                                             self._col_bounds[RT_MAXNEW])
+                prio = _rt_get(self._rt, rows, RT_PRIO) if use_prio else None
+                mn = _rt_get(self._rt, rows, RT_MAXNEW)
+                perm = None
+                if 2 * done >= n and n - done <= dpolicy.LEXSORT_TAIL_MAX:  # arrivals merged in
+                    perm = dpolicy.merge_arrivals_host(prio if use_prio else np.zeros(n, dtype=np.int64), ~mn,
+                                                       sign < 0, done)
+                if perm is None:
+                    perm = dpolicy.lof_perm_host(mn, prio, sign, self._col_bounds[RT_MAXNEW])
                 if perm is not None:
-                    return OrderResult(policy, RowQueue(self, rows.take(perm, mode="clip")))
-            prio = col(RT_PRIO) if cfg.enable_priority_scheduling else None
+                    return OrderResult(policy, RowQueue(self, rows.take(perm, mode="clip"), ordered=(key, n)))
+            prio = col(RT_PRIO) if use_prio else None
             perm = dpolicy.lof_order(col(RT_MAXNEW), prio, sign, backend=be)
+            return OrderResult(policy, RowQueue(self, rows[perm.cpu().numpy()], ordered=(key, n)))
         else:  # routing-key: interned ids, ranked by their strings (`_rk_ranks`)
             qk = _rt_get(self._rt, rows, RT_RKEY)
             if host:

@@ -367,6 +367,40 @@ def test_fcfs_time_perm_host_any_queue_order(sign):
     assert checked == 7 * 5 * 5 * 4 and nones > 0
 
 
+@pytest.mark.parametrize("desc", [False, True])
+def test_merge_arrivals_host(desc):
+    """A served queue's arrivals merged into its ordered rows (`merge_arrivals_host`, the
+    served fcfs-with-priority and lof orderings): Python's stable order by (primary, descending
+    when desc; secondary), for integer secondaries (lof's ~max_new_tokens, the int64 ends
+    included) and float ones with ties and -0.0 / +0.0; 0 to all rows behind the ordered ones,
+    few (one bisection each) and many arrivals (searches per priority run); None past 64
+    distinct priorities among the arrivals."""
+    rng = random.Random(5 + desc)
+    checked = nones = 0
+    for n in (1, 2, 5, 40, 300, 2000):
+        for prios in ([0], [0, 1, 4], [INT64_MIN, 0, INT64_MAX], list(range(80))):
+            for kind in ("int", "float"):
+                pr = np.array([rng.choice(prios) for _ in range(n)], dtype=np.int64)
+                if kind == "int":
+                    sec = np.array([rng.choice([INT64_MIN, -3, 0, 0, 7, INT64_MAX]) for _ in range(n)], dtype=np.int64)
+                else:
+                    sec = np.array([rng.choice([-0.0, 0.0, 1.5, 1.5, -2.0, 1e300]) for _ in range(n)])
+                key = [((-int(p) if desc else int(p)), float(x) if kind == "float" else int(x)) for p, x in zip(pr, sec)]
+                for k in sorted({0, n // 2, n - min(n, 3), n - 1, n}):
+                    head = sorted(range(k), key=lambda i: key[i])  # the served rows, in order
+                    idx = head + list(range(k, n))
+                    p2, s2 = pr[idx], sec[idx]
+                    want = sorted(range(n), key=lambda i: key[idx[i]])
+                    got = P.merge_arrivals_host(p2, s2, desc, k)
+                    if got is None:
+                        assert len(set(p2[k:].tolist())) > 64, (n, prios, kind, k)
+                        nones += 1
+                    else:
+                        assert got.dtype == np.int64 and got.tolist() == want, (n, prios, kind, k)
+                    checked += 1
+    assert checked > 150 and nones > 0
+
+
 @pytest.mark.parametrize("sign", [1, -1])
 def test_absent_priorities_pack(sign):
     """Absent priorities resolve to an int64 end (SPEC section 1): mixed with small ones, the

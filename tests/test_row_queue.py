@@ -330,6 +330,34 @@ def test_queue_time_order_flag(times):
         assert flags == {False, True, None}, flags
 
 
+def _serve_both(a, b, plan, rng, ratio: float, finish: bool):
+    """After a step of two schedulers with equal plans: the prefill completed, then a decode
+    step of their running batches as `run_pair` (tests/test_scheduler_differential.py) runs
+    it: a retraction (the same rids) when the batch does not fit, which raises the new-token
+    ratio, and the ratio's decay; then, if `finish`, the first running request finishes.
+    Returns (ratio, number retracted)."""
+    done = {rid: 1 for rid, _, _ in plan.admitted}
+    a.complete_prefill(done)
+    b.complete_prefill(done)
+    if not a.running:
+        return ratio, 0
+    out = []
+    if not a.decode_fits():
+        out = a.retract_decode()
+        assert out == b.retract_decode()
+        ratio = min(1.0, ratio + 0.1)
+    else:
+        assert b.decode_fits()
+    toks = {r.rid: rng.randrange(9) for r in a.running}
+    a.decode(toks)
+    b.decode(toks)
+    if finish and a.running:
+        rid = a.running[0].rid
+        a.finish([rid])
+        b.finish([rid])
+    return max(0.1, ratio - 0.05), len(out)
+
+
 @pytest.mark.parametrize("disable_cache", [False, True])
 def test_scalar_row_writes_equal_the_numpy_form(disable_cache):
     """A few requests' rows (up to `GpuScheduler.ROWS_SCALAR_MAX`: `_rows_scalar` and the
@@ -368,28 +396,85 @@ def test_scalar_row_writes_equal_the_numpy_form(disable_cache):
         flags.add(a.queue.in_time)
         pa, pb = a.step(ratio), b.step(ratio)
         assert pa.to_dict() == pb.to_dict(), step
-        done = {rid: 1 for rid, _, _ in pa.admitted}
-        a.complete_prefill(done)
-        b.complete_prefill(done)
-        if a.running:  # a decode step, as `run_pair` (tests/test_scheduler_differential.py) runs it
-            if not a.decode_fits():
-                out = a.retract_decode()
-                assert out == b.retract_decode()
-                retracted += len(out)
-                ratio = min(1.0, ratio + 0.1)
-            else:
-                assert b.decode_fits()
-            toks = {r.rid: rng.randrange(9) for r in a.running}
-            a.decode(toks)
-            b.decode(toks)
-            ratio = max(0.1, ratio - 0.05)
-        if a.running and step % 4 == 0:
-            rid = a.running[0].rid
-            a.finish([rid])
-            b.finish([rid])
+        ratio, out = _serve_both(a, b, pa, rng, ratio, finish=step % 4 == 0)
+        retracted += out
         if step % 9 == 8 and len(a.queue) > 1:
             rid = a.queue[0].rid
             a.abort([rid])
             b.abort([rid])
     assert retracted > 0 and k > 100  # requeues happened, rows were reused
     assert flags == {False, True, None}, flags
+
+
+@pytest.mark.parametrize("policy,priority", [("fcfs", True), ("lof", False), ("lof", True)])
+def test_served_queue_order_flag(policy, priority, monkeypatch):
+    """`RowQueue.ordered` (an ordering's result known to be in its order, kept by R-STEP-4's
+    slice, copies, aborts and the arrivals' consolidation) is never claimed for rows out of
+    that order; with it a served fcfs-with-priority or lof queue is not sorted again: no
+    arrival since the last step leaves it as it is, arrivals are merged in
+    (`policy.merge_arrivals_host`). A serving loop against the reference: arrivals of 0-9
+    requests a step (times in order, tied or out of order, some below the queue's last),
+    aborts at the head and in the middle, retraction requeues, finishes, a reversed
+    assignment, a switch of the priority direction and of the policy (the flag names its
+    key, so neither is taken for the other's order); plans equal at every step."""
+    import gpu_sched.policy as dpolicy
+    from gpu_sched.scheduler import RT_MAXNEW, RT_PRIO, RT_TIME
+
+    calls = {"merge": 0, "kept": 0}
+    merge = dpolicy.merge_arrivals_host
+
+    def counted(*a, **k):
+        calls["merge"] += 1
+        return merge(*a, **k)
+
+    monkeypatch.setattr(dpolicy, "merge_arrivals_host", counted)
+
+    def keys(dev, rows, flag):  # the sort key the flag names: (policy, priority sign or 0)
+        name, sign = flag  # Python ints below: an absent priority is an int64 end
+        pr = [p * sign for p in dev._rt[rows, RT_PRIO].tolist()]
+        if name == "fcfs":
+            return list(zip(pr, dev._rt[rows, RT_TIME].view(np.float64).tolist()))
+        return list(zip(pr, (-dev._rt[rows, RT_MAXNEW]).tolist()))
+
+    rng = random.Random(f"{policy}-{priority}")
+    cfg = SchedulerConfig(schedule_policy=policy, enable_priority_scheduling=priority, max_prefill_tokens=90)
+    ref, dev = ReferenceScheduler(cfg, 2000), GpuScheduler(cfg, 2000)
+    k, ratio, retracted, claimed = 0, 0.2, 0, 0
+    for step in range(90):
+        m = rng.choice([0, 0, 1, 2, 3, 9])
+        ts = [float(step * 10 + rng.randrange(12)) for _ in range(m)]
+        if step % 3:
+            ts = sorted(ts) if step % 2 else [float(step * 10 - 15)] * m  # in order; tied below the last
+        new = [Request(rid=f"q{k + i}", prompt_ids=[rng.randrange(9) for _ in range(rng.randrange(2, 40))],
+                       max_new_tokens=rng.choice([1, 5, 17, 300]), priority=rng.choice([None, -2, 0, 3]),
+                       enqueue_time=ts[i]) for i in range(m)]
+        k += m
+        for s in (ref, dev):
+            s.submit([Request(**{f: getattr(r, f) for f in r.__dataclass_fields__}) for r in new], now=float(step))
+        if step % 11 == 10 and len(ref.queue) > 3:  # aborts: the head and one in the middle
+            rids = [ref.queue[0].rid, ref.queue[len(ref.queue) // 2].rid]
+            ref.abort(rids)
+            dev.abort(rids)
+        if step == 40:
+            ref.queue = list(reversed(ref.queue))
+            dev.queue = list(reversed(dev.queue))
+        if step in (55, 70):  # the other priority direction, then the other policy and back
+            other = {"fcfs": "lof", "lof": "fcfs"}[policy] if step == 55 else policy
+            c = SchedulerConfig(schedule_policy=other, enable_priority_scheduling=priority,
+                                schedule_low_priority_values_first=step == 55, max_prefill_tokens=90)
+            ref.config = dev.config = c
+        q = dev.queue
+        rows = dev._queue_rows(q)
+        if q.ordered is not None:  # what it claims holds: its first rows are in its key's order
+            n_ok = q.ordered[1]
+            key = keys(dev, rows[:n_ok], q.ordered[0])
+            assert all(a <= b for a, b in zip(key, key[1:])), step
+            claimed += n_ok > 0
+        before = calls["merge"]
+        pa, pb = ref.step(ratio), dev.step(ratio)
+        assert pa.to_dict() == pb.to_dict(), step
+        if q.ordered is not None and q.ordered[1] == len(rows) and calls["merge"] == before:
+            calls["kept"] += 1
+        ratio, out = _serve_both(ref, dev, pa, rng, ratio, finish=step % 3 == 0)
+        retracted += out
+    assert calls["merge"] > 5 and calls["kept"] > 5 and claimed > 20 and retracted > 0, (calls, claimed)
