@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -669,14 +669,28 @@ def routing_key_order(key_id: torch.Tensor, key_rank: torch.Tensor, running_key_
 def routing_perm_host(key_id: np.ndarray, key_rank: np.ndarray, running_key_ids: np.ndarray,
                       empty_rank: int, dense: bool = False) -> np.ndarray:
     """`routing_key_order`'s torch branch on host arrays, in numpy calls of 1-3 us instead of
-    torch CPU ops of 5-15 us: per slot (0: absent, 1..K: ids 0..K-1, K+1: ids >= K, absent
-    too) the key `(c_max - count) * (K + 2) + r`, r the slot's string rank made dense in
-    [0, K] ("" included, same order and ties), which orders counted keys by count descending,
-    then by string, and the uncounted (count 0) after them by string; per request one clipped
-    gather of that table and one packed sort (`rank_perm_host`, no min/max pass).
-    `dense`: the caller's key_rank is a permutation of 0..K-1 and empty_rank < 0 (the
-    scheduler's own rank table), so r is key_rank + 1 without a sort. Returns int64 [n]."""
-    n, K = key_id.size, key_rank.size
+    torch CPU ops of 5-15 us: the key table of the slots (`routing_table_host`), then per
+    request one clipped gather of it and one packed sort (`rank_perm_host`, no min/max pass).
+    `dense` as `routing_table_host` takes it. Returns int64 [n]."""
+    t = routing_table_host(key_rank, running_key_ids, empty_rank, dense)
+    if t is None:
+        return np.arange(key_id.size, dtype=np.int64)
+    return routing_perm_from_table(key_id, *t)
+
+
+def routing_table_host(key_rank: np.ndarray, running_key_ids: np.ndarray, empty_rank: int,
+                       dense: bool = False) -> Optional[Tuple[np.ndarray, int]]:
+    """R-ORD-7's sort key per slot (0: absent, 1..K: ids 0..K-1, K+1: ids >= K, absent too),
+    which depends on the running batch and the key strings only, not on the queue: the rank,
+    in [0, span], of `(c_max - count) * (K + 2) + r` among the slots' values (same order and
+    ties), r the slot's string rank made dense in [0, K] ("" included), count its running
+    requests; this orders counted keys by count descending, then by string, and the uncounted
+    (count 0) after them by string. Ranked so that span <= K + 1: one byte per request's key
+    for up to 254 keys (`_narrow_argsort`'s radix sort on uint8). `dense`: the caller's
+    key_rank is a permutation of 0..K-1 and empty_rank < 0 (the scheduler's own rank table),
+    so r is key_rank + 1 without a sort. Returns (table int64 [K + 2], span), or None when no
+    running key is counted (the order is the queue's)."""
+    K = key_rank.size
     slot = running_key_ids + 1  # a new int64 array (np.clip costs ~7 us at any size)
     np.minimum(slot, K + 1, out=slot)
     np.maximum(slot, 0, out=slot)
@@ -685,8 +699,8 @@ def routing_perm_host(key_id: np.ndarray, key_rank: np.ndarray, running_key_ids:
     counts[0] = counts[K + 1] = 0
     c_max = int(counts.max())
     if not c_max:
-        return np.arange(n, dtype=np.int64)
-    if dense:  # the table in place: (c_max - count) * (K + 2), plus the ranks shifted by one
+        return None
+    if dense:  # in place: (c_max - count) * (K + 2), plus the ranks shifted by one
         table = c_max - counts
         table *= K + 2
         table[1:K + 1] += key_rank
@@ -697,9 +711,15 @@ def routing_perm_host(key_id: np.ndarray, key_rank: np.ndarray, running_key_ids:
         r[1:K + 1] = key_rank
         r = np.searchsorted(np.sort(r), r)  # same order and ties, values in [0, K + 1]
         table = (c_max - counts) * (K + 2) + r
-    # mode="clip" sends ids below -1 to slot 0 and ids >= K to slot K+1: absent, as the torch clamp
-    key = np.take(table, key_id + 1, mode="clip")
-    return rank_perm_host(key, c_max * (K + 2) + K + 1)
+    table = np.searchsorted(np.sort(table), table)  # ranks: same order and ties, in [0, K + 1]
+    return table, K + 1
+
+
+def routing_perm_from_table(key_id: np.ndarray, table: np.ndarray, span: int) -> np.ndarray:
+    """The stable order (int64 [n]) of requests with interned key ids `key_id` by the slot key
+    `routing_table_host` made: one clipped gather (mode="clip" sends ids below -1 to slot 0 and
+    ids >= K to slot K+1: absent, as the torch clamp) and one sort of ranks in [0, span]."""
+    return rank_perm_host(np.take(table, key_id + 1, mode="clip"), span)
 
 
 # ---- R-ORD-6 random ----------------------------------------------------------------------------

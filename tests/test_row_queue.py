@@ -478,3 +478,45 @@ def test_served_queue_order_flag(policy, priority, monkeypatch):
         ratio, out = _serve_both(ref, dev, pa, rng, ratio, finish=step % 3 == 0)
         retracted += out
     assert calls["merge"] > 5 and calls["kept"] > 5 and claimed > 20 and retracted > 0, (calls, claimed)
+
+
+def test_routing_table_kept_while_the_batch_stays(monkeypatch):
+    """R-ORD-7's slot table (`policy.routing_table_host`) is made again only when the running
+    batch or the interned keys change (`GpuScheduler._routing_perm_host`): reorderings with
+    the same batch reuse it; admissions, finishes, retractions, new keys and compactions that
+    renumber the ids (`_rk_compact`, called every few steps here) each give a new one.
+    A serving loop against the reference with keys drawn from a growing set; plans equal at
+    every step, and the queue reordered between steps with the batch unchanged gives the
+    reference's order too."""
+    import gpu_sched.policy as dpolicy
+
+    made = []
+    table = dpolicy.routing_table_host
+    monkeypatch.setattr(dpolicy, "routing_table_host", lambda *a, **k: made.append(1) or table(*a, **k))
+    rng = random.Random(23)
+    cfg = SchedulerConfig(schedule_policy="routing-key", max_prefill_tokens=90)
+    ref, dev = ReferenceScheduler(cfg, 2000), GpuScheduler(cfg, 2000)
+    k, ratio, compactions, reused = 0, 0.3, 0, 0
+    for step in range(80):
+        m = rng.choice([0, 1, 3, 6])
+        new = [Request(rid=f"q{k + i}", prompt_ids=[rng.randrange(9) for _ in range(rng.randrange(2, 40))],
+                       max_new_tokens=rng.choice([1, 5, 17, 300]),
+                       routing_key=rng.choice([None, "", f"s{rng.randrange(step // 4 + 2)}", "a", f"u{k + i}", f"v{k + i}"]),
+                       enqueue_time=float(step)) for i in range(m)]
+        k += m
+        for s in (ref, dev):
+            s.submit([Request(**{f: getattr(r, f) for f in r.__dataclass_fields__}) for r in new], now=float(step))
+        epoch = dev._rk_epoch
+        if step % 5 == 2:  # as `_write_rows` does once the keys outgrow the rows: ids renumbered
+            dev._rk_compact()
+        pa, pb = ref.step(ratio), dev.step(ratio)
+        assert pa.to_dict() == pb.to_dict(), step
+        compactions += dev._rk_epoch > epoch
+        if step % 4 == 0 and len(ref.queue) > 1:  # the same batch, the queue reversed: ordered again
+            for s in (ref, dev):
+                s.queue = list(reversed(s.queue))
+            n_made = len(made)
+            assert dev._order().queue == [dev.reqs[r.rid] for r in ref._order().queue], step
+            reused += len(made) == n_made and dev._rk_table is not None and dev._rk_table[1] is not None
+        ratio, _ = _serve_both(ref, dev, pa, rng, ratio, finish=step % 3 == 0)
+    assert compactions > 10 and reused > 3 and len(made) > 10, (compactions, reused, len(made))
