@@ -40,14 +40,15 @@ with the other backends' calls: `measure_group`)
          moves and GpuScheduler's kept matches are checked against what changed (its change
          log) rather than trusted. Runs on a deep copy of the scheduler (untimed), so the
          other stages and the plan checks see the unchurned tree.
-  order-served  fcfs with priority: the same ordering of the queue as a serving loop keeps it
-         after a step, in the previous step's order (by priority, then time: no longer in
-         time order, so the time is a sort key too). On a deep copy of the scheduler whose
-         queue is set to its own ordering (untimed).
-  order-arrivals  fcfs with priority: as order-served, with the newest 1% of the queue (at
-         least one request) taken out of the served order and put behind it in time order, as
-         after a step with arrivals since the one before (GpuScheduler sorts those and merges
-         them into the ordered rest instead of sorting the queue).
+  order-served  fcfs with priority, and lof: the same ordering of the queue as a serving
+         loop keeps it after a step, in the previous step's order (fcfs: by priority, then
+         time, no longer in time order, so the time is a sort key too). On a deep copy of the
+         scheduler whose queue is set to its own ordering (untimed). GpuScheduler knows its
+         queue is in that order (`RowQueue.ordered`) and returns it as it is.
+  order-arrivals  as order-served, with the newest 1% of the queue (at least one request)
+         taken out of the served order and put behind it in time order, as after a step with
+         arrivals since the one before (GpuScheduler sorts those and merges them into the
+         ordered rest, `policy.merge_arrivals_host`, instead of sorting the queue).
   admit  `sched._admission_loop(ordered, adder)` with a fresh `PrefillAdder` over the queue
          ordered once beforehand (untimed): R-STEP-3 alone.
   step   `sched.step(ratio)`: budgets, ordering, admission and the plan.
@@ -358,12 +359,11 @@ def stage_fns(s, stage: str, max_len: int):
         return s._order, None
     if stage == "order-churn":  # only the policies whose ordering matches the queue on the tree
         return churned_order(s) if s.config.effective_policy in ("lpm", "dfs-weight") else None
-    if stage == "order-served":  # only fcfs with priority orders by a key the order changes
-        cfg = s.config
-        return served_order(s) if cfg.effective_policy == "fcfs" and cfg.enable_priority_scheduling else None
-    if stage == "order-arrivals":
-        cfg = s.config
-        return arrivals_order(s) if cfg.effective_policy == "fcfs" and cfg.enable_priority_scheduling else None
+    if stage in ("order-served", "order-arrivals"):  # the orderings whose order lasts until arrivals:
+        cfg = s.config  # fcfs with priority and lof (routing-key's follows the running batch)
+        if cfg.effective_policy == "lof" or (cfg.effective_policy == "fcfs" and cfg.enable_priority_scheduling):
+            return (served_order if stage == "order-served" else arrivals_order)(s)
+        return None
     if stage == "step":
         return (lambda: s.step(RATIO)), Restorer(s, queue_snapshot(s))
     ordered = s._order().queue

@@ -94,20 +94,43 @@ def _small_workload(n):
     return bench_queue.build_workload(args, n)
 
 
-def _fcfs_stage(wl, backend: str, stage: str):
-    """(scheduler, call) of a fcfs-with-priority-only stage on a scheduler holding wl's queue;
-    the stage is None for the other policies and restores nothing."""
+def _fcfs_stage(wl, backend: str, stage: str, policy: str = "fcfs"):
+    """(scheduler, call) of a served-queue stage (fcfs with priority and lof only) on a
+    scheduler holding wl's queue; the stage is None for the other policies and restores
+    nothing."""
     from gpu_sched.config import SchedulerConfig
 
     s, _ = bench_queue.make_scheduler(backend, "cpu", wl, bench_queue.kv_pool_size(wl, 8, 10_000))
     bench_queue.set_queue(s, wl.queue)
-    for pol in ("lof", "lpm", "routing-key"):
+    for pol in ("lpm", "routing-key"):
         s.config = SchedulerConfig(**bench_queue.POLICIES[pol])
         assert bench_queue.stage_fns(s, stage, wl.max_len) is None
-    s.config = SchedulerConfig(**bench_queue.POLICIES["fcfs"])
+    s.config = SchedulerConfig(**bench_queue.POLICIES[policy])
     fn, restore = bench_queue.stage_fns(s, stage, wl.max_len)
     assert restore is None
     return s, fn
+
+
+def test_order_arrivals_times_a_served_queue_with_arrivals_behind_it():
+    """`order-arrivals` (fcfs with priority, and lof): the served queue without its newest 1%,
+    which wait behind it in time order (on GpuScheduler as submitted requests do: its tail,
+    the rest known to be in order); every ordering of it gives the stable sort of the whole
+    queue, the same on both backends."""
+    wl = _small_workload(300)
+    for policy, key in (("fcfs", lambda r: (-r.priority, r.enqueue_time)), ("lof", lambda r: -r.max_new_tokens)):
+        orders = {}
+        for backend in ("reference", "torch"):
+            s, fn = _fcfs_stage(wl, backend, "order-arrivals", policy)
+            q = fn.__self__.queue
+            newest = sorted(wl.queue, key=lambda r: r.enqueue_time)[-3:]
+            assert [r.rid for r in list(q)[-3:]] == [r.rid for r in newest]
+            if backend == "torch":
+                assert [r.rid for r in q.tail] == [r.rid for r in newest] and q.ordered[1] == len(q.rows)
+            want = [r.rid for r in sorted(q, key=lambda x: key(x.req))]  # stable: the served order on ties
+            for _ in range(2):  # repeatable: the timed calls leave the queue as it was
+                assert [r.rid for r in fn().queue] == want
+            orders[backend] = want
+        assert orders["reference"] == orders["torch"], policy
 
 
 def test_order_served_times_the_ordering_of_a_queue_kept_in_its_previous_order():
