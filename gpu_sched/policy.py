@@ -467,7 +467,8 @@ def _merge_tail(priority: np.ndarray, enqueue_time: np.ndarray, desc: bool, k: i
     if m <= 32:  # a few arrivals: one bisection each (~1 us) within its priority's head rows (per-run
         # searches, below, cost less from ~40 arrivals: 20 vs 42 us for 10, 74 vs 60 us for 60)
         his = np.searchsorted(hk, tk, "right").tolist()
-        pos = np.array([bisect.bisect_right(ht, x, lo, hi) + j for j, (x, lo, hi) in
+        hv = memoryview(np.ascontiguousarray(ht))  # its items as Python numbers: ~50 ns a probe, not ~150
+        pos = np.array([bisect.bisect_right(hv, x, lo, hi) + j for j, (x, lo, hi) in
                         enumerate(zip(tt.tolist(), np.searchsorted(hk, tk, "left").tolist(), his))],
                        dtype=np.int64)
         return _interleave(n, k, pos, tail_perm)
