@@ -48,7 +48,9 @@ with the other backends' calls: `measure_group`)
   order-arrivals  as order-served, with the newest 1% of the queue (at least one request)
          taken out of the served order and put behind it in time order, as after a step with
          arrivals since the one before (GpuScheduler sorts those and merges them into the
-         ordered rest, `policy.merge_arrivals_host`, instead of sorting the queue).
+         ordered rest, `policy.merge_arrivals_host`, instead of sorting the queue). The
+         warm-up call looks the arrivals' rows up and joins them to the queue's rows (once
+         per arrival in a serving loop too); the timed calls time the ordering of that queue.
   admit  `sched._admission_loop(ordered, adder)` with a fresh `PrefillAdder` over the queue
          ordered once beforehand (untimed): R-STEP-3 alone.
   step   `sched.step(ratio)`: budgets, ordering, admission and the plan.

@@ -453,19 +453,23 @@ def fcfs_sorted_prefix(priority: np.ndarray, enqueue_time: np.ndarray, sign: int
 
 def _merge_tail(priority: np.ndarray, enqueue_time: np.ndarray, desc: bool, k: int,
                 tail_perm: np.ndarray) -> Optional[np.ndarray]:
-    """The stable R-ORD-4 order (int64 [n]) of a queue whose first k rows are in that order
-    already and whose rest is ordered by `tail_perm` (int64 [n - k], indices into the rest):
-    each tail row goes after every head row whose key is at most its own (a stable sort keeps
-    the earlier head row first on ties), found by binary searches within the head's run of its
-    priority. None when the tail holds over 64 distinct priorities (one search per run)."""
+    """The stable order (int64 [n]) by (priority, descending when `desc`; then enqueue_time,
+    ascending) of a queue whose first k rows are in that order already and whose rest is
+    ordered by `tail_perm` (int64 [n - k], indices into the rest): each tail row goes after
+    every head row whose key is at most its own (a stable sort keeps the earlier head row
+    first on ties), found by binary searches within the head's run of its priority. R-ORD-4
+    passes its columns; R-ORD-5 (lof) passes priorities or zeros and ~max_new_tokens as the
+    second key (`merge_arrivals_host`). None when the tail holds over 64 distinct priorities
+    (one search per run)."""
     n, m = priority.size, tail_perm.size
     hk = priority[:k] if not desc else ~priority[:k]  # the head's priority key, ascending
     tp = priority[k:][tail_perm]
     tt = enqueue_time[k:][tail_perm]
     tk = tp if not desc else ~tp
     ht = enqueue_time[:k]
-    if m <= 32:  # a few arrivals: one bisection each (~1 us) within its priority's head rows (per-run
-        # searches, below, cost less from ~40 arrivals: 20 vs 42 us for 10, 74 vs 60 us for 60)
+    if m <= 32:  # a few arrivals: one bisection each within its priority's head rows (per-run
+        # searches, below, cost about as much from ~32 arrivals: at 8k rows 32 vs 40 us for 10
+        # arrivals, 44 vs 47 us for 32, session 46)
         his = np.searchsorted(hk, tk, "right").tolist()
         hv = memoryview(np.ascontiguousarray(ht))  # its items as Python numbers: ~50 ns a probe, not ~150
         pos = np.array([bisect.bisect_right(hv, x, lo, hi) + j for j, (x, lo, hi) in

@@ -70,20 +70,27 @@ class RowQueue(_ListLike):
             of a queue that was); None: unknown (an ordering's result), read when needed.
         ordered: (key, k) when the first k rows are known to be in the order of ordering key
             `key` (e.g. ("fcfs", sign): R-ORD-4's), set on an ordering's result and kept by
-            R-STEP-4's slice, copies and the tail's consolidation (arrivals join behind the k
-            rows), so the next step's ordering merges the arrivals in instead of checking or
-            sorting the queue; None: unknown.
+            R-STEP-4's slice, copies, aborts (recounted) and the tail's consolidation
+            (arrivals join behind the k rows), so the next step's ordering merges the
+            arrivals in instead of checking or sorting the queue; None: unknown.
+        epoch: the scheduler's row epoch (`GpuScheduler._row_epoch`) when these flags were
+            known (default: now; a slice or copy takes its source's): a row held by the
+            queue whose values are rewritten later (a requeued request's new enqueue time)
+            moves the epoch, and the scheduler drops the flags of a queue from an older
+            epoch before reading them (`GpuScheduler._queue_rows`), e.g. of a copy kept
+            across steps and assigned back.
     """
 
-    __slots__ = ("_s", "rows", "tail", "in_time", "ordered", "__weakref__")
+    __slots__ = ("_s", "rows", "tail", "in_time", "ordered", "epoch", "__weakref__")
 
     def __init__(self, sched, rows: np.ndarray = _EMPTY, tail: Optional[list] = None,
-                 in_time: Optional[bool] = None, ordered: Optional[tuple] = None):
+                 in_time: Optional[bool] = None, ordered: Optional[tuple] = None, epoch: Optional[int] = None):
         self._s = sched
         self.rows = rows
         self.tail = [] if tail is None else tail
         self.in_time = in_time
         self.ordered = ordered
+        self.epoch = getattr(sched, "_row_epoch", 0) if epoch is None else epoch
         if len(rows):
             sched._views.add(self)
 
@@ -131,7 +138,7 @@ class RowQueue(_ListLike):
         r = len(self.rows)  # a suffix of rows in time order (or in an ordering's order) stays so
         o = self.ordered
         return RowQueue(self._s, self.rows[k:], list(self.tail[max(k - r, 0) :]), self.in_time,
-                        None if o is None else (o[0], max(o[1] - k, 0)))
+                        None if o is None else (o[0], max(o[1] - k, 0)), self.epoch)
 
     def append(self, r) -> None:
         self.tail.append(r)
@@ -140,7 +147,7 @@ class RowQueue(_ListLike):
         self.tail.extend(rs)
 
     def copy(self) -> "RowQueue":
-        return RowQueue(self._s, self.rows, list(self.tail), self.in_time, self.ordered)
+        return RowQueue(self._s, self.rows, list(self.tail), self.in_time, self.ordered, self.epoch)
 
     __copy__ = copy  # a copy is a live view too (deepcopy copies its scheduler with it)
 

@@ -356,6 +356,7 @@ class GpuScheduler(ReferenceScheduler):
         self._rk_names: List[str] = []
         self._rk_rank = (None, 0)  # (ranks of the interned keys' strings, len(_rk_names) then)
         self._rk_epoch = 0  # compactions of the interned keys so far (ids renumbered at each)
+        self._row_epoch = 0  # rewrites of held rows' values so far (`RowQueue.epoch`)
         self._rk_table = None  # ((running batch, epoch, K), R-ORD-7's slot table or None): `_routing_perm_host`
         self._hg_id: dict = {}  # (namespace, R-ORD-9 head hash) -> interned group id (RT_HEAD)
         self._stamp = 0  # the latest row stamp
@@ -414,9 +415,16 @@ class GpuScheduler(ReferenceScheduler):
         (`_rows_of`, written if new or stale) and their enqueue time and priority refreshed
         (a requeued request gets a new enqueue time), then the tail joins the rows. A tail of
         up to `ROWS_SCALAR_MAX` requests (a serving loop's arrivals of one step) is written in
-        Python (`_rows_scalar`), the same values as the numpy form's."""
+        Python (`_rows_scalar`), the same values as the numpy form's. The queue's order flags
+        (`RowQueue.in_time`, `ordered`) are dropped first if rows' values were rewritten
+        since they were known (`_row_epoch`: a copy kept across steps and assigned back),
+        and are known for this epoch after."""
+        if q.epoch != self._row_epoch:
+            q.in_time = q.ordered = None
         if q.tail:
             tail = q.tail
+            if any(r.dev_row >= 0 for r in tail):  # requeued: their rows get new times (held by older views)
+                self._row_epoch += 1
             if len(tail) <= self.ROWS_SCALAR_MAX:  # Python writes on a memoryview, no numpy call per column
                 rl = self._rows_scalar(tail)
                 mv = memoryview(self._rt)
@@ -444,6 +452,7 @@ class GpuScheduler(ReferenceScheduler):
             q.rows = np.concatenate([head, rows]) if len(head) else rows
             q.tail = []
             self._views.add(q)
+        q.epoch = self._row_epoch
         return q.rows
 
     def _remove_queued(self, r: ReqState) -> None:
@@ -455,10 +464,10 @@ class GpuScheduler(ReferenceScheduler):
             if not keep.all():  # a subsequence keeps the time order and an ordering's order
                 o = q.ordered
                 self.queue = RowQueue(self, q.rows[keep], list(q.tail), q.in_time,
-                                      None if o is None else (o[0], int(keep[: o[1]].sum())))
+                                      None if o is None else (o[0], int(keep[: o[1]].sum())), q.epoch)
                 return
         if any(x is r for x in q.tail):
-            self.queue = RowQueue(self, q.rows, [x for x in q.tail if x is not r], q.in_time, q.ordered)
+            self.queue = RowQueue(self, q.rows, [x for x in q.tail if x is not r], q.in_time, q.ordered, q.epoch)
 
     def _rid_list(self, q) -> Sequence[str]:
         if isinstance(q, RowQueue):  # arrivals enter the row table now (once each), not per step
@@ -678,6 +687,8 @@ class GpuScheduler(ReferenceScheduler):
         stale = (idx < 0) | (self._rt[np.maximum(idx, 0), RT_OUT] != outs) if n else np.zeros(0, bool)
         miss = np.flatnonzero(stale)
         if miss.size:
+            if (idx[miss] >= 0).any():  # held rows rewritten: views of them hold old values
+                self._row_epoch += 1
             reqs = [rs[k] for k in miss.tolist()]
             for r in reqs:
                 if r.dev_row < 0:
@@ -697,6 +708,8 @@ class GpuScheduler(ReferenceScheduler):
         mv = memoryview(self._rt)
         stale = [r for r, i in zip(rs, idx) if i < 0 or mv[i, RT_OUT] != len(r.req.output_ids)]
         if stale:
+            if any(r.dev_row >= 0 for r in stale):  # held rows rewritten: views of them hold old values
+                self._row_epoch += 1
             for r in stale:
                 if r.dev_row < 0:
                     r.dev_row = self._new_row(r)

@@ -520,3 +520,55 @@ def test_routing_table_kept_while_the_batch_stays(monkeypatch):
             reused += len(made) == n_made and dev._rk_table is not None and dev._rk_table[1] is not None
         ratio, _ = _serve_both(ref, dev, pa, rng, ratio, finish=step % 3 == 0)
     assert compactions > 10 and reused > 3 and len(made) > 10, (compactions, reused, len(made))
+
+
+@pytest.mark.parametrize("priority_first", [True, False])
+def test_a_kept_copy_of_the_queue_drops_stale_order_flags(priority_first):
+    """A copy of the served queue kept across steps and assigned back (`RowQueue.copy`, the
+    queue setter takes a RowQueue as it is) while one of its requests was admitted, retracted
+    and requeued with a new enqueue time: its `ordered` / `in_time` flags were known for rows
+    whose values have since been rewritten (`GpuScheduler._row_epoch`), so the ordering checks
+    and sorts it as the reference does rather than trusting them (found in review: the copy
+    claimed R-ORD-4's order, or time order with priority scheduling switched on after)."""
+    import dataclasses
+
+    def reqs():
+        return [Request(rid="D", prompt_ids=[1, 2, 3, 4], max_new_tokens=8, priority=9, enqueue_time=0.0),
+                Request(rid="E", prompt_ids=[1, 2, 3, 5], max_new_tokens=8, priority=8, enqueue_time=0.0),
+                Request(rid="B", prompt_ids=list(range(10, 30)), max_new_tokens=8, priority=0, enqueue_time=0.0),
+                Request(rid="A", prompt_ids=[5, 6, 7, 8], max_new_tokens=8, priority=0, enqueue_time=1.0)]
+
+    cfg = SchedulerConfig(schedule_policy="fcfs", enable_priority_scheduling=priority_first, max_running_requests=2)
+    ref, dev = ReferenceScheduler(cfg, 60), GpuScheduler(cfg, 60)
+
+    def step(now):
+        pa, pb = ref.step(0.1, now=now), dev.step(0.1, now=now)
+        assert pa.to_dict() == pb.to_dict(), now
+        for s in (ref, dev):
+            s.complete_prefill({rid: 1 for rid, _, _ in pa.admitted})
+        return pa
+
+    for s in (ref, dev):
+        s.submit(reqs(), now=1.0)
+    step(1.0)  # D and E run; B, A wait
+    saved = dev.queue.copy()
+    assert [r.rid for r in saved] == ["B", "A"]
+    assert saved.ordered if priority_first else saved.in_time  # what the copy claims
+    if not priority_first:
+        ref.config = dev.config = dataclasses.replace(cfg, enable_priority_scheduling=True)
+    for s in (ref, dev):
+        s.finish(["E"])
+    assert step(2.0).admitted[0][0] == "B"
+    while ref.decode_fits():
+        for s in (ref, dev):
+            s.decode({r.rid: 3 for r in s.running})
+    assert ref.retract_decode() == dev.retract_decode() == ["B"]  # requeued: a new enqueue time
+    for s in (ref, dev):
+        s.submit([Request(rid="F", prompt_ids=[9, 9], max_new_tokens=8, priority=7, enqueue_time=3.0)], now=3.0)
+    assert [rid for rid, _, _ in step(5.0).admitted] == ["F"]  # B's row rewritten; B and A wait
+    for s in (ref, dev):
+        s.finish(["F"])
+    ref.queue = [ref.reqs[r.rid] for r in saved]  # the same waiting requests, in the copy's order
+    dev.queue = saved
+    pa = step(6.0)
+    assert list(pa.queue_order) == ["A", "B"] and pa.admitted[0][0] == "A"
