@@ -412,8 +412,10 @@ class GpuScheduler(ReferenceScheduler):
 
     def _queue_rows(self, q: RowQueue) -> np.ndarray:
         """Rows of every request in `q` (int64 [len(q)]): its tail's rows are looked up
-        (`_rows_of`, written if new or stale) and their enqueue time and priority refreshed
-        (a requeued request gets a new enqueue time), then the tail joins the rows. A tail of
+        (`_rows_of`, written if new or stale), the enqueue time and priority of rows held
+        before refreshed (a requeued request gets a new enqueue time; it also has an output
+        token more than its row, so `_rows_of` rewrote it whole already: the refresh keeps the
+        columns right should a row be held unchanged), then the tail joins the rows. A tail of
         up to `ROWS_SCALAR_MAX` requests (a serving loop's arrivals of one step) is written in
         Python (`_rows_scalar`), the same values as the numpy form's. The queue's order flags
         (`RowQueue.in_time`, `ordered`) are dropped first if rows' values were rewritten
@@ -423,25 +425,33 @@ class GpuScheduler(ReferenceScheduler):
             q.in_time = q.ordered = None
         if q.tail:
             tail = q.tail
-            if any(r.dev_row >= 0 for r in tail):  # requeued: their rows get new times (held by older views)
+            # rows held before (requeued requests, an assigned list): refreshed below; views
+            # holding them from before (older epochs) no longer know their order. New rows
+            # were just written whole by `_write_rows`.
+            held = [r.dev_row >= 0 for r in tail]
+            if any(held):
                 self._row_epoch += 1
             if len(tail) <= self.ROWS_SCALAR_MAX:  # Python writes on a memoryview, no numpy call per column
                 rl = self._rows_scalar(tail)
-                mv = memoryview(self._rt)
                 times = [r.enqueue_time for r in tail]
-                for r, row, t in zip(tail, rl, times):
-                    mv[row, RT_PRIO] = r.priority
-                    mv[row, RT_TIME] = _f64_bits(t)
-                self._widen_bounds(RT_PRIO, [r.priority for r in tail])
+                again = [(r, row, t) for r, row, t, h in zip(tail, rl, times, held) if h]
+                if again:
+                    mv = memoryview(self._rt)
+                    for r, row, t in again:
+                        mv[row, RT_PRIO] = r.priority
+                        mv[row, RT_TIME] = _f64_bits(t)
+                    self._widen_bounds(RT_PRIO, [x[0].priority for x in again])
                 rows = np.array(rl, dtype=np.int64)
                 ordered = all(x <= y for x, y in zip(times, times[1:]))
             else:
                 rows = self._rows_of(tail)
-                prio = np.fromiter(map(_PRIORITY, tail), np.int64, len(tail))
-                self._widen_bounds(RT_PRIO, prio)
-                _rt_set(self._rt, rows, RT_PRIO, prio)
                 times = np.fromiter(map(_ENQUEUE_TIME, tail), np.float64, len(tail))
-                _rt_set(self._rt, rows, RT_TIME, times.view(np.int64))
+                h = np.array(held, dtype=bool)
+                if h.any():
+                    prio = np.fromiter(map(_PRIORITY, tail), np.int64, len(tail))[h]
+                    self._widen_bounds(RT_PRIO, prio)
+                    _rt_set(self._rt, rows[h], RT_PRIO, prio)
+                    _rt_set(self._rt, rows[h], RT_TIME, times[h].view(np.int64))
                 ordered = bool((times[1:] >= times[:-1]).all())
             # the joined rows' time order, known where the rows' own is (O(tail), not O(queue))
             head = q.rows
