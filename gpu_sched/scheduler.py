@@ -107,6 +107,32 @@ def _ordered_rows(q: RowQueue, key: tuple) -> int:
     return o[1] if o is not None and o[0] == key else 0
 
 
+def _rt_flat(rt: np.ndarray) -> memoryview:
+    """The row table `_rt` as one flat memoryview of its column-major memory: row r's column c
+    is item c * rows + r (a Python int per read, 4x cheaper than a 2-d view's)."""
+    if not rt.flags.f_contiguous:
+        raise RuntimeError("the row table is not column-major")
+    return memoryview(rt.ravel(order="F"))
+
+
+class _FlatRows:
+    """`GpuScheduler._rt_mv`'s kept view: the table it views, the flat memoryview, the rows.
+    A copy (deep or pickled) starts empty: a memoryview is neither copied nor pickled, and
+    a copied scheduler's table is another array."""
+
+    __slots__ = ("rt", "mv", "n")
+
+    def __init__(self):
+        self.rt = self.mv = None
+        self.n = 0
+
+    def __deepcopy__(self, memo):
+        return _FlatRows()
+
+    def __reduce__(self):
+        return _FlatRows, ()
+
+
 def _rt_set(rt: np.ndarray, rows: np.ndarray, c: int, v) -> None:
     """rt[rows, c] = v through the contiguous column view (faster than the 2-D form)."""
     rt[:, c][rows] = v
@@ -124,7 +150,8 @@ class _ScalarMatcher:
     lengths and last pool positions so far (`_admit_run` applies them without a tensor).
     Nothing on the tree changes while the loop runs (searches only read it)."""
 
-    __slots__ = ("s", "rows", "tree", "P", "ver", "owner", "key_off", "key_len", "parent", "walk", "ms", "ps")
+    __slots__ = ("s", "rows", "tree", "P", "ver", "owner", "key_off", "key_len", "parent", "walk", "ms", "ps",
+                 "rt_arr", "rt", "offs", "hkeys", "hvals")
 
     def __init__(self, sched: "GpuScheduler", rows: np.ndarray):
         tree = sched.cache.tree
@@ -134,6 +161,16 @@ class _ScalarMatcher:
         self.walk = LockDropWalk(self.parent, self.key_len, tree._mv("lock_ref"), tree._mv("alive"))
         self.ms: List[int] = []
         self.ps: List[int] = []
+        # views made once per window (each costs a lookup or an allocation per call): the row
+        # table flat (`_rt_flat`; a search may write a row's kept columns through it) and the
+        # prefix hash table (searches only read the tree while the loop runs)
+        self._view_rows()
+        self.hkeys, self.hvals = tree._mv("hkeys"), tree._mv("hvals")
+
+    def _view_rows(self) -> None:
+        self.rt_arr = self.s._rt
+        self.rt, N = self.s._rt_mv()
+        self.offs = tuple(c * N for c in _SCALAR_COLS)
 
     def holds(self, mlen: int, Lq: int, h1: int, h2: int) -> Tuple[bool, int]:
         """Whether a kept match of length mlen (prefix hashes h1 at mlen, h2 one page on) is
@@ -141,7 +178,8 @@ class _ScalarMatcher:
         present (or 0) and depth mlen + P absent (or past Lq); and the pool position found
         for depth mlen (-1 if absent)."""
         P = self.P
-        pos, pos2 = self.tree._lookup_scalar([h1, h2])
+        s1, s2 = self.tree._probe_scalar(self.hkeys, (h1, h2))
+        pos, pos2 = (self.hvals[s1] if s1 >= 0 else -1), s2
         return not (mlen > Lq or mlen % P or mlen > 0 and pos < 0 or mlen + P <= Lq and pos2 >= 0), pos
 
     def __call__(self, j: int) -> Tuple[int, int, int, int, int]:
@@ -149,9 +187,11 @@ class _ScalarMatcher:
         if j != len(self.ms):
             raise RuntimeError(f"_ScalarMatcher: row {j} asked for after {len(self.ms)} rows")
         s, P, owner, key_off = self.s, self.P, self.owner, self.key_off
-        r = int(self.rows[j])
-        rt = memoryview(s._rt)  # Python ints per read (a fancy index costs several numpy calls)
-        fill, cap, mver, mlen, mpos, h1, h2, toff, out, maxnew = [rt[r, c] for c in _SCALAR_COLS]
+        r = self.rows.item(j)
+        f = self.rt  # Python ints per read (a fancy index costs several numpy calls; a 2-d view's reads 4x these)
+        a0, a1, a2, a3, a4, a5, a6, a7, a8, a9 = self.offs
+        fill, cap, mver, mlen, mpos, h1, h2, toff, out, maxnew = (
+            f[a0 + r], f[a1 + r], f[a2 + r], f[a3 + r], f[a4 + r], f[a5 + r], f[a6 + r], f[a7 + r], f[a8 + r], f[a9 + r])
         Lq = min(fill, cap) // P * P
         node = cover = 0
         if mver == self.ver:  # the full match on this content: its capped part lies on its path
@@ -171,8 +211,11 @@ class _ScalarMatcher:
                     kept = s._find_lazy(r)
                 else:
                     kept = s._find_rows_scalar(self.rows[j : j + 1], capped=True)[:, 0].tolist()
+                if s._rt is not self.rt_arr:  # not expected (a search adds no row): view it again
+                    self._view_rows()
+                f, N = self.rt, self.rt_arr.shape[0]
                 for c, v in zip(_KEEP_COLS, (-2, *kept)):  # `_keep_found` for one row
-                    rt[r, c] = v
+                    f[c * N + r] = v
                 mlen, pos = kept[0], kept[1]
             elif mlen == 0:
                 pos = -1
@@ -351,6 +394,7 @@ class GpuScheduler(ReferenceScheduler):
         self._custom_shuffle = shuffle is not None
         # the row table (`_rows_of`): per-request columns, rows owned by ReqState.dev_row
         self._rt = np.zeros((0, RT_COLS), dtype=np.int64, order="F")  # column-major: see _RowCols
+        self._rt_flat_view = _FlatRows()  # `_rt_mv`'s view of the table
         self._rt_free: List[int] = []
         self._rk_id: dict = {}  # routing key -> interned id (RT_RKEY)
         self._rk_names: List[str] = []
@@ -436,10 +480,10 @@ class GpuScheduler(ReferenceScheduler):
                 times = [r.enqueue_time for r in tail]
                 again = [(r, row, t) for r, row, t, h in zip(tail, rl, times, held) if h]
                 if again:
-                    mv = memoryview(self._rt)
+                    f, N = self._rt_mv()
                     for r, row, t in again:
-                        mv[row, RT_PRIO] = r.priority
-                        mv[row, RT_TIME] = _f64_bits(t)
+                        f[RT_PRIO * N + row] = r.priority
+                        f[RT_TIME * N + row] = _f64_bits(t)
                     self._widen_bounds(RT_PRIO, [x[0].priority for x in again])
                 rows = np.array(rl, dtype=np.int64)
                 ordered = all(x <= y for x, y in zip(times, times[1:]))
@@ -715,8 +759,9 @@ class GpuScheduler(ReferenceScheduler):
         if need > len(self._rt_free) and self._reserve_rows(need):
             idx = [r.dev_row for r in rs]  # as `_rows_of`: read again, grow without sweeping
             self._reserve_rows(sum(i < 0 for i in idx), sweep=False)
-        mv = memoryview(self._rt)
-        stale = [r for r, i in zip(rs, idx) if i < 0 or mv[i, RT_OUT] != len(r.req.output_ids)]
+        f, N = self._rt_mv()
+        out = RT_OUT * N
+        stale = [r for r, i in zip(rs, idx) if i < 0 or f[out + i] != len(r.req.output_ids)]
         if stale:
             if any(r.dev_row >= 0 for r in stale):  # held rows rewritten: views of them hold old values
                 self._row_epoch += 1
@@ -726,6 +771,14 @@ class GpuScheduler(ReferenceScheduler):
             self._write_rows(stale)
             idx = [r.dev_row for r in rs]
         return idx
+
+    def _rt_mv(self) -> Tuple[memoryview, int]:
+        """(`_rt_flat` of the row table, its row count): row r's column c is item c * N + r.
+        Kept while the table is (`_reserve_rows` replaces it when it grows)."""
+        c = self._rt_flat_view
+        if c.rt is not self._rt:
+            c.rt, c.mv, c.n = self._rt, _rt_flat(self._rt), self._rt.shape[0]
+        return c.mv, c.n
 
     def _reserve_rows(self, need: int, sweep: bool = True) -> bool:
         """At least `need` free rows: first rows of requests no longer held (finished, aborted)
@@ -770,12 +823,12 @@ class GpuScheduler(ReferenceScheduler):
         rows = [[r.fill_len, r.out_len, r.prompt_len, r.max_new, int(r.req.ignore_eos), r.max_prefix_len(),
                  ns(r), r.priority, 0, self._rk_intern(r.req.routing_key), -1, -1, self._stamp, -1] for r in reqs]
         if n <= self.ROWS_SCALAR_MAX:  # one Python write per value on a memoryview of the table
-            mv = memoryview(self._rt)
+            f, N = self._rt_mv()
             for r, vals in zip(reqs, rows):
                 vals[_WRITE_TIME] = _f64_bits(r.enqueue_time)
                 row = r.dev_row
                 for c, v in zip(_WRITE_COLS_LIST, vals):
-                    mv[row, c] = v
+                    f[c * N + row] = v
             self._widen_bounds(RT_PRIO, [v[_WRITE_PRIO] for v in rows])
             self._widen_bounds(RT_MAXNEW, [v[_WRITE_MAXNEW] for v in rows])
             return
@@ -1871,8 +1924,8 @@ class GpuScheduler(ReferenceScheduler):
         whole when a path needs it there (R-ORD-9's head groups, an array search, the
         recorded step).
         Returns (length, position, hash at the length, hash at length + P)."""
-        rt = memoryview(self._rt)
-        fill_len, cap, ns = rt[row, RT_FILL], rt[row, RT_CAP], rt[row, RT_NS]
+        f, N = self._rt_mv()
+        fill_len, cap, ns = f[RT_FILL * N + row], f[RT_CAP * N + row], f[RT_NS * N + row]
         tok = self._rt_owner[row].fill()
         return self.cache.tree._walk_scalar(tok, min(fill_len, cap) if capped else fill_len, ns)
 

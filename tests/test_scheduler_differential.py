@@ -17,7 +17,7 @@ import pytest
 from gpu_sched.config import SchedulerConfig
 from gpu_sched.reference import ReferenceScheduler
 from gpu_sched.request import Request
-from gpu_sched.scheduler import RT_STAMP, RT_TOFF, GpuScheduler
+from gpu_sched.scheduler import RT_FILL, RT_STAMP, RT_TOFF, GpuScheduler
 
 from _scenarios import dev_triples, ref_triples
 
@@ -702,11 +702,15 @@ def test_fill_hashing_host_form_equals_torch_form_and_copies_keep_their_own_pool
     assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a._pools(), b._pools()))
     assert np.array_equal(a._rt[:, :], b._rt[:, :])
     assert a._qviews.held(a, "_qtok")  # the host path wrote through views
+    a._rt_mv()  # a flat view of a's table is kept: the copy must not write through it
     twin = copy.deepcopy(a)
     before = [x.clone() for x in a._pools()]
+    rt_before = a._rt.copy()
     r = make_request(rng, 9999, [bases[0]], 50, 99.0)
     twin.submit([r])
     row = int(twin._queue_rows(twin.queue)[-1])
+    assert np.array_equal(a._rt, rt_before)  # the copy's row went to its own table
+    assert int(twin._rt[row, RT_FILL]) == len(r.prompt_ids) and int(twin._rt[row, RT_TOFF]) == -1
     twin._ensure_hashed(np.array([row]))
     off, n = int(twin._rt[row, RT_TOFF]), len(r.prompt_ids)
     assert twin._pools()[0].numpy()[off : off + n].tolist() == list(r.prompt_ids)  # landed in the copy's pool
