@@ -85,6 +85,7 @@ HASH_MIX = -7046029254386353131
 #: slots read per probe step of the torch backend (8 int64 = one 64-byte cache line)
 PROBE_WINDOW = 8
 PROBE_SCALAR_MAX = 32  # host probes of up to this many keys run as Python loops (`_probe_scalar`)
+SCALAR_TABLE_INSERT = 32  # a host table insert's rounds for this many pending keys or fewer run in Python
 SCALAR_BATCH = 32  # host batches of up to this many (applies, stamps, locks) run as Python walks
 INT64_MIN = -(2**63)
 
@@ -647,7 +648,10 @@ class FlatRadixTree:
         H, n = keys.size, h.size
         idx = np.arange(n, dtype=np.int64)
         pos = home_slot(h, H)
-        for _ in range(self.max_probe):
+        for r in range(self.max_probe):
+            if idx.size <= SCALAR_TABLE_INSERT:  # the last few keys' rounds in Python
+                self._table_rounds_scalar(h[idx].tolist(), v[idx].tolist(), pos.tolist(), self.max_probe - r, record)
+                return
             cand = np.flatnonzero(keys[pos] < 0)  # pending keys at a free slot
             cp, claim = pos[cand], -3 - idx[cand]  # claims below EMPTY and TOMB
             # each claimed slot keeps its smallest claim, the largest index's (a scatter-min with
@@ -665,6 +669,33 @@ class FlatRadixTree:
             idx, pos = idx[lose], (pos[lose] + 1) & (H - 1)
             if idx.size == 0:
                 return
+        raise RuntimeError("prefix hash table: probe limit reached (table too full)")
+
+    def _table_rounds_scalar(self, h: List[int], v: List[int], pos: List[int], rounds: int, record: bool) -> None:
+        """`_table_insert_host`'s rounds for a few pending keys (key h[i], value v[i], now at
+        slot pos[i], in index order) in Python on the table's memoryviews, round for round:
+        the keys at a free slot (EMPTY or TOMB) claim it, the last (largest index) claimant of
+        a slot wins, the others move one slot on. `rounds` rounds at most, then RuntimeError
+        at the probe limit. A round of numpy calls costs ~25 calls whatever the count (a
+        replay at the table's working load spends most rounds on under 30 keys)."""
+        keys, vals = self._mv("hkeys"), self._mv("hvals")
+        hs = self._mv("hslot") if record else None
+        mask = len(keys) - 1
+        pend = list(zip(pos, h, v))
+        for _ in range(rounds):
+            win = {p: k for k, (p, _, _) in enumerate(pend) if keys[p] < 0}  # slot -> its last claimant
+            rest = []
+            for k, (p, hk, vk) in enumerate(pend):
+                if win.get(p) == k:
+                    keys[p] = hk
+                    vals[p] = vk
+                    if hs is not None:
+                        hs[vk] = p
+                else:
+                    rest.append(((p + 1) & mask, hk, vk))
+            if not rest:
+                return
+            pend = rest
         raise RuntimeError("prefix hash table: probe limit reached (table too full)")
 
     def _table_delete(self, h: torch.Tensor, be: str = "torch", pos: Optional[np.ndarray] = None) -> None:

@@ -1065,3 +1065,45 @@ def test_scalar_walks_follow_a_rebuilt_hash_table():
     assert twin._mv("hkeys") is not tree._mv("hkeys")
     for seq in seqs:
         assert twin._walk_scalar(seq, len(seq), 0) == tree._walk_scalar(seq, len(seq), 0)
+
+
+def _keys_at_homes(rng, n, H, homes):
+    """n distinct random int64 keys whose home slots lie in `homes` (contested slots)."""
+    cand = torch.tensor(rng.sample(range(1, 1 << 62), 64 * H), dtype=torch.int64)
+    ok = torch.isin(radix_module.home_slot(cand, H), torch.tensor(sorted(set(homes))))
+    return cand[ok][:n]
+
+
+@pytest.mark.parametrize("scalar_max", [0, 4, 32, 10_000])
+def test_table_insert_scalar_rounds_leave_the_torch_forms_table(monkeypatch, scalar_max):
+    """`_table_insert_host` hands its last rounds to `_table_rounds_scalar` once few keys are
+    pending (`SCALAR_TABLE_INSERT`): at any threshold (0: numpy rounds only; 10,000: Python
+    rounds only) the table is the torch form's, key for key and slot for slot, on a crowded
+    table with tombstones and contested home slots; the recorded slots (`hslot`) are the
+    entries' slots; and the probe limit raises in both, the table left as the torch form
+    leaves it (claims of the keys placed before the limit)."""
+    monkeypatch.setattr(radix_module, "SCALAR_TABLE_INSERT", scalar_max)
+    rng = random.Random(scalar_max + 3)
+    base = FlatRadixTree(1, max_nodes=4, token_capacity=1024, device="cpu")
+    H = base.hkeys.numel()
+    live = _keys_at_homes(rng, 300, H, [rng.randrange(H) for _ in range(40)])
+    base._table_insert(live, torch.arange(300), "torch")
+    base._table_delete(live[::3], "torch")  # tombstones inside the runs
+    fresh = _keys_at_homes(rng, 250, H, [rng.randrange(H) for _ in range(60)])
+    fresh = fresh[~torch.isin(fresh, live)]
+    vals = torch.randperm(fresh.numel()) + 7  # distinct pool positions
+    host, tor = copy.deepcopy(base), copy.deepcopy(base)
+    host._table_insert(fresh, vals, "torch", positions=True)
+    with PM.torch_forms():
+        tor._table_insert(fresh, vals, "torch", positions=True)
+    assert torch.equal(host.hkeys, tor.hkeys) and torch.equal(host.hvals, tor.hvals)
+    slots = host._probe(fresh, "torch")
+    assert (slots >= 0).all() and torch.equal(host.hslot[vals].long(), slots)
+    assert host.lookup(fresh).tolist() == vals.tolist()
+    # the probe limit: five keys on one home slot, two probes each
+    tight = [FlatRadixTree(1, max_nodes=4, token_capacity=64, device="cpu", max_probe=2) for _ in range(2)]
+    h = _keys_at_homes(rng, 5, tight[0].hkeys.numel(), [9])
+    for t, form in zip(tight, (contextlib.nullcontext(), PM.torch_forms())):
+        with pytest.raises(RuntimeError, match="probe limit"), form:
+            t._table_insert(h, torch.arange(5), "torch")
+    assert torch.equal(tight[0].hkeys, tight[1].hkeys)
