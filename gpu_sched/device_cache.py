@@ -129,10 +129,18 @@ class DeviceRadixCache:
         """KV slots of the path root..node (host array)."""
         t = self.tree
         parts = []
-        while node is not None and node > ROOT:
-            off, ln = int(t.key_off[node]), int(t.key_len[node])
-            parts.append(t.val[off : off + ln].cpu().numpy())
-            node = int(t.parent[node])
+        if t._on_cpu:  # the node columns' memoryviews and the pool's numpy view: no tensor op per node
+            key_off, key_len, parent, val = t._mv("key_off"), t._mv("key_len"), t._mv("parent"), t._np("val")
+            node = -1 if node is None else int(node)
+            while node > ROOT:
+                off = key_off[node]
+                parts.append(val[off : off + key_len[node]])
+                node = parent[node]
+        else:
+            while node is not None and node > ROOT:
+                off, ln = int(t.key_off[node]), int(t.key_len[node])
+                parts.append(t.val[off : off + ln].cpu().numpy())
+                node = int(t.parent[node])
         return np.concatenate(parts[::-1]) if parts else np.zeros(0, np.int64)
 
     def cached_slots(self) -> np.ndarray:

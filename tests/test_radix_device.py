@@ -1107,3 +1107,38 @@ def test_table_insert_scalar_rounds_leave_the_torch_forms_table(monkeypatch, sca
         with pytest.raises(RuntimeError, match="probe limit"), form:
             t._table_insert(h, torch.arange(5), "torch")
     assert torch.equal(tight[0].hkeys, tight[1].hkeys)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_cache_path_values_read_on_host_equal_the_reference(monkeypatch, page):
+    """`DeviceRadixCache.path_values` (the KV slots of root..node, which `complete_prefill`
+    copies into a request's KV) read on a CPU tree's views equals its tensor form and the
+    reference cache's, for matches that end at, inside (after splits) and above leaves, in
+    two namespaces."""
+    from gpu_sched.device_cache import DeviceRadixCache
+
+    rng = random.Random(page)
+    ref, dev = RadixCache(KVPool(4096), page), DeviceRadixCache(KVPool(4096), page)
+    seqs = []
+    for k in range(12):
+        base = seqs[rng.randrange(len(seqs))][: rng.randrange(0, 40)] if seqs else []
+        q = base + [rng.randrange(50) for _ in range(rng.randrange(4, 30))]
+        ns = "a" if k % 3 else None
+        vals = np.arange(len(q), dtype=np.int64) + 100 * k
+        assert ref.insert(np.array(q), vals, ns) == dev.insert(np.array(q), vals, ns)
+        seqs.append(q)
+    checked = 0
+    for k, q in enumerate(seqs):
+        for cut in (len(q), len(q) // 2, 3):
+            ns = "a" if k % 3 else None
+            (m1, n1), (m2, n2) = ref.match_prefix(np.array(q[:cut]), ns), dev.match_prefix(np.array(q[:cut]), ns)
+            assert m1 == m2
+            host = dev.path_values(n2)
+            monkeypatch.setattr(dev.tree, "_on_cpu", False)  # the tensor form
+            tensor = dev.path_values(n2)
+            monkeypatch.setattr(dev.tree, "_on_cpu", True)
+            assert host.tolist() == tensor.tolist() == ref.path_values(n1).tolist()
+            assert len(host) == m2
+            checked += m2 > 0
+    assert checked > 20
+    assert dev.path_values(None).size == 0 and dev.path_values(dev.root).size == 0
