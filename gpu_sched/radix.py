@@ -1735,10 +1735,14 @@ class FlatRadixTree:
         c, cpos = self._known_prefix(known, known_node, L)
         self._ensure_pow(max(L - c, 1) + 1)
         h = np.zeros(L, dtype=np.int64)  # h[:c] is not read
-        if L > c:
-            hsh = self._np("hsh")[cpos : cpos + 1] if c else np.zeros(1, dtype=np.int64)
+        if L > c:  # one row's bases (`_bases_host`) as Python ints: no numpy call on one-element arrays
+            if c:
+                hv = self._mv("hsh")[cpos]
+                bases = [hv >> 31, hv & (2**31 - 1)]
+            else:
+                bases = [self._seed(int(ns), P1), self._seed(int(ns), P2)]
             h[c:] = self._window_hashes_host(t[None, c:].astype(np.int64) + 1, np.arange(1, L - c + 1, dtype=np.int64),
-                                             self._bases_host(hsh, np.array([c > 0]), np.array([int(ns)], dtype=np.int64)))[0]
+                                             bases)[0]
         return self._insert_one_host(t, values.numpy()[:L], h, int(ns), c, cpos)
 
     def insert_and_match(self, tokens: torch.Tensor, values: torch.Tensor, ns: int = 0, *,
@@ -1770,9 +1774,10 @@ class FlatRadixTree:
         not a live node ending at depth `known` (a multiple of P, at most L)."""
         if not known or node is None or not ROOT < node < self.max_nodes or known % self.P or known > L:
             return 0, -1
-        if not self._np("alive")[node] or int(self._np("start")[node]) + int(self._np("key_len")[node]) != known:
+        key_len = self._mv("key_len")[node]
+        if not self._mv("alive")[node] or self._mv("start")[node] + key_len != known:
             return 0, -1
-        return known, int(self._np("key_off")[node]) + int(self._np("key_len")[node]) - 1
+        return known, self._mv("key_off")[node] + key_len - 1
 
     def insert_many(self, tokens: Sequence[torch.Tensor], values: Sequence[torch.Tensor], ns: Sequence[int], *,
                     backend: Optional[str] = None) -> List[int]:
