@@ -773,8 +773,10 @@ class GpuScheduler(ReferenceScheduler):
         return idx
 
     def _rt_mv(self) -> Tuple[memoryview, int]:
-        """(`_rt_flat` of the row table, its row count): row r's column c is item c * N + r.
-        Kept while the table is (`_reserve_rows` replaces it when it grows)."""
+        """(`_rt_flat` of the row table, its row count): row r's column c is item c * N + r,
+        for 0 <= r < N only (the flat view does not check rows: another row's index reads
+        another column). Kept while the table is (`_reserve_rows` replaces it when it grows,
+        and drops this view of the old one)."""
         c = self._rt_flat_view
         if c.rt is not self._rt:
             c.rt, c.mv, c.n = self._rt, _rt_flat(self._rt), self._rt.shape[0]
@@ -798,6 +800,7 @@ class GpuScheduler(ReferenceScheduler):
             grown = np.zeros((cap, RT_COLS), dtype=np.int64, order="F")
             grown[:old] = self._rt
             self._rt = grown
+            self._rt_flat_view.__init__()  # holds the old table: made again on first use
             self._rt_owner.extend([None] * (cap - old))
             self._rt_free = list(range(cap - 1, old - 1, -1)) + self._rt_free
         return bool(freed)
