@@ -54,6 +54,11 @@ with the other backends' calls: `measure_group`)
   admit  `sched._admission_loop(ordered, adder)` with a fresh `PrefillAdder` over the queue
          ordered once beforehand (untimed): R-STEP-3 alone.
   step   `sched.step(ratio)`: budgets, ordering, admission and the plan.
+  step-served  the same step with the queue in the previous step's order, as a serving loop
+         holds it between steps (`sched.step(ratio)` on a deep copy of the scheduler whose
+         queue is set to its own ordering, untimed; every policy). Python's timsort passes
+         over an ordered list in one pass, and GpuScheduler returns a queue it knows is in
+         order (fcfs with priority, lof) as it is; the other policies order it as usual.
   graph  GpuScheduler only, every benchmarked policy: the recorded step alone
          (`GpuScheduler.capture()`, `gpu_sched.step.StepGraph`: prefix match, order and
          admission of the whole queue as one fixed-capacity device computation, capacity = n),
@@ -79,7 +84,8 @@ saved after every n.
 
 Sanity check: for n <= 2^check_max_exp the warm-up step's plan of every device backend is
 compared field by field with the reference's (rows get plan_equal_ref; a mismatch is printed
-with its first differing field).
+with its first differing field): step and step-served each with the reference's plan of the
+same stage, gstep with its step's.
 
 Usage:
   python benchmarks/bench_queue.py [--queue mooncake|synthetic] [--min-exp 7] [--max-exp 20]
@@ -125,7 +131,7 @@ POLICIES = {  # name -> SchedulerConfig overrides (the plain constructor: no lpm
     "lpm": dict(schedule_policy="lpm"),
     "dfs-weight": dict(schedule_policy="dfs-weight"),
 }
-STAGES = ("order", "order-churn", "order-served", "order-arrivals", "admit", "step", "graph", "gstep")
+STAGES = ("order", "order-churn", "order-served", "order-arrivals", "admit", "step", "step-served", "graph", "gstep")
 #: stages timed only on GpuScheduler, for the policies the recorded step covers
 RECORDED_STAGES = ("graph", "gstep")
 RATIO = 0.7  # new-token ratio passed to step (SGLang's initial value)
@@ -368,6 +374,9 @@ def stage_fns(s, stage: str, max_len: int):
         return None
     if stage == "step":
         return (lambda: s.step(RATIO)), Restorer(s, queue_snapshot(s))
+    if stage == "step-served":  # a serving loop's step: the queue in the previous step's order
+        c = served_order(s)[0].__self__
+        return (lambda: c.step(RATIO)), Restorer(c, queue_snapshot(c))
     ordered = s._order().queue
     restore = Restorer(s)
 
@@ -680,16 +689,17 @@ def main(argv=None):
                     if backend == "reference":
                         ref_med[key] = med
                         row["ratio_to_ref"] = 1.0
-                        if st == "step" and n <= 2 ** args.check_max_exp:
-                            ref_plan[(pol, n)] = dict(vars(first))
+                        if st in ("step", "step-served") and n <= 2 ** args.check_max_exp:
+                            ref_plan[(pol, st, n)] = dict(vars(first))
                     elif key in ref_med:
                         row["ratio_to_ref"] = med / ref_med[key]
                     elif st in RECORDED_STAGES and (pol, "step", n) in ref_med:
                         row["ratio_to_ref"] = med / ref_med[(pol, "step", n)]  # against the whole step
                     if row["ratio_to_ref"]:
                         row["speedup"] = 1.0 / row["ratio_to_ref"]
-                    if st in ("step", "gstep") and backend != "reference" and (pol, n) in ref_plan:
-                        d = first_diff(ref_plan[(pol, n)], dict(vars(first)))
+                    plan_key = (pol, "step" if st == "gstep" else st, n)  # the recorded step against the eager one's
+                    if st in ("step", "step-served", "gstep") and backend != "reference" and plan_key in ref_plan:
+                        d = first_diff(ref_plan[plan_key], dict(vars(first)))
                         row["plan_equal_ref"] = d is None
                         if d:
                             problems.append(f"{backend}/{device} {pol} n={n}: step plan differs from the "

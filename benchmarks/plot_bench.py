@@ -22,7 +22,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-STAGE_ORDER = ("order", "order-churn", "order-served", "order-arrivals", "admit", "step", "graph", "gstep")
+STAGE_ORDER = ("order", "order-churn", "order-served", "order-arrivals", "admit", "step", "step-served", "graph", "gstep")
 RECORDED = ("graph", "gstep")  # the recorded step's panels also draw the reference's whole step
 POLICY_ORDER = ("fcfs", "lof", "routing-key", "lpm", "dfs-weight")
 STYLE = {  # (backend, device) -> matplotlib style

@@ -224,3 +224,44 @@ def test_order_arrivals_times_a_served_queue_with_its_newest_requests_behind():
         assert out == want
         orders[backend] = out
     assert orders["reference"] == orders["torch"]
+
+
+def test_step_served_steps_a_copy_whose_queue_is_in_its_previous_order():
+    """`step-served`: the step on a deep copy of the scheduler whose queue holds its own
+    ordering (as a serving loop keeps it between steps), undone after each call; the plan is
+    the fresh queue's step plan, on both backends and every policy, and the benchmarked
+    scheduler's queue is left as it was (the later stages and policies see it unordered)."""
+    from gpu_sched.config import SchedulerConfig
+    from gpu_sched.row_queue import RowQueue
+
+    wl = _small_workload(150)
+    plans = {}
+    for backend in ("reference", "torch"):
+        s, _ = bench_queue.make_scheduler(backend, "cpu", wl, bench_queue.kv_pool_size(wl, 8, 10_000))
+        bench_queue.set_queue(s, wl.queue)
+        before = [r.rid for r in s.queue]
+        for pol in ("fcfs", "lof", "routing-key", "lpm"):
+            s.config = SchedulerConfig(**bench_queue.POLICIES[pol])
+            call, restore = bench_queue.stage_fns(s, "step-served", wl.max_len)
+            c = call.__closure__[0].cell_contents  # the copy the stage steps
+            assert c is not s
+            served = [r.rid for r in c.queue]
+            assert served == [r.rid for r in s._order().queue]  # its queue: the ordering's result
+            if backend == "torch" and pol in ("fcfs", "lof"):
+                assert isinstance(c.queue, RowQueue) and c.queue.ordered is not None  # known to be in order
+            got = []
+            for _ in range(3):
+                plan = call()
+                assert plan.admitted, (backend, pol)
+                restore()
+                assert [r.rid for r in c.queue] == served
+                got.append(plan.to_dict())
+            assert all(p == got[0] for p in got)
+            fresh_call, fresh_restore = bench_queue.stage_fns(s, "step", wl.max_len)
+            fresh = fresh_call().to_dict()
+            fresh_restore()
+            assert got[0]["admitted"] == fresh["admitted"] and got[0]["queue_order"] == fresh["queue_order"], (backend, pol)
+            plans[backend, pol] = got[0]
+            assert [r.rid for r in s.queue] == before
+    for pol in ("fcfs", "lof", "routing-key", "lpm"):
+        assert plans["reference", pol] == plans["torch", pol], pol

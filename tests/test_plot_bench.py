@@ -35,3 +35,11 @@ def test_recorded_stages_are_drawn_and_tabled(tmp_path):
 
 def test_n_label():
     assert [plot_bench.n_label(n) for n in (1, 2, 4096, 1000, 100000)] == ["2^0", "2^1", "2^12", "1,000", "100,000"]
+
+
+def test_every_benchmark_stage_is_drawn_in_bench_queues_order():
+    """plot_bench's stage order names every stage bench_queue.py times, in its order: a stage
+    it does not name would be left out of the plots and tables."""
+    import bench_queue
+
+    assert plot_bench.STAGE_ORDER == bench_queue.STAGES
