@@ -2301,10 +2301,28 @@ def _clear_runs_before(keys, c, mask: int) -> int:
     `FlatRadixTree._clear_tombs` and `_tomb_host`. Returns how many slots it cleared."""
     cleared = 0
     while len(c):
+        if len(c) <= SCALAR_TABLE_INSERT and isinstance(keys, np.ndarray):  # the last few runs in Python
+            return cleared + _clear_runs_scalar(memoryview(keys), c.tolist(), mask)
         cur = (c - 1) & mask
         c = cur[keys[cur] == TOMB]
         keys[c] = EMPTY
         cleared += len(c)
+    return cleared
+
+
+def _clear_runs_scalar(keys: memoryview, starts: List[int], mask: int) -> int:
+    """`_clear_runs_before` for a few cleared slots in Python, one run after another: the runs
+    of tombstones before distinct EMPTY slots are disjoint (each ends at the EMPTY slot after
+    it), so walking them one by one clears the slots the rounds clear (a long run costs its
+    length in cheap reads, not ~5 numpy calls a slot back; a Mooncake replay's deletions
+    walk runs of 10 and more)."""
+    cleared = 0
+    for c in starts:
+        p = (c - 1) & mask
+        while keys[p] == TOMB:
+            keys[p] = EMPTY
+            cleared += 1
+            p = (p - 1) & mask
     return cleared
 
 

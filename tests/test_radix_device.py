@@ -1142,3 +1142,50 @@ def test_cache_path_values_read_on_host_equal_the_reference(monkeypatch, page):
             checked += m2 > 0
     assert checked > 20
     assert dev.path_values(None).size == 0 and dev.path_values(dev.root).size == 0
+
+
+@pytest.mark.parametrize("scalar_max", [0, 3, 10_000])
+def test_tombstone_runs_cleared_in_python_leave_the_torch_forms_table(monkeypatch, scalar_max):
+    """Deleting entries clears the tombstone runs before the slots that became EMPTY; the
+    host form walks the last few runs in Python (`_clear_runs_scalar`, at most
+    `SCALAR_TABLE_INSERT` runs): at any threshold the table (EMPTY and TOMB slots alike) and
+    the used count are the torch form's, over deletions that leave long runs (crowded home
+    slots, deletions in random order, some wrapping past the table's end) and lookups still
+    find every live key."""
+    monkeypatch.setattr(radix_module, "SCALAR_TABLE_INSERT", scalar_max)
+    rng = random.Random(scalar_max + 11)
+    host = FlatRadixTree(1, max_nodes=4, token_capacity=1024, device="cpu", max_probe=512)
+    H = host.hkeys.numel()
+    homes = [rng.randrange(H) for _ in range(18)] + [H - 3, H - 1]  # runs across the end too
+    keys = _keys_at_homes(rng, 300, H, homes)
+    host._table_insert(keys, torch.arange(300), "torch")
+    tor = copy.deepcopy(host)
+    live = keys.tolist()
+    rng.shuffle(live)
+    long_runs = 0
+    while live:
+        k = rng.randrange(1, 40)
+        dels, live = live[:k], live[k:]
+        before = (host.hkeys == radix_module.EMPTY).sum().item()
+        host._table_delete(torch.tensor(dels), "torch")
+        with PM.torch_forms():
+            tor._table_delete(torch.tensor(dels), "torch")
+        assert torch.equal(host.hkeys, tor.hkeys) and host._h_used == tor._h_used
+        long_runs += (host.hkeys == radix_module.EMPTY).sum().item() - before > len(dels) + 2  # earlier tombstones too
+        if live:
+            assert (host.lookup(torch.tensor(live)) >= 0).all()
+    assert long_runs >= 3, long_runs  # deletions that cleared runs of earlier tombstones
+    assert host._h_used == 0 and (host.hkeys == radix_module.EMPTY).all()
+    # a run across the table's end: three keys homed at the last slot sit at H-1, 0, 1;
+    # deleting H-1's and 0's leaves tombstones, deleting 1's clears 1, 0 and H-1
+    wrap = _keys_at_homes(rng, 3, H, [H - 1])
+    for t in (host, tor):
+        t._table_insert(wrap, torch.arange(3), "torch")
+    at = {int(s): k for k, s in zip(wrap.tolist(), host._probe(wrap, "torch"))}
+    assert sorted(at) == [0, 1, H - 1]
+    for slot in (H - 1, 0, 1):
+        host._table_delete(torch.tensor([at[slot]]), "torch")
+        with PM.torch_forms():
+            tor._table_delete(torch.tensor([at[slot]]), "torch")
+        assert torch.equal(host.hkeys, tor.hkeys) and host._h_used == tor._h_used
+    assert host._h_used == 0 and (host.hkeys == radix_module.EMPTY).all()
