@@ -314,20 +314,24 @@ def churned_order(s, fresh: int = 32):
     return c._order, churn
 
 
-def served_order(s):
-    """(order call, None) on a deep copy of s whose queue is in the order s's ordering gives
-    it, as a serving loop's queue is after a step (`order-served`)."""
+def served_copy(s):
+    """A deep copy of s whose queue is in the order s's ordering gives it, as a serving loop's
+    queue is after a step (`order-served`, `order-arrivals`, `step-served`)."""
     c = copy.deepcopy(s)
     c.queue = c._order().queue
-    return c._order, None
+    return c
+
+
+def served_order(s):
+    """(order call, None) on `served_copy(s)` (`order-served`)."""
+    return served_copy(s)._order, None
 
 
 def arrivals_order(s, frac: float = 0.01):
     """(order call, None) on a deep copy of s whose queue is in the order s's ordering gives
     it, except its newest `frac` of requests (at least one), which are behind the rest in
     enqueue-time order: a serving loop's queue after arrivals (`order-arrivals`)."""
-    order, _ = served_order(s)
-    c = order.__self__
+    c = served_copy(s)
     q = c.queue
     items = list(q)
     a = max(1, int(len(items) * frac))
@@ -335,9 +339,9 @@ def arrivals_order(s, frac: float = 0.01):
     ids = {id(r) for r in newest}
     if isinstance(q, RowQueue):  # as a serving loop leaves it: the ordering's rows (known to be in
         # its order) without the newest, which wait behind them as submitted requests do
-        keep = np.array([id(r) not in ids for r in items], dtype=bool)
-        o = q.ordered
-        c.queue = RowQueue(c, q.rows[keep], list(newest), None, o and (o[0], int(keep[: o[1]].sum())))
+        sub = q.subset(np.array([id(r) not in ids for r in items], dtype=bool))
+        sub.extend(newest)
+        c.queue = sub
     else:
         c.queue = [r for r in items if id(r) not in ids] + newest
     return c._order, None
@@ -375,7 +379,7 @@ def stage_fns(s, stage: str, max_len: int):
     if stage == "step":
         return (lambda: s.step(RATIO)), Restorer(s, queue_snapshot(s))
     if stage == "step-served":  # a serving loop's step: the queue in the previous step's order
-        c = served_order(s)[0].__self__
+        c = served_copy(s)
         return (lambda: c.step(RATIO)), Restorer(c, queue_snapshot(c))
     ordered = s._order().queue
     restore = Restorer(s)

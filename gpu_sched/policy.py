@@ -126,7 +126,8 @@ def host_ok() -> bool:
 
 
 class HostViews:
-    """numpy views of an owner's CPU tensors, by attribute name, made once per tensor: the
+    """numpy views of an owner's CPU tensors (or its numpy arrays, their own views), by
+    attribute name, made once per tensor: the
     tensors are written in place, and `.numpy()` costs 5-15 us per call on a cold cache against
     a dict read here. Each entry is [tensor, numpy view, memoryview of it or None]
     (`mv`, made on first use). A view is made anew when the attribute holds another tensor (a rebuilt
@@ -143,19 +144,27 @@ class HostViews:
         t = getattr(owner, name)
         e = self._views.get(name)
         if e is None or e[0] is not t:
-            e = self._views[name] = [t, t.numpy(), None]
+            e = self._views[name] = [t, t if isinstance(t, np.ndarray) else t.numpy(), None]
         return e[1]
 
     def mv(self, owner, name: str) -> memoryview:
-        """A memoryview of `get(owner, name)` (1-d): indexing it gives a Python int or bool,
+        """A memoryview of `get(owner, name)`, 1-d: indexing it gives a Python int or bool,
         ~3x cheaper than `ndarray.item` and ~5x cheaper than `int(a[i])`, for the scalar walks
-        (one read per tree node on a path); writes go to the tensor's memory as the view's do."""
+        (one read per tree node on a path); writes go to the tensor's memory as the view's do.
+        A contiguous array of more dimensions is viewed flat in its memory order (the
+        scheduler's column-major row table: row r's column c is item c * rows + r; a 2-d
+        view's reads cost 4x); RuntimeError for one that is not contiguous."""
         e = self._views.get(name)
         if e is None or e[0] is not getattr(owner, name):
             self.get(owner, name)
             e = self._views[name]
         if e[2] is None:
-            e[2] = memoryview(e[1])
+            a = e[1]
+            if a.ndim > 1:
+                if not (a.flags.c_contiguous or a.flags.f_contiguous):
+                    raise RuntimeError(f"{name}: a flat view needs a contiguous array")
+                a = a.ravel(order="K")  # a view: no copy of a contiguous array
+            e[2] = memoryview(a)
         return e[2]
 
     def held(self, owner, name: str) -> bool:

@@ -85,7 +85,9 @@ HASH_MIX = -7046029254386353131
 #: slots read per probe step of the torch backend (8 int64 = one 64-byte cache line)
 PROBE_WINDOW = 8
 PROBE_SCALAR_MAX = 32  # host probes of up to this many keys run as Python loops (`_probe_scalar`)
-SCALAR_TABLE_INSERT = 32  # a host table insert's rounds for this many pending keys or fewer run in Python
+#: a host table insert's rounds for this many pending keys or fewer, and a deletion's tombstone
+#: runs before this many cleared slots or fewer, run in Python
+SCALAR_TABLE_ROUNDS = 32
 SCALAR_BATCH = 32  # host batches of up to this many (applies, stamps, locks) run as Python walks
 INT64_MIN = -(2**63)
 
@@ -649,7 +651,7 @@ class FlatRadixTree:
         idx = np.arange(n, dtype=np.int64)
         pos = home_slot(h, H)
         for r in range(self.max_probe):
-            if idx.size <= SCALAR_TABLE_INSERT:  # the last few keys' rounds in Python
+            if idx.size <= SCALAR_TABLE_ROUNDS:  # the last few keys' rounds in Python
                 self._table_rounds_scalar(h[idx].tolist(), v[idx].tolist(), pos.tolist(), self.max_probe - r, record)
                 return
             cand = np.flatnonzero(keys[pos] < 0)  # pending keys at a free slot
@@ -2301,7 +2303,7 @@ def _clear_runs_before(keys, c, mask: int) -> int:
     `FlatRadixTree._clear_tombs` and `_tomb_host`. Returns how many slots it cleared."""
     cleared = 0
     while len(c):
-        if len(c) <= SCALAR_TABLE_INSERT and isinstance(keys, np.ndarray):  # the last few runs in Python
+        if len(c) <= SCALAR_TABLE_ROUNDS and isinstance(keys, np.ndarray):  # the last few runs in Python
             return cleared + _clear_runs_scalar(memoryview(keys), c.tolist(), mask)
         cur = (c - 1) & mask
         c = cur[keys[cur] == TOMB]

@@ -140,6 +140,14 @@ class RowQueue(_ListLike):
         return RowQueue(self._s, self.rows[k:], list(self.tail[max(k - r, 0) :]), self.in_time,
                         None if o is None else (o[0], max(o[1] - k, 0)), self.epoch)
 
+    def subset(self, keep: np.ndarray) -> "RowQueue":
+        """The queue without the rows where `keep` (bool [len(rows)]) is False, its tail
+        kept: a subsequence keeps the time order, and an ordering's order over the known
+        leading rows that stay (recounted)."""
+        o = self.ordered
+        return RowQueue(self._s, self.rows[keep], list(self.tail), self.in_time,
+                        None if o is None else (o[0], int(keep[: o[1]].sum())), self.epoch)
+
     def append(self, r) -> None:
         self.tail.append(r)
 

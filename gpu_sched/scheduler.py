@@ -107,32 +107,6 @@ def _ordered_rows(q: RowQueue, key: tuple) -> int:
     return o[1] if o is not None and o[0] == key else 0
 
 
-def _rt_flat(rt: np.ndarray) -> memoryview:
-    """The row table `_rt` as one flat memoryview of its column-major memory: row r's column c
-    is item c * rows + r (a Python int per read, 4x cheaper than a 2-d view's)."""
-    if not rt.flags.f_contiguous:
-        raise RuntimeError("the row table is not column-major")
-    return memoryview(rt.ravel(order="F"))
-
-
-class _FlatRows:
-    """`GpuScheduler._rt_mv`'s kept view: the table it views, the flat memoryview, the rows.
-    A copy (deep or pickled) starts empty: a memoryview is neither copied nor pickled, and
-    a copied scheduler's table is another array."""
-
-    __slots__ = ("rt", "mv", "n")
-
-    def __init__(self):
-        self.rt = self.mv = None
-        self.n = 0
-
-    def __deepcopy__(self, memo):
-        return _FlatRows()
-
-    def __reduce__(self):
-        return _FlatRows, ()
-
-
 def _rt_set(rt: np.ndarray, rows: np.ndarray, c: int, v) -> None:
     """rt[rows, c] = v through the contiguous column view (faster than the 2-D form)."""
     rt[:, c][rows] = v
@@ -162,7 +136,7 @@ class _ScalarMatcher:
         self.ms: List[int] = []
         self.ps: List[int] = []
         # views made once per window (each costs a lookup or an allocation per call): the row
-        # table flat (`_rt_flat`; a search may write a row's kept columns through it) and the
+        # table flat (`_rt_mv`; a search may write a row's kept columns through it) and the
         # prefix hash table (searches only read the tree while the loop runs)
         self._view_rows()
         self.hkeys, self.hvals = tree._mv("hkeys"), tree._mv("hvals")
@@ -394,7 +368,7 @@ class GpuScheduler(ReferenceScheduler):
         self._custom_shuffle = shuffle is not None
         # the row table (`_rows_of`): per-request columns, rows owned by ReqState.dev_row
         self._rt = np.zeros((0, RT_COLS), dtype=np.int64, order="F")  # column-major: see _RowCols
-        self._rt_flat_view = _FlatRows()  # `_rt_mv`'s view of the table
+        self._qviews = dpolicy.HostViews()  # the pools' numpy views and the row table's flat view (`_rt_mv`)
         self._rt_free: List[int] = []
         self._rk_id: dict = {}  # routing key -> interned id (RT_RKEY)
         self._rk_names: List[str] = []
@@ -410,7 +384,6 @@ class GpuScheduler(ReferenceScheduler):
         self._new_row(None)  # allocates ROW_TABLE_MIN rows; row 0 stays unused
         self._qtok: Optional[torch.Tensor] = None
         self._qch: Optional[torch.Tensor] = None
-        self._qviews = dpolicy.HostViews()  # the pools' numpy views on the host paths
         self._qtop = [0, 0]
         self._graph = None  # StepGraph after capture()
         self._pending = None  # (StepOutput, ordered queue) of this step's recorded computation
@@ -515,10 +488,8 @@ class GpuScheduler(ReferenceScheduler):
         q = self.queue
         if r.dev_row >= 0 and len(q.rows):
             keep = q.rows != r.dev_row  # a queued request's row is its own (never reused)
-            if not keep.all():  # a subsequence keeps the time order and an ordering's order
-                o = q.ordered
-                self.queue = RowQueue(self, q.rows[keep], list(q.tail), q.in_time,
-                                      None if o is None else (o[0], int(keep[: o[1]].sum())), q.epoch)
+            if not keep.all():
+                self.queue = q.subset(keep)
                 return
         if any(x is r for x in q.tail):
             self.queue = RowQueue(self, q.rows, [x for x in q.tail if x is not r], q.in_time, q.ordered, q.epoch)
@@ -773,14 +744,11 @@ class GpuScheduler(ReferenceScheduler):
         return idx
 
     def _rt_mv(self) -> Tuple[memoryview, int]:
-        """(`_rt_flat` of the row table, its row count): row r's column c is item c * N + r,
-        for 0 <= r < N only (the flat view does not check rows: another row's index reads
-        another column). Kept while the table is (`_reserve_rows` replaces it when it grows,
-        and drops this view of the old one)."""
-        c = self._rt_flat_view
-        if c.rt is not self._rt:
-            c.rt, c.mv, c.n = self._rt, _rt_flat(self._rt), self._rt.shape[0]
-        return c.mv, c.n
+        """(a flat memoryview of the column-major row table, its row count): row r's column c
+        is item c * N + r, for 0 <= r < N only (the flat view does not check rows: another
+        row's index reads another column). Kept by `_qviews` (`policy.HostViews.mv`) while the
+        table is; `_reserve_rows` drops it when the table grows."""
+        return self._qviews.mv(self, "_rt"), self._rt.shape[0]
 
     def _reserve_rows(self, need: int, sweep: bool = True) -> bool:
         """At least `need` free rows: first rows of requests no longer held (finished, aborted)
@@ -800,7 +768,7 @@ class GpuScheduler(ReferenceScheduler):
             grown = np.zeros((cap, RT_COLS), dtype=np.int64, order="F")
             grown[:old] = self._rt
             self._rt = grown
-            self._rt_flat_view.__init__()  # holds the old table: made again on first use
+            self._qviews.drop("_rt")  # its view holds the old table: made again on first use
             self._rt_owner.extend([None] * (cap - old))
             self._rt_free = list(range(cap - 1, old - 1, -1)) + self._rt_free
         return bool(freed)

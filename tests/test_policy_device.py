@@ -1131,3 +1131,29 @@ def test_dfs_weight_order_refuses_a_parent_past_the_tree(bad):
         P.dfs_weight_order(parent, torch.arange(3), None, torch.tensor([0, 1, 2, 2, 1]))
     with pytest.raises(ValueError, match="max_depth must be an int >= 0"):
         P.dfs_weight_order(torch.tensor([-1, 0, 1]), torch.arange(3), None, torch.tensor([2]), max_depth=-1)
+
+
+def test_host_views_of_a_numpy_table_are_flat_in_its_memory_order():
+    """`HostViews.mv` of an owner's numpy array (the scheduler's column-major row table): one
+    flat memoryview of its memory (row r's column c at c * rows + r for a column-major
+    table), reads and writes landing in the array; remade when the attribute holds another
+    array or after `drop`; a copy starts empty; a non-contiguous array is refused."""
+    import copy
+
+    class Owner:
+        pass
+
+    o, views = Owner(), P.HostViews()
+    o.rt = np.arange(5 * 3, dtype=np.int64).reshape(5, 3, order="F") * 7
+    mv = views.mv(o, "rt")
+    assert [mv[c * 5 + r] for r in range(5) for c in range(3)] == o.rt.ravel().tolist()
+    mv[2 * 5 + 4] = -1
+    assert o.rt[4, 2] == -1 and views.mv(o, "rt") is mv
+    o.rt = np.ones((2, 2), dtype=np.int64, order="C")  # another array: its own view
+    assert views.mv(o, "rt") is not mv and views.mv(o, "rt")[3] == 1
+    views.drop("rt")
+    assert not views.held(o, "rt")
+    assert copy.deepcopy(views)._views == {}
+    o.rt = np.zeros((4, 4), dtype=np.int64)[:, ::2]
+    with pytest.raises(RuntimeError, match="contiguous"):
+        views.mv(o, "rt")

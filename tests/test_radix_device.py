@@ -1077,12 +1077,12 @@ def _keys_at_homes(rng, n, H, homes):
 @pytest.mark.parametrize("scalar_max", [0, 4, 32, 10_000])
 def test_table_insert_scalar_rounds_leave_the_torch_forms_table(monkeypatch, scalar_max):
     """`_table_insert_host` hands its last rounds to `_table_rounds_scalar` once few keys are
-    pending (`SCALAR_TABLE_INSERT`): at any threshold (0: numpy rounds only; 10,000: Python
+    pending (`SCALAR_TABLE_ROUNDS`): at any threshold (0: numpy rounds only; 10,000: Python
     rounds only) the table is the torch form's, key for key and slot for slot, on a crowded
     table with tombstones and contested home slots; the recorded slots (`hslot`) are the
     entries' slots; and the probe limit raises in both, the table left as the torch form
     leaves it (claims of the keys placed before the limit)."""
-    monkeypatch.setattr(radix_module, "SCALAR_TABLE_INSERT", scalar_max)
+    monkeypatch.setattr(radix_module, "SCALAR_TABLE_ROUNDS", scalar_max)
     rng = random.Random(scalar_max + 3)
     base = FlatRadixTree(1, max_nodes=4, token_capacity=1024, device="cpu")
     H = base.hkeys.numel()
@@ -1148,11 +1148,11 @@ def test_cache_path_values_read_on_host_equal_the_reference(monkeypatch, page):
 def test_tombstone_runs_cleared_in_python_leave_the_torch_forms_table(monkeypatch, scalar_max):
     """Deleting entries clears the tombstone runs before the slots that became EMPTY; the
     host form walks the last few runs in Python (`_clear_runs_scalar`, at most
-    `SCALAR_TABLE_INSERT` runs): at any threshold the table (EMPTY and TOMB slots alike) and
+    `SCALAR_TABLE_ROUNDS` runs): at any threshold the table (EMPTY and TOMB slots alike) and
     the used count are the torch form's, over deletions that leave long runs (crowded home
     slots, deletions in random order, some wrapping past the table's end) and lookups still
     find every live key."""
-    monkeypatch.setattr(radix_module, "SCALAR_TABLE_INSERT", scalar_max)
+    monkeypatch.setattr(radix_module, "SCALAR_TABLE_ROUNDS", scalar_max)
     rng = random.Random(scalar_max + 11)
     host = FlatRadixTree(1, max_nodes=4, token_capacity=1024, device="cpu", max_probe=512)
     H = host.hkeys.numel()
