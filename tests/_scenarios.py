@@ -428,3 +428,22 @@ def dev_triples(cache) -> set:
         if n != 0:
             out.add(((names[int(ns[n])], pre(n)), int(ln[n]), int(lock[n])))
     return out
+
+
+def decode_pair(a, b, rng: random.Random, vocab: int, ratio: float) -> Tuple[float, list]:
+    """One decode step of two schedulers' running batches (equal so far), as an engine takes
+    it: the batch retracted where it does not fit (the same rids on both; the new-token ratio
+    then rises by 0.1, at most 1), a token per running request drawn from rng (below
+    `vocab`), then the ratio's decay (-0.05, at least 0.1). Returns (ratio, retracted rids)."""
+    out = []
+    if not a.decode_fits():
+        out = a.retract_decode()
+        assert out == b.retract_decode()
+        ratio = min(1.0, ratio + 0.1)
+    else:
+        assert b.decode_fits()
+    toks = {r.rid: rng.randrange(vocab) for r in a.running}
+    a.decode(toks)
+    b.decode(toks)
+    return max(0.1, ratio - 0.05), out
+

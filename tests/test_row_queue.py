@@ -12,6 +12,7 @@ from gpu_sched.reference import ReferenceScheduler
 from gpu_sched.request import Request
 from gpu_sched.row_queue import LazyList, RowQueue
 from gpu_sched.scheduler import GpuScheduler
+from _scenarios import decode_pair
 
 
 def reqs(n, start=0, seed=0):
@@ -341,21 +342,12 @@ def _serve_both(a, b, plan, rng, ratio: float, finish: bool):
     b.complete_prefill(done)
     if not a.running:
         return ratio, 0
-    out = []
-    if not a.decode_fits():
-        out = a.retract_decode()
-        assert out == b.retract_decode()
-        ratio = min(1.0, ratio + 0.1)
-    else:
-        assert b.decode_fits()
-    toks = {r.rid: rng.randrange(9) for r in a.running}
-    a.decode(toks)
-    b.decode(toks)
+    ratio, out = decode_pair(a, b, rng, 9, ratio)
     if finish and a.running:
         rid = a.running[0].rid
         a.finish([rid])
         b.finish([rid])
-    return max(0.1, ratio - 0.05), len(out)
+    return ratio, len(out)
 
 
 @pytest.mark.parametrize("disable_cache", [False, True])

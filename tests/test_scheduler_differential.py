@@ -19,7 +19,7 @@ from gpu_sched.reference import ReferenceScheduler
 from gpu_sched.request import Request
 from gpu_sched.scheduler import RT_FILL, RT_STAMP, RT_TOFF, GpuScheduler
 
-from _scenarios import dev_triples, ref_triples
+from _scenarios import decode_pair, dev_triples, ref_triples
 
 
 def plan_fields(p):
@@ -91,16 +91,7 @@ def run_pair(seed: int, steps: int, capture=None):
         ref.complete_prefill(first)
         dev.complete_prefill(first)
         if ref.running and rng.random() < 0.7:
-            if not ref.decode_fits():
-                ra, rb = ref.retract_decode(), dev.retract_decode()
-                assert ra == rb
-                ratio = min(1.0, ratio + 0.1)
-            else:
-                assert dev.decode_fits()
-            toks = {r.rid: rng.randrange(vocab) for r in ref.running}
-            ref.decode(toks)
-            dev.decode(toks)
-            ratio = max(0.1, ratio - 0.05)
+            ratio = decode_pair(ref, dev, rng, vocab, ratio)[0]
         done = [r.rid for r in ref.running if len(r.req.output_ids) >= goal[r.rid]]
         if done:
             ref.finish(done)
