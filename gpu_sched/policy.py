@@ -310,7 +310,7 @@ def _narrow_argsort(off: np.ndarray, span: int) -> np.ndarray:
         nb = (n - 1).bit_length()
         if span.bit_length() + nb <= 32:
             return _sort_with_index(off.astype(np.uint32), nb)
-    return np.argsort(off.astype(np.uint8 if span < 256 else np.uint16), kind="stable")
+    return off.astype(np.uint8 if span < 256 else np.uint16).argsort(kind="stable")  # the method: ~1 us less glue
 
 
 def _pack_parts(parts, widths, ut):
@@ -346,8 +346,16 @@ def host_perm(key: np.ndarray, descending: bool = False, bounds=None) -> Optiona
         lo, hi = bounds
     else:
         lo, hi = key.min(), key.max()
-    span = int(hi) - int(lo)
+    lo, hi = int(lo), int(hi)
+    span = hi - lo
     if _narrow(span):  # priorities, max-new lengths: without the `_offsets` glue
+        if lo >= 0 and hi <= (255 if span < 256 else 65535):  # the values are their own narrow
+            # key: one cast, and for descending order its complement in place (an int64
+            # subtraction with a Python scalar costs more than the cast and the sort's glue)
+            u = key.astype(np.uint8 if span < 256 else np.uint16)
+            if descending:
+                np.invert(u, out=u)
+            return u.argsort(kind="stable")
         return _narrow_argsort((hi - key) if descending else (key - lo), span)
     return _packed_argsort([_offsets(key, descending, lo, hi)], key.size)
 

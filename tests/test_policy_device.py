@@ -204,12 +204,14 @@ def test_host_perm_narrow_keys_at_their_limits(n, descending):
     """`host_perm`'s one- and two-byte branch (`_narrow_argsort`, taken before any packing) is
     the stable order by the key, ascending or descending, at spans around its limits (255 /
     256, 65535 / 65536, at any n), for int64 and int32 keys placed at
-    their type's ends, where `hi - key` and `key - lo` would overflow were the span not small."""
+    their type's ends, where `hi - key` and `key - lo` would overflow were the span not small,
+    and at 0 and 3, where non-negative values that fit the narrow type are cast as they are
+    (complemented for descending order)."""
     rng = np.random.default_rng(n + descending)
     for dtype in (np.int64, np.int32):
         info = np.iinfo(dtype)
         for span in (0, 1, 255, 256, 2**16 - 1, 2**16):
-            for base in (0, -7, int(info.min), int(info.max) - span):
+            for base in (0, 3, -7, int(info.min), int(info.max) - span):
                 off = rng.integers(0, span, size=n, endpoint=True)
                 off[rng.integers(0, n)] = span
                 key = (np.asarray(base, dtype=object) + off).astype(dtype)
