@@ -13,6 +13,8 @@ import difflib
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
+
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 CACHE_AGNOSTIC_POLICIES = ("fcfs", "lof", "random", "routing-key")
 POLICIES = CACHE_AWARE_POLICIES + CACHE_AGNOSTIC_POLICIES
@@ -24,18 +26,31 @@ INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 
 
-def _check_int(name: str, value, *, lo: Optional[int] = None, none_means: Optional[str] = None) -> None:
-    """TypeError/ValueError naming the field unless value is an int >= lo; None passes where
-    `none_means` says what None does (the message says it too)."""
+#: the largest token knob (page size, prefill and chunk budgets, CLIP, truncation alignment)
+#: [tokens]: far past any KV cache, and small enough that the device's int64 sums of budgets
+#: and per-request costs (a window of up to 2^20 requests, each an extend length, a
+#: reservation of at most CLIP and a page) cannot overflow where the reference's Python ints
+#: do not
+TOKEN_KNOB_MAX = 2**40
+
+
+def _check_int(name: str, value, *, lo: Optional[int] = None, hi: int = INT64_MAX,
+               hi_is: str = "int64's largest", none_means: Optional[str] = None) -> None:
+    """TypeError/ValueError naming the field unless value is an int in [lo, hi] (hi: int64's
+    largest by default: the device holds every knob as an int64); None passes where
+    `none_means` says what None does (the message says it too). numpy integers are ints here
+    (`SchedulerConfig` stores them as Python ints)."""
     alt = f" or None ({none_means})" if none_means else ""
     if value is None:
         if none_means:
             return
         raise TypeError(f"{name} must be an int, got None")
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int{alt}, got {type(value).__name__} {value!r}")
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be >= {lo}{alt}, got {value}")
+    if value > hi:
+        raise ValueError(f"{name} must be <= {hi} ({hi_is}){alt}, got {value}")
 
 
 def _check_bool(name: str, value) -> None:
@@ -94,6 +109,10 @@ class SchedulerConfig:
     random_seed: int = 0
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # numpy integers (e.g. read from an array) as Python ints
+            v = getattr(self, f.name)
+            if isinstance(v, np.integer):
+                object.__setattr__(self, f.name, int(v))
         if not isinstance(self.schedule_policy, str):
             raise TypeError(f"schedule_policy must be a str, got {self.schedule_policy!r}")
         if self.schedule_policy not in POLICIES:
@@ -102,9 +121,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(POLICIES)}; got {self.schedule_policy!r}{hint}"
             )
-        _check_int("page_size", self.page_size, lo=1)
-        _check_int("max_prefill_tokens", self.max_prefill_tokens, lo=1)
-        _check_int("chunked_prefill_size", self.chunked_prefill_size, lo=1, none_means="chunked prefill off")
+        _check_int("page_size", self.page_size, lo=1, hi=TOKEN_KNOB_MAX, hi_is="2^40")
+        _check_int("max_prefill_tokens", self.max_prefill_tokens, lo=1, hi=TOKEN_KNOB_MAX, hi_is="2^40")
+        _check_int("chunked_prefill_size", self.chunked_prefill_size, lo=1, hi=TOKEN_KNOB_MAX, hi_is="2^40",
+                   none_means="chunked prefill off")
         _check_int("max_running_requests", self.max_running_requests, lo=1, none_means="no cap")
         for name in (
             "enable_priority_scheduling",
@@ -114,8 +134,8 @@ class SchedulerConfig:
             "disable_radix_cache",
         ):
             _check_bool(name, getattr(self, name))
-        _check_int("priority_scheduling_preemption_threshold", self.priority_scheduling_preemption_threshold)
-        _check_int("clip_max_new_tokens", self.clip_max_new_tokens, lo=0)
+        _check_int("priority_scheduling_preemption_threshold", self.priority_scheduling_preemption_threshold, lo=INT64_MIN)
+        _check_int("clip_max_new_tokens", self.clip_max_new_tokens, lo=0, hi=TOKEN_KNOB_MAX, hi_is="2^40")
         _check_int("in_batch_prefix_caching_check_threshold", self.in_batch_prefix_caching_check_threshold, lo=-1)
         _check_int(
             "in_batch_prefix_caching_deprioritize_threshold",
@@ -124,10 +144,9 @@ class SchedulerConfig:
         )
         _check_int("lpm_fallback_queue_len", self.lpm_fallback_queue_len, lo=0, none_means="never")
         _check_int("prefill_max_requests", self.prefill_max_requests, lo=1, none_means="no cap")
-        _check_int("truncation_align_size", self.truncation_align_size, lo=1, none_means="off")
-        _check_int("random_seed", self.random_seed, lo=0)
-        if self.random_seed >= 2**64:  # numpy's and torch's generators take seeds in [0, 2^64)
-            raise ValueError(f"random_seed must be < 2^64, got {self.random_seed}")
+        _check_int("truncation_align_size", self.truncation_align_size, lo=1, hi=TOKEN_KNOB_MAX, hi_is="2^40",
+                   none_means="off")
+        _check_int("random_seed", self.random_seed, lo=0, hi=2**64 - 1, hi_is="the generators' largest seed")
         c = self.schedule_conservativeness
         if isinstance(c, bool) or not isinstance(c, (int, float)):
             raise TypeError(f"schedule_conservativeness must be a number, got {c!r}")

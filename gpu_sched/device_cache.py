@@ -73,6 +73,8 @@ class DeviceRadixCache:
 
     def present_len(self, key, ns=None) -> int:
         """Length of `key` already cached (no stamps, no splits)."""
+        if self.disable:
+            return 0
         t = self._tokens(key)
         m, _ = self.tree._find(t[None], torch.tensor([t.numel()], device=self.device),
                                torch.tensor([self.ns_id(ns)], device=self.device))

@@ -7,6 +7,7 @@ must fit int32 (the device token pool is int32); priorities must fit int64. Ever
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -14,26 +15,29 @@ import numpy as np
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_BOOLS = (bool, np.bool_)
 
 
 def as_token_array(tokens, what: str) -> np.ndarray:
-    """Tokens as a read-only 1-D int32 array; raises if an id is not an int in [0, 2^31-1]."""
+    """Tokens as a read-only 1-D int32 array of their own (never the caller's memory, which the
+    caller may reuse); raises TypeError for a non-sequence (a str, a mapping, a set) or a
+    non-int id (bools too, numpy's included), ValueError for an id outside [0, 2^31-1]."""
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise TypeError(f"{what} must be a 1-D integer array, got dtype {tokens.dtype} ndim {tokens.ndim}")
         arr = tokens  # compared as it is: a cast to int64 first would wrap uint64 ids
     else:
-        if isinstance(tokens, (str, bytes)):
+        if isinstance(tokens, (str, bytes, Mapping)):  # a dict would read as its keys
             raise TypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__}")
         if not hasattr(tokens, "__len__") or not hasattr(tokens, "__getitem__"):  # None, an int, a generator
             raise TypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__} {tokens!r}")
         arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype=np.int64)
         # numpy silently turns True into 1 inside an int list: look for bools explicitly
-        has_bool = arr.dtype.kind == "b" or (arr.dtype.kind in "iu" and any(type(t) is bool for t in tokens))
+        has_bool = arr.dtype.kind == "b" or (arr.dtype.kind in "iu" and any(type(t) in _BOOLS for t in tokens))
         if arr.ndim != 1 or arr.dtype.kind not in "iu" or has_bool:
             # slow path only to name the offending element
             for i, t in enumerate(tokens):
-                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                if isinstance(t, _BOOLS) or not isinstance(t, (int, np.integer)):
                     raise TypeError(f"{what}[{i}] must be an int, got {type(t).__name__} {t!r}")
             arr = np.array([int(t) for t in tokens], dtype=object)
             if len(arr) and (min(arr) < 0 or max(arr) > INT32_MAX):
@@ -46,6 +50,8 @@ def as_token_array(tokens, what: str) -> np.ndarray:
             i = int(bad[0])
             raise ValueError(f"{what}[{i}] = {int(arr[i])} is outside the token id range [0, {INT32_MAX}]")
     out = np.ascontiguousarray(arr, dtype=np.int32)
+    if out is tokens or out.base is not None:  # the caller's array or a view of its memory (a tensor's)
+        out = out.copy()
     out.setflags(write=False)
     return out
 
@@ -112,8 +118,10 @@ class Request:
 
     def validate(self) -> None:
         """Check every field; raises TypeError/ValueError naming the field and value."""
-        if not isinstance(self.rid, str) or not self.rid:
-            raise TypeError(f"rid must be a non-empty str, got {self.rid!r}")
+        if not isinstance(self.rid, str):
+            raise TypeError(f"rid must be a non-empty str, got {type(self.rid).__name__} {self.rid!r}")
+        if not self.rid:
+            raise ValueError("rid must be a non-empty str, got ''")
         who = f"request {self.rid!r}"
         self.prompt_ids = as_token_array(self.prompt_ids, f"{who}: prompt_ids")
         if len(self.prompt_ids) == 0:

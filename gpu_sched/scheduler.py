@@ -1602,8 +1602,7 @@ class GpuScheduler(ReferenceScheduler):
         m, drop: int64 [Q] capped matches and lock drops [tokens]; ev: evictable [tokens]."""
         cfg = self.config
         P, clip, cap, pmax = cfg.page_size, cfg.clip_max_new_tokens, cfg.max_running_requests, cfg.prefill_max_requests
-        if clip >= 1 << 40:  # int64 sums could wrap (the loop's Python ints cannot): no lead
-            return self._window_loop(rows, m, drop, ev, adder, running_bs)
+        # no int64 sum below wraps: CLIP and the page size are at most config.TOKEN_KNOB_MAX
         Q = len(rows)
         ncan0 = len(adder.can_run)
         RN = adder.ratio * adder.N

@@ -257,7 +257,7 @@ def test_request_token_array_out_of_range_names_its_value(arr, i, value):
 
 
 def test_request_bad_rid():
-    with pytest.raises(TypeError, match="rid"):
+    with pytest.raises(ValueError, match="rid"):
         Request("", [1], 1)
     with pytest.raises(TypeError, match="rid"):
         Request(7, [1], 1)

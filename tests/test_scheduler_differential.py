@@ -59,9 +59,13 @@ def make_request(rng, i, bases, vocab, now):
     )
 
 
-def run_pair(seed: int, steps: int, capture=None):
+def run_pair(seed: int, steps: int, capture=None, config=None, request=None):
+    """`steps` steps of a random workload on both schedulers (`config(rng)` and
+    `request(rng, i, bases, vocab, now)` draw them: `random_config`, `make_request` by default),
+    every plan, the queue, the pool sizes and the cache contents compared after each."""
+    config, request = config or random_config, request or make_request
     rng = random.Random(seed)
-    cfg = random_config(rng)
+    cfg = config(rng)
     kv = rng.choice([300, 800, 3000])
     ref = ReferenceScheduler(cfg, kv)
     dev = GpuScheduler(cfg, kv)
@@ -75,7 +79,7 @@ def run_pair(seed: int, steps: int, capture=None):
     for t in range(steps):
         now = float(t)
         if rng.random() < 0.5:
-            reqs = [make_request(rng, next_id + j, bases, vocab, now) for j in range(rng.randrange(1, 6))]
+            reqs = [request(rng, next_id + j, bases, vocab, now) for j in range(rng.randrange(1, 6))]
             next_id += len(reqs)
             for r in reqs:
                 goal[r.rid] = rng.randrange(1, 8)
@@ -106,6 +110,44 @@ def run_pair(seed: int, steps: int, capture=None):
 @pytest.mark.parametrize("seed", range(12))
 def test_multi_step_runs_match_reference(seed):
     run_pair(seed, steps=60)
+
+
+I64 = 2**63 - 1
+
+
+def extreme_config(rng: random.Random) -> SchedulerConfig:
+    """`random_config` with knobs at their bounds (config.TOKEN_KNOB_MAX for token counts,
+    int64's ends for the others) where the device's int64 arithmetic would overflow were the
+    bounds looser (the reference's Python ints never do)."""
+    knobs = dict(
+        max_prefill_tokens=[2**40, 2**40 - 1, 4096], clip_max_new_tokens=[2**40, 2**40 - 1, 0, 1],
+        priority_scheduling_preemption_threshold=[I64, -I64 - 1, -1, 2**62], truncation_align_size=[2**40, 2**40 - 1],
+        page_size=[2**40, 1024], max_running_requests=[I64, 1], prefill_max_requests=[I64],
+        in_batch_prefix_caching_check_threshold=[I64], in_batch_prefix_caching_deprioritize_threshold=[I64])
+    c = random_config(rng)
+    ch = {k: rng.choice(v) for k, v in knobs.items() if rng.random() < 0.35}
+    if c.chunked_prefill_size is not None and rng.random() < 0.3:
+        ch["chunked_prefill_size"] = rng.choice([2**40, 2**39])
+    return c.replace(**ch)
+
+
+def extreme_request(rng, i, bases, vocab, now):
+    """`make_request` with max_new_tokens and priorities at int64's ends now and then."""
+    r = make_request(rng, i, bases, vocab, now)
+    f = {k: getattr(r, k) for k in r.__dataclass_fields__}
+    if rng.random() < 0.3:
+        f["max_new_tokens"] = rng.choice([I64, I64 - 3, 2**62, 2**40])
+    if rng.random() < 0.2:
+        f["priority"] = rng.choice([I64, -I64 - 1])
+    return Request(**f)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_extreme_knobs_match_reference(seed):
+    """Multi-step runs (`run_pair`) with knobs and request fields at their bounds: same plans,
+    queue, pools and cache as the reference (a helper found the device admitting what the
+    reference refused at CLIP = 2^63 - 1, and overflow errors past int64)."""
+    run_pair(seed, steps=50, config=extreme_config, request=extreme_request)
 
 
 # ---- 200-step runs per policy --------------------------------------------------------------------
@@ -310,13 +352,13 @@ def test_admission_windows_match_reference(name, lead, monkeypatch):
 
 
 def test_huge_max_new_tokens_decide_as_the_reference(monkeypatch):
-    """A request whose max_new_tokens (and clip_max_new_tokens) are near 2^63: a large window's
-    int64 prefix sums would wrap, so `_window_lead` leaves the window to `_window_loop`'s
-    Python ints, and the plan is the reference's (the refused request stops the loop). The
-    array forms (`admit_step_host`, `admit_step`) sum in int64 and do not handle this."""
+    """A request whose max_new_tokens is 2^63 - 1, with clip_max_new_tokens at its bound
+    (config.TOKEN_KNOB_MAX, 2^40): a large window's int64 prefix sums (`_window_lead`) hold
+    reservations of up to 2^40 each without wrapping, and the plan is the reference's (the
+    refused request stops the loop)."""
     monkeypatch.setattr(GpuScheduler, "SCALAR_WINDOW", 0)  # every window large
     big = 2**63 - 1
-    cfg = SchedulerConfig(schedule_policy="fcfs", clip_max_new_tokens=big, chunked_prefill_size=None,
+    cfg = SchedulerConfig(schedule_policy="fcfs", clip_max_new_tokens=2**40, chunked_prefill_size=None,
                           max_prefill_tokens=10**6)
     plans = []
     for S in (ReferenceScheduler, GpuScheduler):

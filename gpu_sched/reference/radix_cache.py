@@ -179,6 +179,24 @@ class RadixCache:
             at_root = False
         return matched, node
 
+    def present_len(self, key: np.ndarray, ns=None) -> int:
+        """`match_prefix(key, ns)`'s length [tokens, multiple of P] without its stamps and
+        splits: a read, for callers that check before they change anything."""
+        if self.disable:
+            return 0
+        key = key[: self._page_floor(len(key))]
+        node, matched, at_root = self.root, 0, True
+        while len(key) > 0:
+            child = node.children.get(self.child_key(key, ns, at_root))
+            if child is None:
+                break
+            n = self._page_floor(lcp_len(child.key, key))
+            matched += n
+            if n < len(child.key):
+                break
+            node, key, at_root = child, key[n:], False
+        return matched
+
     # ---- R-RC-5 ----------------------------------------------------------------------------
     def insert_and_match(self, key: np.ndarray, value, ns=None, known: int = 0,
                          known_node=None) -> Tuple[int, int, TreeNode]:

@@ -120,7 +120,10 @@ class ReferenceScheduler:
         if isinstance(requests, Request):
             raise TypeError(f"submit takes an iterable of Request objects, got one Request "
                             f"(rid {requests.rid!r}): pass [request]")
-        requests = list(requests)
+        try:
+            requests = list(requests)
+        except TypeError:
+            raise TypeError(f"submit takes an iterable of Request objects, got {type(requests).__name__}") from None
         seen = set()
         for r in requests:
             if not isinstance(r, Request):
@@ -332,7 +335,11 @@ class ReferenceScheduler:
 
         Raises (before changing anything) ValueError for a request that finished its prefill
         without a token, for rids that are not in the plan being run, or for a token id outside
-        [0, 2^31-1]; TypeError for a token that is not an int."""
+        [0, 2^31-1] (the chunked request's too); TypeError for a token that is not an int;
+        MemoryError when the extend ranges need more KV slots than are free and evictable
+        (decode() between step() and here, or R-ADM-5's in-flight chunk, which is admitted
+        whatever the budget, may have used them): free some (finish() or abort() running
+        requests, retract_decode()) and call again."""
         if not isinstance(first_tokens, Mapping):
             raise TypeError(f"complete_prefill takes a mapping rid -> first token, got {type(first_tokens).__name__}")
         in_prefill = {r.rid for r in self.prefilling}
@@ -343,21 +350,29 @@ class ReferenceScheduler:
                                  f"got tokens for {extra[:5]}")
             raise ValueError(f"complete_prefill: requests {extra[:5]} are not in the prefill being run")
         for r in self.prefilling:
-            if r.extend_end == r.fill_len:
-                if r.rid not in first_tokens:
-                    raise ValueError(f"complete_prefill: first_tokens has no token for request {r.rid!r}")
-                check_token_id(f"first_tokens[{r.rid!r}]", first_tokens[r.rid])
+            if r.extend_end == r.fill_len and r.rid not in first_tokens:
+                raise ValueError(f"complete_prefill: first_tokens has no token for request {r.rid!r}")
+        for rid, t in first_tokens.items():
+            check_token_id(f"first_tokens[{rid!r}]", t)
+        # every extend range's slots at once, or nothing: the loop below allocates request by
+        # request (the chunked request's cache insert between them only frees or keeps slots)
+        need = sum(r.extend_end - r.extend_start for r in self.prefilling)
+        evictable = self.cache.evictable_size  # a device read on a device cache: once
+        if need > self.pool.available + evictable:
+            raise MemoryError(f"complete_prefill: the prefill needs {need} KV slots, {self.pool.available} free "
+                              f"and {evictable} evictable; finish() or abort() running requests (or "
+                              f"retract_decode()) and call complete_prefill again")
         for r in self.prefilling:
             if r.kv_len == 0 and r.extend_start > 0 or r.lock_node is not None and r.cached_len == 0 and r.kv_len == 0:
                 # fresh admission: its cached prefix is the locked path
                 vals = self.cache.path_values(r.lock_node)
-                r.ensure_kv_capacity(r.fill_len + r.max_new + 1)
+                r.reserve_kv(r.fill_len)
                 r.kv[: len(vals)] = vals
                 r.kv_len = r.cached_len = len(vals)
             if r.kv_len != r.extend_start:
                 raise RuntimeError(f"request {r.rid!r}: KV covers {r.kv_len} tokens, extend starts at {r.extend_start}")
             n = r.extend_end - r.extend_start
-            r.ensure_kv_capacity(r.extend_end + r.max_new + 1)
+            r.reserve_kv(r.extend_end)
             r.kv[r.kv_len : r.kv_len + n] = self._alloc(n)
             r.kv_len += n
             if r is self.chunked:
@@ -522,22 +537,32 @@ class ReferenceScheduler:
     # ---- state seeding (tests, conformance, engines restoring state) -----------------------
     def seed_cache(self, tokens, extra_key: Optional[str] = None) -> int:
         """Insert `tokens` into the cache with freshly allocated slots (only floorP(len) tokens;
-        tokens already present take none). Returns the newly cached token count."""
+        tokens already present take none). Returns the newly cached token count. Raises
+        MemoryError, nothing changed, when the free pool cannot hold the new ones."""
         if self.cache.disable:
             return 0
         from ..request import as_token_array
         toks = as_token_array(tokens, "seed_cache tokens")
         n = len(toks) // self.config.page_size * self.config.page_size
+        self._check_seed_slots("seed_cache", n - self.cache.present_len(toks[:n], extra_key))
         present = self.cache.insert(toks[:n], self.pool.alloc, extra_key)
         return n - present
 
-    def _seed_holder(self, req: Request, match_len: int, kv_len: int) -> ReqState:
+    def _check_seed_slots(self, where: str, need: int) -> None:
+        """MemoryError, before anything changes, when seeding needs more than the free KV
+        slots (seeding evicts nothing)."""
+        if need > self.pool.available:
+            raise MemoryError(f"{where}: needs {need} KV slots for tokens the cache does not hold, "
+                              f"{self.pool.available} free (seeding evicts nothing)")
+
+    def _seed_holder(self, req: Request, match_len: int, kv_len: int, where: str) -> ReqState:
         self._check_new([req])
         st = self._state(req, None)
+        self._check_seed_slots(f"{where} ({req.rid!r})", kv_len - self.cache.present_len(st.fill()[:match_len], req.extra_key))
         m, node = self.cache.match_prefix(st.fill()[:match_len], req.extra_key)
         self.cache.inc_lock_ref(node)
         st.lock_node = st.last_node = node
-        st.ensure_kv_capacity(st.fill_len + st.max_new + 1)
+        st.reserve_kv(st.fill_len)
         st.kv[:m] = self.cache.path_values(node)
         st.kv[m:kv_len] = self.pool.alloc(kv_len - m)
         st.kv_len, st.cached_len = kv_len, m
@@ -546,18 +571,20 @@ class ReferenceScheduler:
 
     def seed_running(self, req: Request) -> None:
         """Add a request that is already decoding: its prompt is matched (full length) and
-        locked; it holds private slots for the rest of prompt + output (FORMAT.md 3.3)."""
-        st = self._seed_holder(req, len(req.prompt_ids), req.fill_len)
+        locked; it holds private slots for the rest of prompt + output (FORMAT.md 3.3).
+        Raises MemoryError, nothing changed, when the free pool cannot hold those slots."""
+        st = self._seed_holder(req, len(req.prompt_ids), req.fill_len, "seed_running")
         st.prefix_len = st.kv_len
         self.running.append(st)
 
     def seed_chunked(self, req: Request, done: int) -> None:
-        """Set the in-flight chunked request with `done` tokens prefilled (FORMAT.md 3.4)."""
+        """Set the in-flight chunked request with `done` tokens prefilled (FORMAT.md 3.4).
+        Raises MemoryError, nothing changed, when the free pool cannot hold the uncached ones."""
         if self.chunked is not None:
             raise ValueError("a chunked request is already in flight")
         if not 0 <= done < req.fill_len:
             raise ValueError(f"seed_chunked: done must be in [0, {req.fill_len}), got {done}")
-        st = self._seed_holder(req, done, done)
+        st = self._seed_holder(req, done, done, "seed_chunked")
         st.prefix_len = done
         self.chunked = st
 

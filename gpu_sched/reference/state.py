@@ -10,6 +10,10 @@ from ..request import Request
 from .radix_cache import TreeNode
 
 
+#: decode slots `ReqState.reserve_kv` makes room for up front [tokens]
+KV_DECODE_HEADROOM = 4096
+
+
 class ReqState:
     """A request plus what the scheduler knows about it.
 
@@ -76,7 +80,14 @@ class ReqState:
         return m
 
     # ---- KV bookkeeping --------------------------------------------------------------------
+    def reserve_kv(self, length: int) -> None:
+        """Room in `kv` for `length` computed tokens and the decode steps after them: up to
+        max_new_tokens of them, at most `KV_DECODE_HEADROOM` (max_new_tokens may be up to
+        2^63 - 1; decode grows the array past the headroom, doubling)."""
+        self.ensure_kv_capacity(length + min(self.max_new, KV_DECODE_HEADROOM) + 1)
+
     def ensure_kv_capacity(self, n: int) -> None:
+        """Room in `kv` for n slots (grown to at least twice its size: amortized O(1) a decode)."""
         if len(self.kv) < n:
             grown = np.empty(max(n, 2 * len(self.kv), 16), np.int64)
             grown[: self.kv_len] = self.kv[: self.kv_len]

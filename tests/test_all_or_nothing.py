@@ -1,0 +1,191 @@
+"""Calls that fail leave a scheduler as it was (README: every call checks its arguments before it
+changes anything), on both schedulers (they share these calls): complete_prefill short of KV
+slots, seeding short of free slots, an out-of-range token for the chunked request; config knobs
+past int64 or 2^40; request inputs the caller may reuse or that read as something else."""
+
+import numpy as np
+import pytest
+import torch
+
+from _scenarios import dev_triples, ref_triples
+from gpu_sched import Request, SchedulerConfig
+from gpu_sched.config import INT64_MAX, INT64_MIN, TOKEN_KNOB_MAX
+from gpu_sched.reference import ReferenceScheduler
+from gpu_sched.reference.state import KV_DECODE_HEADROOM
+from gpu_sched.scheduler import GpuScheduler
+
+SCHEDULERS = [ReferenceScheduler, GpuScheduler]
+
+
+def triples(s):
+    return dev_triples(s.cache) if isinstance(s, GpuScheduler) else ref_triples(s.cache)
+
+
+def state(s) -> dict:
+    return dict(queue=[r.rid for r in s.queue], running=[r.rid for r in s.running],
+                prefilling=[r.rid for r in s.prefilling], chunked=s.chunked.rid if s.chunked else None,
+                sizes=(s.available, s.evictable, s.protected), reqs=sorted(s.reqs),
+                outs={rid: list(r.req.output_ids) for rid, r in s.reqs.items()},
+                kv={rid: r.kv[: r.kv_len].tolist() for rid, r in s.reqs.items()}, tree=triples(s))
+
+
+def after_eviction(s) -> set:
+    """The cache left by evicting half its evictable tokens: which prefixes go first is the
+    stamps' (LRU) order, which a failed call must not have touched either."""
+    s.cache.evict(s.evictable // 2)
+    s.check_integrity()
+    return triples(s)
+
+
+def _short_prefill(cls):
+    """A plan admitted at step() whose slots decode() then uses up (40-slot pool)."""
+    s = cls(SchedulerConfig(chunked_prefill_size=None), kv_pool_size=40)
+    s.seed_cache([5, 6, 7, 8])
+    s.seed_cache([9, 9, 9, 9])  # unlocked: evictable
+    s.submit([Request("run", [1] * 10, 25)], now=0.0)
+    s.step(0.01)
+    s.complete_prefill({"run": 5})
+    s.submit([Request("p1", [5, 6, 7, 8, 2, 2], 1), Request("p2", [3] * 15, 1)], now=1.0)
+    assert [a[0] for a in s.step(0.01).admitted] == ["p1", "p2"]
+    for _ in range(12):
+        s.decode({"run": 6})
+    return s
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+def test_complete_prefill_short_of_slots_changes_nothing(cls):
+    """More extend tokens than free + evictable slots: MemoryError naming the counts before any
+    allocation or eviction; after finish() frees slots the same call goes through, and the
+    scheduler equals a twin that never saw the failed call (its cache's LRU order included)."""
+    s, twin = _short_prefill(cls), _short_prefill(cls)
+    before = state(s)
+    with pytest.raises(MemoryError, match=r"needs 17 KV slots, 10 free and 4 evictable"):
+        s.complete_prefill({"p1": 7, "p2": 8})
+    assert state(s) == before
+    s.check_integrity()
+    for x in (s, twin):
+        x.finish(["run"])
+        x.complete_prefill({"p1": 7, "p2": 8})
+        x.check_integrity()
+    assert state(s) == state(twin)
+    assert after_eviction(s) == after_eviction(twin)
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+@pytest.mark.parametrize("max_new", [2**40, INT64_MAX])
+def test_huge_max_new_tokens_reserve_a_bounded_kv_array(cls, max_new):
+    """max_new_tokens up to int64's largest is a valid request: its KV array is sized for at
+    most KV_DECODE_HEADROOM decode steps (not max_new_tokens), and grows past them."""
+    s = cls(SchedulerConfig(), kv_pool_size=10_000)
+    s.submit([Request("ok", [1, 2, 3], 16), Request("huge", [4, 5, 6], max_new)], now=0.0)
+    assert [a[0] for a in s.step(0.7).admitted] == ["ok", "huge"]
+    s.complete_prefill({"ok": 11, "huge": 12})
+    assert len(s.reqs["huge"].kv) <= 3 + KV_DECODE_HEADROOM + 1
+    for _ in range(KV_DECODE_HEADROOM + 5):  # past the headroom: the array doubles
+        s.decode({"ok": 1, "huge": 2})
+    assert s.reqs["huge"].kv_len == 3 + KV_DECODE_HEADROOM + 5
+    s.check_integrity()
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+def test_complete_prefill_checks_the_chunked_requests_token_too(cls):
+    """A token given for the chunked request (whose prefill is not done) is not used, but a bad
+    one is refused like any other, with nothing changed."""
+    s = cls(SchedulerConfig(chunked_prefill_size=16), kv_pool_size=1000)
+    s.submit([Request("a", list(range(40)), 4)], now=0.0)
+    assert s.step(0.7).new_chunked_rid == "a"
+    before = state(s)
+    for bad, err in ((-1, ValueError), (2**31, ValueError), (1.0, TypeError)):
+        with pytest.raises(err, match=r"first_tokens\['a'\]"):
+            s.complete_prefill({"a": bad})
+        assert state(s) == before
+    s.complete_prefill({"a": 3})
+    s.check_integrity()
+
+
+def _seeded(cls):
+    s = cls(SchedulerConfig(), 20)
+    s.seed_cache([1, 2, 3, 4, 5, 6, 7, 8])
+    s.seed_cache([9, 9, 9, 9])
+    return s
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+@pytest.mark.parametrize("call", ["seed_running", "seed_chunked", "seed_cache"])
+def test_seeding_short_of_free_slots_changes_nothing(cls, call):
+    """Seeding evicts nothing: a request or prefix whose uncached tokens need more than the free
+    slots raises MemoryError before it matches (stamps, splits) or locks anything."""
+    s, twin = _seeded(cls), _seeded(cls)
+    before = state(s)
+    prompt = [1, 2, 3, 4, 5] + list(range(100, 120))  # a split of the cached 8-token node, 20 uncached
+    with pytest.raises(MemoryError, match=r"needs \d+ KV slots .* 8 free"):
+        if call == "seed_running":
+            s.seed_running(Request("big", prompt, 4))
+        elif call == "seed_chunked":
+            s.seed_chunked(Request("big", prompt + [1], 4), done=len(prompt))
+        else:
+            s.seed_cache(prompt)
+    assert state(s) == before
+    s.check_integrity()
+    assert after_eviction(s) == after_eviction(twin)
+
+
+TOKEN_KNOBS = ["page_size", "max_prefill_tokens", "chunked_prefill_size", "clip_max_new_tokens",
+               "truncation_align_size"]
+INT64_KNOBS = ["max_running_requests", "prefill_max_requests", "lpm_fallback_queue_len",
+               "in_batch_prefix_caching_check_threshold", "in_batch_prefix_caching_deprioritize_threshold",
+               "priority_scheduling_preemption_threshold"]
+
+
+@pytest.mark.parametrize("name", TOKEN_KNOBS + INT64_KNOBS)
+def test_config_knobs_have_an_upper_bound(name):
+    """Token knobs up to 2^40 (the device's int64 sums of them cannot overflow), the others up
+    to int64's largest (the device holds them as int64); one more is a ValueError naming the
+    field and the value."""
+    hi = TOKEN_KNOB_MAX if name in TOKEN_KNOBS else INT64_MAX
+    assert getattr(SchedulerConfig(**{name: hi}), name) == hi
+    with pytest.raises(ValueError, match=rf"{name} must be <= {hi} .*got {hi + 1}"):
+        SchedulerConfig(**{name: hi + 1})
+
+
+def test_config_threshold_lower_bound_and_numpy_integers():
+    assert SchedulerConfig(priority_scheduling_preemption_threshold=INT64_MIN).priority_scheduling_preemption_threshold == INT64_MIN
+    with pytest.raises(ValueError, match="priority_scheduling_preemption_threshold must be >="):
+        SchedulerConfig(priority_scheduling_preemption_threshold=INT64_MIN - 1)
+    c = SchedulerConfig(page_size=np.int64(4), max_running_requests=np.uint32(3), random_seed=np.uint64(2**64 - 1))
+    assert (c.page_size, c.max_running_requests, c.random_seed) == (4, 3, 2**64 - 1)
+    assert all(type(v) is int for v in (c.page_size, c.max_running_requests, c.random_seed))
+    assert c.replace(page_size=np.int32(16)).page_size == 16
+    with pytest.raises(TypeError, match="page_size must be an int, got bool"):
+        SchedulerConfig(page_size=np.True_)
+
+
+def test_request_keeps_its_own_copy_of_the_prompt():
+    """The caller's buffer is neither frozen nor shared: an engine that reuses it does not change
+    a queued prompt (an int32 array, a view of one, an int32 tensor)."""
+    arr = np.array([1, 2, 3, 4], dtype=np.int32)
+    t = torch.tensor([5, 6, 7], dtype=torch.int32)
+    reqs = [Request("a", arr, 2), Request("v", arr[1:], 2), Request("t", t, 2)]
+    assert arr.flags.writeable
+    arr[:] = 9
+    t[:] = 0
+    assert [r.prompt_ids.tolist() for r in reqs] == [[1, 2, 3, 4], [2, 3, 4], [5, 6, 7]]
+    assert not any(r.prompt_ids.flags.writeable for r in reqs)
+
+
+@pytest.mark.parametrize("prompt,err,msg", [
+    ([1, np.True_], TypeError, r"prompt_ids\[1\] must be an int, got bool"),
+    ({1: 2}, TypeError, "prompt_ids must be a sequence of ints, got dict"),
+])
+def test_request_refuses_prompts_that_would_read_as_other_tokens(prompt, err, msg):
+    with pytest.raises(err, match=msg):
+        Request("a", prompt, 2)
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+def test_submit_of_a_non_iterable_names_what_it_takes(cls):
+    s = cls(SchedulerConfig(), 100)
+    for bad in (None, 7):
+        with pytest.raises(TypeError, match="submit takes an iterable of Request objects, got"):
+            s.submit(bad)
+    assert state(s)["queue"] == []
