@@ -15,11 +15,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
+import math
+import os
 import sys
 from typing import List, Optional
 
 BACKENDS = ("reference", "torch", "triton")  # the one list of scheduler backends
+
+
+#: --capture's largest queue capacity (the benchmarks' largest queue is 2^20; the recorded
+#: step's buffers grow with it)
+MAX_CAPTURE = 2**24
+#: --threads' largest (torch.set_num_threads itself crashes on some huge counts)
+MAX_THREADS = 4096
 
 
 class CliError(Exception):
@@ -34,10 +44,10 @@ def make_scheduler_factory(backend: str, device: Optional[str] = None, capture: 
     lengths when given (fewer search and tree rounds than the default, the pool's size).
     threads: device backends set torch's intra-op CPU threads to it (`torch.set_num_threads`;
     0 or None: torch's default, one per core)."""
-    if capture < 0:
-        raise CliError(f"--capture must be >= 0, got {capture}")
-    if threads is not None and threads < 0:
-        raise CliError(f"--threads must be >= 0, got {threads}")
+    if not 0 <= capture <= MAX_CAPTURE:
+        raise CliError(f"--capture must be in [0, {MAX_CAPTURE}], got {capture}")
+    if threads is not None and not 0 <= threads <= MAX_THREADS:
+        raise CliError(f"--threads must be in [0, {MAX_THREADS}], got {threads}")
     if backend == "reference":
         if capture:
             raise CliError("--capture needs a device backend (torch or triton), not the reference")
@@ -200,6 +210,9 @@ def load_trace(args):
     else:
         if args.synthetic_requests < 0:
             raise ValueError(f"--synthetic-requests must be >= 0, got {args.synthetic_requests}")
+        if not math.isfinite(8.0 * args.rate_scale):
+            raise ValueError(f"--rate-scale {args.rate_scale} makes the synthetic workload's rate "
+                             f"(8 requests/s x it) overflow")
         tr = synthetic_workload(args.synthetic_requests, seed=args.seed, request_rate=8.0 * args.rate_scale)
         if args.limit is not None:
             tr = Trace(name=tr.name, requests=tr.requests[: args.limit], source=tr.source)
@@ -211,7 +224,8 @@ def load_trace(args):
 def _run_info(args, trace, config, cost) -> dict:
     """results.json's "config": what the run replayed and with what, enough to run it again
     (`argv` is the command line; `version` the package's, `commit` the checkout's when known)."""
-    return {"trace": trace.source or trace.name, "num_requests": len(trace), "bad_rows": trace.bad_rows,
+    src = os.path.abspath(trace.source) if getattr(args, "trace", None) and trace.source else trace.source
+    return {"trace": src or trace.name, "num_requests": len(trace), "bad_rows": trace.bad_rows,
             "limit": args.limit, "rate_scale": args.rate_scale,
             "synthetic_seed": None if getattr(args, "trace", None) else args.seed,
             "routing_keys": args.routing_keys, "priority_levels": args.priority_levels,
@@ -290,6 +304,12 @@ def _replay_trace(args, configs: dict, notes: bool = True):
                  " with --synthetic-requests 0" if not getattr(args, "trace", None) else "")
         raise CliError(f"no requests to replay in {trace.source or trace.name}{given}")
     reqs = trace.requests
+    if notes and trace.bad_rows:
+        print(f"gpu-sched: note: skipped {trace.bad_rows} malformed row{'s' if trace.bad_rows != 1 else ''} "
+              f"of {trace.source} (--skip-bad-rows)", file=sys.stderr)
+    if notes and getattr(args, "priority_levels", 0) and not any(c.enable_priority_scheduling for c in configs.values()):
+        print("gpu-sched: note: --priority-levels gives requests priorities, which only "
+              "--enable-priority-scheduling reads; without it they change nothing", file=sys.stderr)
     for name, cfg in configs.items() if notes else ():
         if name == "routing-key" and not any(r.routing_key for r in reqs):
             print("gpu-sched: note: no request has a routing key, so routing-key orders as fcfs; "
@@ -315,6 +335,7 @@ def _replay_runs(args, configs: dict, trace, cost):
     progress = not args.no_progress and sys.stderr.isatty()
     summaries, runs = {}, {}
     for name, cfg in configs.items():
+        gc.collect()  # the previous run's scheduler holds reference cycles (queue views <-> scheduler)
         try:
             summary, requests, steps = replay(trace, cfg, kv_tokens=args.kv_tokens,
                                               make_scheduler=lambda c, kv: factory(c, kv),
@@ -362,6 +383,21 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
     return 0
 
 
+def _check_out_dir(out: str) -> None:
+    """CliError unless `out` is a folder this run can write into (made if missing)."""
+    from pathlib import Path
+
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise CliError(f"--out {out} is a file, not a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"cannot write results to {out}: {e}") from None
+    if not os.access(p, os.W_OK):
+        raise CliError(f"cannot write results to {out}: the folder is not writable")
+
+
 def cmd_replay(args) -> int:
     from .sim.engine import get_cost_model
     from .sim.metrics import format_comparison, format_summary, write_results
@@ -381,6 +417,8 @@ def cmd_replay(args) -> int:
         seeds = _parse_seeds(args)
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise CliError(str(e)) from None
+    if args.out:  # before the run, not after it
+        _check_out_dir(args.out)
     if seeds is not None:
         return _replay_seeds(args, configs, cost, seeds)
     trace = _replay_trace(args, configs)
@@ -433,6 +471,10 @@ def cmd_trace_stats(args) -> int:
         trace = load_trace(args)
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise CliError(str(e)) from None
+    if not trace.requests:  # statistics of nothing would print rows of nan
+        raise CliError(f"no requests in {trace.source or trace.name}"
+                       + (f" ({trace.bad_rows} malformed rows skipped)" if trace.bad_rows else "")
+                       + (f" with --limit {args.limit}" if args.limit == 0 else ""))
     stats = trace_stats(trace)
     print(f"trace {trace.name} ({trace.source}), {trace.bad_rows} bad rows skipped")
     width = max(len(k) for k in stats) + 2
@@ -554,6 +596,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except CliError as e:
         print(f"gpu-sched: error: {e}", file=sys.stderr)
         return 2
+    except MemoryError as e:  # a pool, capture or trace larger than this machine holds
+        print(f"gpu-sched: error: out of memory ({e or 'MemoryError'}); a smaller --kv-tokens, --capture "
+              f"or --limit may fit", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # stdout closed early (`| head`): no traceback, and none at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -239,6 +239,9 @@ class _Views(weakref.WeakValueDictionary):
         # a copied scheduler starts with no views: its copied queue's rows are all held (never
         # freed), and views made from it later register themselves
         return _Views()
+
+    def __reduce__(self):  # a pickled scheduler too (a WeakValueDictionary does not pickle)
+        return _Views, ()
 _ENQUEUE_TIME = operator.attrgetter("enqueue_time")
 
 

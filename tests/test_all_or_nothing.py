@@ -189,3 +189,69 @@ def test_submit_of_a_non_iterable_names_what_it_takes(cls):
         with pytest.raises(TypeError, match="submit takes an iterable of Request objects, got"):
             s.submit(bad)
     assert state(s)["queue"] == []
+
+
+# ---- copies and pickles of a scheduler mid-run ---------------------------------------------------
+def _mid_run(cls, policy):
+    s = cls(SchedulerConfig(schedule_policy=policy, max_prefill_tokens=8, chunked_prefill_size=None), 10_000)
+    s.submit([Request(f"r{i}", [1, 2, i + 1] * 2, 4) for i in range(8)], now=0.0)
+    s.step(0.5)
+    s.complete_prefill({r.rid: 1 for r in s.prefilling})
+    return s
+
+
+def _go_on(s, steps=6) -> list:
+    plans = []
+    for t in range(steps):
+        p = s.step(0.5)
+        plans.append((list(p.admitted), list(p.queue_order)))
+        s.complete_prefill({r.rid: 1 for r in s.prefilling})
+        s.submit([Request(f"n{t}", [1, 2, 3, t], 2)], now=float(t + 1))
+        s.check_integrity()
+    return plans
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+@pytest.mark.parametrize("policy", ["random", "lpm", "fcfs"])
+def test_a_copy_or_pickle_mid_run_goes_on_as_the_original(cls, policy):
+    """A deep copy and a pickle round trip of a scheduler mid-run each decide what the
+    original decides from there, `random`'s draws included: each carries its own generator
+    (the reference's default shuffle was a closure, which a copy shared with the original, and
+    the scheduler's views table did not pickle)."""
+    import copy
+    import pickle
+
+    a = _mid_run(cls, policy)
+    b, c = copy.deepcopy(a), pickle.loads(pickle.dumps(a))
+    want = _go_on(a)
+    assert _go_on(b) == want and _go_on(c) == want
+
+
+# ---- the simulator's inputs built in code ----------------------------------------------------------
+@pytest.mark.parametrize("fields,err,msg", [
+    (dict(arrival_s=float("nan"), input_len=10, output_len=3), ValueError, "arrival_s must be a finite number"),
+    (dict(arrival_s=float("inf"), input_len=10, output_len=3), ValueError, "arrival_s must be a finite number"),
+    (dict(arrival_s=0.0, input_len=0, output_len=3), ValueError, r"input_len must be in \[1, 16777216\], got 0"),
+    (dict(arrival_s=0.0, input_len=10, output_len=-1), ValueError, r"output_len must be in \[0, 16777216\], got -1"),
+    (dict(arrival_s=0.0, input_len=10, output_len=2**40), ValueError, "output_len must be in"),
+    (dict(arrival_s=0.0, input_len=10.0, output_len=1), TypeError, "input_len must be an int"),
+])
+def test_replay_refuses_trace_requests_it_cannot_run(fields, err, msg):
+    """A NaN arrival never arrives (the replay idled forever), a negative or huge length cannot
+    be built: refused with the request named, before the replay starts."""
+    from gpu_sched.sim.engine import replay
+    from gpu_sched.sim.traces import Trace, TraceRequest
+
+    trace = Trace("t", [TraceRequest(index=0, arrival_s=0.0, input_len=5, output_len=1),
+                        TraceRequest(index=1, **fields)])
+    with pytest.raises(err, match=rf"trace request 1: {msg}"):
+        replay(trace, SchedulerConfig(), kv_tokens=1000, make_scheduler=ReferenceScheduler)
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), 1e308, True, "1"])
+def test_cost_model_built_in_code_is_checked(value):
+    from gpu_sched.sim.engine import CostModel
+
+    with pytest.raises(ValueError, match=r"CostModel prefill_token_s must be a number of seconds in \[0, 3600\]"):
+        CostModel("m", "", fixed_s=0.0, prefill_token_s=value, decode_request_s=0.0, kv_token_s=0.0)
+    assert CostModel("m", "", fixed_s=1, prefill_token_s=0, decode_request_s=0, kv_token_s=0).fixed_s == 1.0

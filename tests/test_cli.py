@@ -1,6 +1,9 @@
 """Tests for the `gpu-sched` command line (replay, trace-stats, error handling)."""
 
 import json
+import os
+import subprocess
+import sys
 import re
 from pathlib import Path
 
@@ -191,7 +194,7 @@ def test_cost_model_from_a_json_file(tmp_path, capsys):
     capsys.readouterr()
     for text, message in (('{"fixed_s": 1}', "missing prefill_token_s, decode_request_s, kv_token_s"),
                           ('{"fixed_s": -1, "prefill_token_s": 0, "decode_request_s": 0, "kv_token_s": 0}',
-                           "fixed_s must be a finite number of seconds >= 0, got -1"),
+                           "fixed_s must be a number of seconds in [0, 3600], got -1"),
                           ('{"fixed_s": 1, "prefill_token_s": 0, "decode_request_s": 0, "kv_token_s": 0, "x": 1}',
                            "unknown x"),
                           ("[1, 2]", "expected an object"), ("{", "not JSON")):
@@ -265,8 +268,23 @@ def _bad_rows(tmp_path):
     (["replay", "--cost-model", "gpt-17"], "cost model"),
     (["replay", "--backend", "cuda-magic"], "backend"),
     (["replay", "--capture", "64"], "--capture needs a device backend"),
-    (["replay", "--backend", "torch", "--capture", "-1"], "--capture must be >= 0"),
-    (["replay", "--backend", "torch", "--threads", "-1"], "--threads must be >= 0"),
+    (["replay", "--backend", "torch", "--capture", "-1"], "--capture must be in [0, 16777216], got -1"),
+    (["replay", "--backend", "torch", "--capture", str(10**12)], "--capture must be in [0, 16777216]"),
+    (["conformance", "BAD", "--backend", "torch", "--capture", str(10**12)], "--capture must be in [0, 16777216]"),
+    (["replay", "--backend", "torch", "--threads", "-1"], "--threads must be in [0, 4096], got -1"),
+    (["replay", "--backend", "torch", "--threads", "100000"], "--threads must be in [0, 4096], got 100000"),
+    # values a reader or flag takes but no run can hold: one line each, not a traceback
+    (["replay", "--kv-tokens", str(10**13)], "out of memory (kv_pool_size 10000000000000 slots"),
+    (["trace-stats", "HUGE"], "huge.jsonl line 1: output_length must be <= 16777216, got 100000000000000000000"),
+    (["replay", "--trace", "HUGE"], "huge.jsonl line 1: output_length must be <= 16777216"),
+    (["trace-stats", "LATE"], "late.jsonl line 1: timestamp must be <= 9007199254740992"),
+    (["replay", "--trace", "SOON", "--rate-scale", "1e-309"], "rate_scale 1e-309 puts request 0's arrival past"),
+    (["replay", "--rate-scale", "1e308"], "--rate-scale 1e+308 makes the synthetic workload's rate"),
+    (["trace-stats", "BIN"], "bin.jsonl: not UTF-8 text"),
+    (["replay", "--cost-model", "COST"], "cost.json: CostModel fixed_s must be a number of seconds in [0, 3600]"),
+    (["replay", "--cost-model", "BINCOST"], "bincost.json: not UTF-8 text"),
+    (["replay", "--out", "OUTFILE"], "is a file, not a folder"),
+    (["trace-stats", "EMPTY"], "no requests in"),
     (["replay", "--limit", "0"], "no requests to replay in synthetic"),
     (["replay", "--synthetic-requests", "0"], "no requests to replay in synthetic"),
     (["replay", "--trace", "BAD", "--limit", "0"], "no requests to replay in"),
@@ -287,8 +305,16 @@ def _bad_rows(tmp_path):
     (["replay", "--trace", "/no/such/trace.jsonl", "--backend", "torch", "--device", "gpu"], "not found"),
 ])
 def test_bad_input_is_one_line_without_traceback(argv, message, tmp_path, capsys):
-    bad = _bad_rows(tmp_path)
-    argv = [str(bad) if a == "BAD" else str(tmp_path) if a == "DIR" else a for a in argv]
+    files = {"BAD": _bad_rows(tmp_path), "DIR": tmp_path}
+    for name, data in (("huge.jsonl", b'{"timestamp": 0, "input_length": 10, "output_length": 10' + b"0" * 19 + b', "hash_ids": [1]}\n'),
+                       ("late.jsonl", b'{"timestamp": 1' + b"0" * 17 + b', "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'),
+                       ("soon.jsonl", b'{"timestamp": 1000, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'),
+                       ("bin.jsonl", b"\xff\xfe{}"), ("bincost.json", b"\xff\xfe"), ("outfile", b""),
+                       ("cost.json", b'{"fixed_s": 1e308, "prefill_token_s": 0, "decode_request_s": 0, "kv_token_s": 0}'),
+                       ("empty.jsonl", b"")):
+        (tmp_path / name).write_bytes(data)
+        files[name.split(".")[0].upper()] = tmp_path / name
+    argv = [str(files[a]) if a in files else a for a in argv]
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc != 0
@@ -368,8 +394,32 @@ def test_check_prints_that_it_passed(capsys):
 
 
 def test_skip_bad_rows(tmp_path, capsys):
-    assert main(["replay", "--trace", str(_bad_rows(tmp_path)), "--skip-bad-rows", "--no-progress"]) == 0
-    assert re.search(r"Successful requests:\s+1\n", capsys.readouterr().out)
+    """The skipped rows are counted in a note (and in results.json, with the trace's absolute
+    path: the run can be repeated from another folder)."""
+    bad = _bad_rows(tmp_path)
+    assert main(["replay", "--trace", str(bad), "--skip-bad-rows", "--no-progress", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr()
+    assert re.search(r"Successful requests:\s+1\n", out.out)
+    assert "gpu-sched: note: skipped 1 malformed row of" in out.err
+    cfg = json.loads((tmp_path / "o" / "results.json").read_text())["config"]
+    assert cfg["bad_rows"] == 1 and cfg["trace"] == str(bad.resolve())
+
+
+def test_priority_levels_without_priority_scheduling_is_noted(capsys):
+    assert main(["replay", "--synthetic-requests", "20", "--priority-levels", "3", "--no-progress"]) == 0
+    assert "only --enable-priority-scheduling reads" in capsys.readouterr().err
+
+
+def test_output_closed_early_is_not_a_traceback():
+    """`gpu-sched ... | head`: the closed pipe ends the command quietly (more output than a
+    pipe holds, so the write meets the closed pipe whatever the timing)."""
+    code = ("import sys, gpu_sched.cli as c\n"
+            "def long_output(args):\n    print('x' * 200000)\n    return 0\n"
+            "c.cmd_trace_stats = long_output\n"
+            "sys.exit(c.main(['trace-stats', 'any.jsonl']))\n")
+    r = subprocess.run(f'"{sys.executable}" -c "$CODE" | head -c 1', shell=True, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "CODE": code})
+    assert r.stdout == "x" and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
 
 
 def test_request_that_never_fits_exits_nonzero(capsys):

@@ -91,3 +91,11 @@ def test_compare_checks_float_bits():
     want = {"budgets": {"rem_total": 0.0, "cur_rem": 1, "rem_input": 2, "rem_chunk": None}}
     assert compare(mine, want) is not None
     assert compare(want, want) is None
+
+
+def test_a_scenario_with_nothing_expected_fails():
+    """An `expected` with no field to compare (only `random_permutation`, or nothing) checks
+    nothing: it fails rather than passing unchecked."""
+    assert compare({"stop": "queue_end"}, {}) == "expected holds no field to compare"
+    assert compare({"stop": "queue_end"}, {"random_permutation": [0]}) == "expected holds no field to compare"
+    assert compare({"stop": "queue_end"}, {"stop": "queue_end"}) is None

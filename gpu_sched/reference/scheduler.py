@@ -49,6 +49,20 @@ def _distinct(what: str, rids: Iterable[str]) -> List[str]:
     return rids
 
 
+class _SeededShuffle:
+    """The `random` policy's default shuffle (R-ORD-6): numpy's generator seeded with
+    `config.random_seed`. An object rather than a closure, so that a deep copy or a pickle of
+    a scheduler carries its own generator (a copied closure would share the original's)."""
+
+    __slots__ = ("rng",)
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, n: int) -> np.ndarray:
+        return self.rng.permutation(n)
+
+
 class ReferenceScheduler:
     """Sequential oracle of SPEC.md.
 
@@ -79,10 +93,7 @@ class ReferenceScheduler:
         self.config = config
         self.pool = KVPool(kv_pool_size)
         self.cache = self._make_cache()
-        if shuffle is None:
-            rng = np.random.default_rng(config.random_seed)
-            shuffle = lambda n: rng.permutation(n)  # noqa: E731
-        self.shuffle = shuffle
+        self.shuffle = _SeededShuffle(config.random_seed) if shuffle is None else shuffle
         self.queue: List[ReqState] = []
         self.running: List[ReqState] = []
         self.chunked: Optional[ReqState] = None

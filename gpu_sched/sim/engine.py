@@ -32,6 +32,7 @@ finish/check_integrity, property kv_used).
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 import time
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from ..plan import DecisionDigest
 from ..ratio import NewTokenRatio
 from ..request import Request
 from .metrics import RequestRecord, StepRecord, summarize
-from .traces import Trace, output_token_ids
+from .traces import MAX_TRACE_TOKENS, Trace, output_token_ids
 
 __all__ = ["CostModel", "COST_MODELS", "DEFAULT_COST_MODEL", "get_cost_model", "NewTokenRatio",
            "SimulationError", "replay"]
@@ -54,6 +55,12 @@ class SimulationError(RuntimeError):
 
 
 # ---- cost model ---------------------------------------------------------------------------
+COST_FIELDS = ("fixed_s", "prefill_token_s", "decode_request_s", "kv_token_s")
+#: the largest cost a CostModel field may give [s] (per step or per token): an hour keeps every
+#: simulated clock finite
+MAX_COST_S = 3600.0
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Simulated duration of one engine step (all times in seconds).
@@ -71,6 +78,13 @@ class CostModel:
     prefill_token_s: float
     decode_request_s: float
     kv_token_s: float
+
+    def __post_init__(self) -> None:
+        for k in COST_FIELDS:
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v <= MAX_COST_S):
+                raise ValueError(f"CostModel {k} must be a number of seconds in [0, {MAX_COST_S:g}], got {v!r}")
+            object.__setattr__(self, k, float(v))
 
     def prefill_s(self, extend_tokens: int, cached_tokens: int) -> float:
         return self.fixed_s + self.prefill_token_s * extend_tokens + self.kv_token_s * cached_tokens
@@ -132,10 +146,12 @@ def _cost_model_file(path: str) -> CostModel:
     if not p.is_file():
         raise FileNotFoundError(f"cost model file not found: {path}")
     try:
-        d = json.loads(p.read_text())
+        d = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"cost model file {path}: not JSON ({e})") from None
-    times = ("fixed_s", "prefill_token_s", "decode_request_s", "kv_token_s")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"cost model file {path}: not UTF-8 text ({e.reason})") from None
+    times = COST_FIELDS
     if not isinstance(d, dict):
         raise ValueError(f"cost model file {path}: expected an object with {', '.join(times)}")
     extra = set(d) - set(times) - {"name", "description"}
@@ -143,12 +159,11 @@ def _cost_model_file(path: str) -> CostModel:
     if extra or missing:
         raise ValueError(f"cost model file {path}: " + "; ".join(
             ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unknown {', '.join(sorted(extra))}"] if extra else [])))
-    for k in times:
-        v = d[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"cost model file {path}: {k} must be a finite number of seconds >= 0, got {v!r}")
-    return CostModel(name=str(d.get("name", p.stem)), description=str(d.get("description", f"from {path}")),
-                     **{k: float(d[k]) for k in times})
+    try:
+        return CostModel(name=str(d.get("name", p.stem)), description=str(d.get("description", f"from {path}")),
+                         **{k: d[k] for k in times})
+    except ValueError as e:
+        raise ValueError(f"cost model file {path}: {e}") from None
 
 
 # ---- the simulator ------------------------------------------------------------------------
@@ -402,6 +417,23 @@ class _Replay:
                 bar.close()
 
 
+def _check_requests(trace: Trace) -> None:
+    """ValueError/TypeError naming the first trace request the replay cannot run: an arrival
+    that is not a finite number (a NaN one would never arrive: the replay would idle forever),
+    or lengths outside [1, MAX_TRACE_TOKENS] (prompt) and [0, MAX_TRACE_TOKENS] (output).
+    The trace readers check their rows; this checks traces built in code."""
+    for i, r in enumerate(trace.requests):
+        a = r.arrival_s
+        if isinstance(a, bool) or not isinstance(a, numbers.Real) or not math.isfinite(a):
+            raise ValueError(f"trace request {i}: arrival_s must be a finite number of seconds, got {a!r}")
+        for name, lo in (("input_len", 1), ("output_len", 0)):
+            v = getattr(r, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"trace request {i}: {name} must be an int, got {v!r}")
+            if not lo <= v <= MAX_TRACE_TOKENS:
+                raise ValueError(f"trace request {i}: {name} must be in [{lo}, {MAX_TRACE_TOKENS}], got {v}")
+
+
 def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
            make_scheduler: Callable[[SchedulerConfig, int], object],
            cost_model: Union[str, CostModel] = DEFAULT_COST_MODEL, check: bool = False,
@@ -437,6 +469,7 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
     if not isinstance(config, SchedulerConfig):
         raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
     cost = get_cost_model(cost_model)
+    _check_requests(trace)
     wall0 = time.perf_counter()
     sim = _Replay(trace, config, kv_tokens, make_scheduler, cost, check, progress)
     sim.run()

@@ -34,7 +34,7 @@ class RequestRecord:
     arrival_s: float
     input_len: int                   # prompt tokens
     output_len: int                  # tokens generated (may be < planned if cut)
-    cached_tokens: int               # prompt tokens served from the prefix cache (all prefill chunks)
+    cached_tokens: int               # prompt tokens served from the prefix cache at its first admission (extend_start)
     first_token_s: Optional[float]   # first output token time (None = never)
     finish_s: Optional[float]        # last token time (None = unfinished)
     token_times: list = field(default_factory=list)  # time of each output token (len == output_len)

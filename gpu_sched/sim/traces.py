@@ -15,6 +15,7 @@ segments), so the whole Mooncake trace costs a few MB instead of GBs. Token ids 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -33,6 +34,12 @@ __all__ = [
 ]
 
 BLOCK_TOKENS = 512  # tokens per Mooncake hash-id block
+#: the longest prompt or output a trace row may give [tokens]: the simulator builds prompts and
+#: outputs whole (a row asking for 10^12 tokens would ask for terabytes), and real traces hold
+#: at most ~10^5-10^6 tokens a request
+MAX_TRACE_TOKENS = 2**24
+#: the latest Mooncake timestamp [ms] (~285,000 years): exact in a float64 [s]
+MAX_TIMESTAMP_MS = 2**53
 _TOKEN_MOD = 2**31 - 1  # token ids in [0, 2^31 - 1): fits the int32 token pool
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -191,11 +198,23 @@ def _check_args(path: PathLike, limit, rate_scale) -> Path:
     return p
 
 
-def _int_field(v, name: str, minimum: int) -> int:
+def _int_field(v, name: str, minimum: int, maximum: int = MAX_TRACE_TOKENS) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         kind = "a positive int" if minimum == 1 else "a non-negative int"
         raise _Bad(f"{name} must be {kind}, got {v!r}")
+    if v > maximum:
+        raise _Bad(f"{name} must be <= {maximum}, got {v}")
     return v
+
+
+@contextlib.contextmanager
+def _text(p: Path, **kw):
+    """`open(p)` as UTF-8 text; a file that is not UTF-8 raises TraceFormatError naming it."""
+    try:
+        with open(p, encoding="utf-8", **kw) as f:
+            yield f
+    except UnicodeDecodeError as e:
+        raise TraceFormatError(f"{p.name}: not UTF-8 text ({e.reason})") from None
 
 
 def _collect(p: Path, rows, parse, limit, skip_bad_rows) -> tuple:
@@ -215,7 +234,10 @@ def _collect(p: Path, rows, parse, limit, skip_bad_rows) -> tuple:
     return good, bad
 
 
-def _finish(name, p, reqs, bad) -> Trace:
+def _finish(name, p, reqs, bad, rate_scale) -> Trace:
+    late = next((r for r in reqs if not math.isfinite(r.arrival_s)), None)
+    if late is not None:
+        raise ValueError(f"rate_scale {rate_scale!r} puts request {late.index}'s arrival past a float's range")
     reqs.sort(key=lambda r: r.arrival_s)  # list.sort is stable: ties keep file order
     return Trace(name=name, requests=reqs, bad_rows=bad, source=str(p))
 
@@ -244,7 +266,7 @@ def read_mooncake(path: PathLike, limit: Optional[int] = None, rate_scale: float
         for k in ("timestamp", "input_length", "output_length", "hash_ids"):
             if k not in obj:
                 raise _Bad(f"missing field {k!r}")
-        ts = _int_field(obj["timestamp"], "timestamp", 0)
+        ts = _int_field(obj["timestamp"], "timestamp", 0, MAX_TIMESTAMP_MS)
         n_in = _int_field(obj["input_length"], "input_length", 1)
         n_out = _int_field(obj["output_length"], "output_length", 0)
         ids = obj["hash_ids"]
@@ -257,10 +279,10 @@ def read_mooncake(path: PathLike, limit: Optional[int] = None, rate_scale: float
         return TraceRequest(index=idx, arrival_s=ts / 1000.0 / rate_scale, input_len=n_in,
                             output_len=n_out, hash_ids=tuple(ids), output_key=idx)
 
-    with open(p, encoding="utf-8") as f:
+    with _text(p) as f:
         rows = ((n, ln) for n, ln in enumerate(f, start=1) if ln.strip())
         good, bad = _collect(p, rows, parse, limit, skip_bad_rows)
-    return _finish(p.stem, p, good, bad)
+    return _finish(p.stem, p, good, bad, rate_scale)
 
 
 def _parse_wallclock_ns(s: str) -> int:
@@ -304,7 +326,7 @@ def read_azure(path: PathLike, limit: Optional[int] = None, rate_scale: float = 
         n_out = _parse_count(cols[2], "GeneratedTokens", 0)
         return t_ns, n_in, n_out, idx
 
-    with open(p, encoding="utf-8", newline="") as f:
+    with _text(p, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None or [h.strip().lstrip("\ufeff") for h in header] != _AZURE_HEADER:
@@ -317,7 +339,7 @@ def read_azure(path: PathLike, limit: Optional[int] = None, rate_scale: float = 
                          output_len=n_out, output_key=i,
                          segments=((_key(_D_PROMPT, salt, i), 0, n_in),))
             for t, n_in, n_out, i in good]
-    return _finish(p.stem, p, reqs, bad)
+    return _finish(p.stem, p, reqs, bad, rate_scale)
 
 
 def read_trace(path: PathLike, limit: Optional[int] = None, rate_scale: float = 1.0,
@@ -327,7 +349,7 @@ def read_trace(path: PathLike, limit: Optional[int] = None, rate_scale: float = 
     p = _check_args(path, limit, rate_scale)
     suffix = p.suffix.lower()
     if suffix not in (".jsonl", ".json", ".csv"):
-        with open(p, encoding="utf-8") as f:
+        with _text(p) as f:
             first = next((ln.strip() for ln in f if ln.strip()), "")
         suffix = ".jsonl" if first.startswith("{") else ".csv" if first.startswith("TIMESTAMP") else ""
         if not suffix:
