@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_queue as bq  # noqa: E402
+from rows_file import existing_rows  # noqa: E402
 
 from gpu_sched.config import SchedulerConfig  # noqa: E402
 
@@ -131,6 +132,7 @@ def parse_args(argv=None):
         ap.error(f"--spin-ms must be comma-separated numbers, got {args.spin_ms!r}")
     if any(not 0 <= x < 10_000 for x in args.spin_ms):
         ap.error(f"--spin-ms values must be in [0, 10000), got {args.spin_ms}")
+    args.old_rows = existing_rows(args.out, ap.error) if args.out else []  # before the run
     return args
 
 
@@ -194,7 +196,7 @@ def main(argv=None) -> int:
               f"{r['median_us']:10.1f} {r['p90_us']:10.1f} {extra}")
     if args.out:
         out = Path(args.out)
-        old = json.loads(out.read_text()) if out.exists() and out.stat().st_size else []
+        old = args.old_rows
         meta = dict(run=time.strftime("%Y%m%dT%H%M%S"), sweep_mib=args.sweep_mib, sleep_ms=args.sleep_ms,
                     command="python benchmarks/bench_cold.py " + " ".join(sys.argv[1:] if argv is None else argv))
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -261,7 +261,7 @@ def main(argv=None):
             r.update(torch=torch.__version__, python=sys.version.split()[0])
         if args.out.endswith(".csv"):
             with open(args.out, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))  # every row's keys
                 w.writeheader()
                 w.writerows(rows)
         else:

@@ -121,6 +121,8 @@ from gpu_sched.row_queue import RowQueue
 from gpu_sched.scheduler import GpuScheduler
 from gpu_sched.step import GRAPH_POLICIES
 from gpu_sched.sim.traces import TraceRequest, read_mooncake, synthetic_workload
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path or imported: its siblings
+from rows_file import existing_rows  # noqa: E402
 
 #: the Mooncake trace in the shared folder beside the repository (../shared from its root)
 DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl")
@@ -533,7 +535,7 @@ def main(argv=None):
                     help="queue prompts from the Mooncake trace, or synthetic shared-prefix groups")
     ap.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace")
     ap.add_argument("--warm", type=int, default=2000, help="leading trace requests whose prompts seed the cache")
-    ap.add_argument("--max-prompt-len", type=int, default=None, help="cap prompts [tokens] (default: real)")
+    ap.add_argument("--max-prompt-len", type=int, default=None, help="cap prompts [tokens] (default or 0: real)")
     ap.add_argument("--distinct", type=int, default=0,
                     help="distinct queue prompts before cycling (0: every trace row after the warm ones; "
                          "synthetic: 8192)")
@@ -576,6 +578,16 @@ def main(argv=None):
                     help="the rows' `run` field (default: the start time); reuse one to continue a run "
                          "in a second invocation (plot_bench keeps the last row of each key)")
     args = ap.parse_args(argv)
+    for name, lo in (("reps", 1), ("max_reps", 1), ("routing_keys", 1), ("warm", 0), ("running", 0),
+                     ("distinct", 0), ("seed", 0), ("threads", 0), ("max_prompt_len", 0)):
+        v = getattr(args, name)
+        if v is not None and v < lo:
+            ap.error(f"--{name.replace('_', '-')} must be >= {lo}, got {v}")
+    if args.max_reps < args.reps:
+        ap.error(f"--max-reps ({args.max_reps}) must be >= --reps ({args.reps}), the calls a row takes at least")
+    if args.max_prompt_len == 0:  # as bench_cold.py: 0 keeps the real lengths
+        args.max_prompt_len = None
+    old = existing_rows(args.out, ap.error) if args.out else []  # before the run, not at its end
     if args.threads:
         torch.set_num_threads(args.threads)
     policies = args.policies.split(",")
@@ -624,7 +636,6 @@ def main(argv=None):
     ref_plan: Dict[tuple, dict] = {}
     problems: List[str] = []
     out = Path(args.out) if args.out else None
-    old = json.loads(out.read_text()) if out and out.exists() and out.stat().st_size else []
 
     def save():
         if out is None:
@@ -736,4 +747,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    # a plan that differs from the reference's fails the run (status 1: gpu_check.sh records it)
+    sys.exit(1 if any(r.get("plan_equal_ref") is False for r in main()) else 0)

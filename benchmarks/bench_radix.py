@@ -127,7 +127,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall time, or this process's CPU time (steadier on a shared CPU machine; CPU device only)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_radix.json"))
+    ap.add_argument("--out", default=None,
+                    help="write the rows as JSON here (default: print only; the recorded rows are "
+                         "benchmarks/results/bench_radix.json)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,6 +38,8 @@ from typing import Dict, List, Optional
 from gpu_sched.cli import BACKENDS, config_from_args, load_trace, make_scheduler_factory
 from gpu_sched.config import SchedulerConfig
 from gpu_sched.sim.engine import replay
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path or imported: its siblings
+from rows_file import existing_rows  # noqa: E402
 
 DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl")
 
@@ -66,6 +69,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         ap.error(f"unknown backend {bad[0]!r} (one of {', '.join(BACKENDS)})")
     if args.runs < 1:
         ap.error(f"--runs must be >= 1, got {args.runs}")
+    for name in ("limit", "synthetic_requests", "warmup_requests", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.page_size < 1 or args.kv_tokens < 1:
+        ap.error(f"--page-size and --kv-tokens must be >= 1, got {args.page_size}, {args.kv_tokens}")
+    args.old_rows = existing_rows(args.out, ap.error) if args.out else []  # before the run
     args.backend_list = backends
     return args
 
@@ -157,7 +166,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print_table(rows, args.backend_list)
     if args.out:
         p = Path(args.out)
-        old = json.loads(p.read_text()) if p.exists() else []
+        old = args.old_rows
         p.write_text(json.dumps(old + rows, indent=1))
         print(f"# {len(rows)} rows appended to {p}")
     return 0

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_queue as bq  # noqa: E402
+from rows_file import existing_rows  # noqa: E402
 
 from gpu_sched.config import SchedulerConfig  # noqa: E402
 
@@ -152,6 +153,7 @@ def main(argv=None) -> int:
     g.add_argument("--by-line", action="store_true", help="torch ops by file:function:line and op")
     ap.add_argument("--out", default=None, help="append the rows to this JSON list")
     args = ap.parse_args(argv)
+    old = existing_rows(args.out, ap.error) if args.out else []  # before the run
     pols = args.policies.split(",")
     for p in pols:
         if p not in bq.POLICIES:
@@ -173,7 +175,6 @@ def main(argv=None) -> int:
             for k, v in r["triton"].items():
                 print(f"    {v:4d} [triton] {k}")
     if args.out:
-        old = json.load(open(args.out)) if os.path.exists(args.out) else []
         with open(args.out, "w") as f:
             json.dump(old + rows, f, indent=1)
     return 0

@@ -26,12 +26,16 @@ INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 
 
-#: the largest token knob (page size, prefill and chunk budgets, CLIP, truncation alignment)
+#: the largest token knob (prefill and chunk budgets, CLIP, truncation alignment; the page size
+#: has its own, smaller bound)
 #: [tokens]: far past any KV cache, and small enough that the device's int64 sums of budgets
 #: and per-request costs (a window of up to 2^20 requests, each an extend length, a
 #: reservation of at most CLIP and a page) cannot overflow where the reference's Python ints
 #: do not
 TOKEN_KNOB_MAX = 2**40
+#: the largest page size [tokens]: the radix kernels' bound (a page past it is far beyond any
+#: KV cache's pages, 1 to a few hundred tokens)
+PAGE_SIZE_MAX = 2**20
 
 
 def _check_int(name: str, value, *, lo: Optional[int] = None, hi: int = INT64_MAX,
@@ -121,7 +125,7 @@ class SchedulerConfig:
             raise ValueError(
                 f"schedule_policy must be one of {', '.join(POLICIES)}; got {self.schedule_policy!r}{hint}"
             )
-        _check_int("page_size", self.page_size, lo=1, hi=TOKEN_KNOB_MAX, hi_is="2^40")
+        _check_int("page_size", self.page_size, lo=1, hi=PAGE_SIZE_MAX, hi_is="2^20, the radix kernels' bound")
         _check_int("max_prefill_tokens", self.max_prefill_tokens, lo=1, hi=TOKEN_KNOB_MAX, hi_is="2^40")
         _check_int("chunked_prefill_size", self.chunked_prefill_size, lo=1, hi=TOKEN_KNOB_MAX, hi_is="2^40",
                    none_means="chunked prefill off")

@@ -307,7 +307,8 @@ class StepGraph:
                                                 out=(self.m_full, self.pos_full), backend=be)
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
             if T > 0:
-                hh = dpolicy.head_hashes_pool(tok, toff, fill, T, backend=be)
+                # fills are <= max_len here, so the hashes' width stops there (T may be huge)
+                hh = dpolicy.head_hashes_pool(tok, toff, fill, min(T, self.max_len), backend=be)
             else:
                 hh = zeros
             dep = dpolicy.in_batch_deprioritize(m_full, fill, ns, hh, cfg.in_batch_prefix_caching_check_threshold,

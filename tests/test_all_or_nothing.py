@@ -9,7 +9,7 @@ import torch
 
 from _scenarios import dev_triples, ref_triples
 from gpu_sched import Request, SchedulerConfig
-from gpu_sched.config import INT64_MAX, INT64_MIN, TOKEN_KNOB_MAX
+from gpu_sched.config import INT64_MAX, INT64_MIN, PAGE_SIZE_MAX, TOKEN_KNOB_MAX
 from gpu_sched.reference import ReferenceScheduler
 from gpu_sched.reference.state import KV_DECODE_HEADROOM
 from gpu_sched.scheduler import GpuScheduler
@@ -130,19 +130,19 @@ def test_seeding_short_of_free_slots_changes_nothing(cls, call):
     assert after_eviction(s) == after_eviction(twin)
 
 
-TOKEN_KNOBS = ["page_size", "max_prefill_tokens", "chunked_prefill_size", "clip_max_new_tokens",
+TOKEN_KNOBS = ["max_prefill_tokens", "chunked_prefill_size", "clip_max_new_tokens",
                "truncation_align_size"]
 INT64_KNOBS = ["max_running_requests", "prefill_max_requests", "lpm_fallback_queue_len",
                "in_batch_prefix_caching_check_threshold", "in_batch_prefix_caching_deprioritize_threshold",
                "priority_scheduling_preemption_threshold"]
 
 
-@pytest.mark.parametrize("name", TOKEN_KNOBS + INT64_KNOBS)
+@pytest.mark.parametrize("name", ["page_size"] + TOKEN_KNOBS + INT64_KNOBS)
 def test_config_knobs_have_an_upper_bound(name):
-    """Token knobs up to 2^40 (the device's int64 sums of them cannot overflow), the others up
-    to int64's largest (the device holds them as int64); one more is a ValueError naming the
-    field and the value."""
-    hi = TOKEN_KNOB_MAX if name in TOKEN_KNOBS else INT64_MAX
+    """The page size up to 2^20 (the radix kernels' bound), other token knobs up to 2^40 (the
+    device's int64 sums of them cannot overflow), the rest up to int64's largest (the device
+    holds them as int64); one more is a ValueError naming the field and the value."""
+    hi = PAGE_SIZE_MAX if name == "page_size" else TOKEN_KNOB_MAX if name in TOKEN_KNOBS else INT64_MAX
     assert getattr(SchedulerConfig(**{name: hi}), name) == hi
     with pytest.raises(ValueError, match=rf"{name} must be <= {hi} .*got {hi + 1}"):
         SchedulerConfig(**{name: hi + 1})

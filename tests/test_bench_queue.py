@@ -4,6 +4,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -265,3 +266,58 @@ def test_step_served_steps_a_copy_whose_queue_is_in_its_previous_order():
             assert [r.rid for r in s.queue] == before
     for pol in ("fcfs", "lof", "routing-key", "lpm"):
         assert plans["reference", pol] == plans["torch", pol], pol
+
+
+def test_a_plan_that_differs_from_the_reference_fails_the_command(tmp_path):
+    """The command (as gpu_check.sh runs it) exits 1 when a backend's step plan differs from the
+    reference's, after printing PROBLEM and writing its rows; 0 when every plan is equal."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = ["--queue", "synthetic", "--warm", "20", "--distinct", "60", "--sizes", "40", "--policies", "fcfs",
+            "--stages", "step", "--backends", "reference,torch-cpu", "--reps", "1", "--max-reps", "1",
+            "--budget-s", "0.01", "--check-max-exp", "7"]
+    code = ("import runpy, sys\n"
+            "from gpu_sched.scheduler import GpuScheduler\n"
+            "step = GpuScheduler.step\n"
+            "def short(self, *a, **k):  # one admitted request dropped from the plan\n"
+            "    p = step(self, *a, **k)\n"
+            "    p.admitted = list(p.admitted)[:-1]\n"
+            "    return p\n"
+            "if sys.argv[1] == 'bad':\n    GpuScheduler.step = short\n"
+            "sys.argv = ['bench_queue.py'] + sys.argv[2:]\n"
+            "runpy.run_path('benchmarks/bench_queue.py', run_name='__main__')\n")
+    for mode, rc in (("bad", 1), ("good", 0)):
+        out = tmp_path / f"{mode}.json"
+        r = subprocess.run([sys.executable, "-c", code, mode] + args + ["--out", str(out)], cwd=root,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == rc, r.stdout[-2000:] + r.stderr[-2000:]
+        assert ("PROBLEM:" in r.stdout) == (mode == "bad") and out.stat().st_size > 0
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"a": 1}', "holds a JSON dict, not a list of rows"), ("not json", "is not a JSON list of rows"),
+    (None, "is a folder, not a JSON file")])
+def test_an_out_file_it_cannot_append_to_stops_the_run_before_it_starts(tmp_path, capsys, content, message):
+    """--out that is a folder or holds no JSON list: argparse's one-line error (status 2)
+    before the workload is built, where the run's end used to fail and lose its rows."""
+    out = tmp_path / "rows.json"
+    if content is None:
+        out.mkdir()
+    else:
+        out.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        bench_queue.main(["--queue", "synthetic", "--sizes", "30", "--out", str(out)])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert content is None or out.read_text() == content
+
+
+def test_bad_counts_are_one_line_errors(capsys):
+    for argv, message in ((["--reps", "-1"], "--reps must be >= 1"), (["--warm", "-5"], "--warm must be >= 0"),
+                          (["--routing-keys", "0"], "--routing-keys must be >= 1"),
+                          (["--reps", "5", "--max-reps", "2"], "--max-reps (2) must be >= --reps (5)")):
+        with pytest.raises(SystemExit) as e:
+            bench_queue.main(["--queue", "synthetic", "--sizes", "30"] + argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err

@@ -116,13 +116,13 @@ I64 = 2**63 - 1
 
 
 def extreme_config(rng: random.Random) -> SchedulerConfig:
-    """`random_config` with knobs at their bounds (config.TOKEN_KNOB_MAX for token counts,
-    int64's ends for the others) where the device's int64 arithmetic would overflow were the
+    """`random_config` with knobs at their bounds (config.PAGE_SIZE_MAX, config.TOKEN_KNOB_MAX for
+    token counts, int64's ends for the others) where the device's int64 arithmetic would overflow were the
     bounds looser (the reference's Python ints never do)."""
     knobs = dict(
         max_prefill_tokens=[2**40, 2**40 - 1, 4096], clip_max_new_tokens=[2**40, 2**40 - 1, 0, 1],
         priority_scheduling_preemption_threshold=[I64, -I64 - 1, -1, 2**62], truncation_align_size=[2**40, 2**40 - 1],
-        page_size=[2**40, 1024], max_running_requests=[I64, 1], prefill_max_requests=[I64],
+        page_size=[2**20, 1024], max_running_requests=[I64, 1], prefill_max_requests=[I64],
         in_batch_prefix_caching_check_threshold=[I64], in_batch_prefix_caching_deprioritize_threshold=[I64])
     c = random_config(rng)
     ch = {k: rng.choice(v) for k, v in knobs.items() if rng.random() < 0.35}
@@ -148,6 +148,23 @@ def test_extreme_knobs_match_reference(seed):
     queue, pools and cache as the reference (a helper found the device admitting what the
     reference refused at CLIP = 2^63 - 1, and overflow errors past int64)."""
     run_pair(seed, steps=50, config=extreme_config, request=extreme_request)
+
+
+@pytest.mark.parametrize("seed", [3, 4, 7])
+@pytest.mark.parametrize("forms", ["torch-forms", "recorded"])
+def test_extreme_knobs_match_reference_on_the_device_forms(seed, forms):
+    """The same runs on the paths a GPU takes, on the CPU: every function's torch form
+    (`policy.torch_forms`, the eager device path) and the recorded step (`capture`). A huge
+    R-ORD-9 threshold T made them build [rows, T] head tensors (out of memory, or a size
+    past int64); the heads' width now stops at the longest fill (or `max_len`)."""
+    from gpu_sched.policy import torch_forms
+
+    if forms == "recorded":
+        run_pair(seed, steps=30, capture=dict(queue_capacity=64, running_capacity=64),
+                 config=extreme_config, request=extreme_request)
+    else:
+        with torch_forms():
+            run_pair(seed, steps=30, config=extreme_config, request=extreme_request)
 
 
 # ---- 200-step runs per policy --------------------------------------------------------------------
