@@ -223,14 +223,34 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--out", default=None, help="write rows to .json or .csv")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device!r} is not a torch device ({e})")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: torch sees no CUDA device")
     backends = args.backends.split(",")
     if "triton" in backends and device.type == "cpu":
         ap.error("the triton backend is benchmarked on a GPU only (the CPU interpreter is not a measurement)")
-    sizes = [int(s) for s in args.sizes.split(",")]
-    policies = args.policies.split(",")
+    try:
+        sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        ap.error(f"--sizes takes comma-separated ints, got {args.sizes!r}")
+    if not sizes or min(sizes) < 1:
+        ap.error(f"--sizes must be ints >= 1, got {args.sizes!r}")
+    if args.threads is not None and args.threads < 0:
+        ap.error(f"--threads must be >= 0, got {args.threads}")
+    bad = [b for b in backends if b not in ("torch", "triton")]
+    if bad:
+        ap.error(f"unknown backend {bad[0]!r}; choose from torch, triton")
+    # the other scripts' names for two of them
+    policies = [{"routing-key": "routing", "dfs-weight": "dfs"}.get(p, p) for p in args.policies.split(",")]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        ap.error(f"unknown policy {bad[0]!r}; choose from {', '.join(POLICIES)} (routing-key, dfs-weight: "
+                 f"routing, dfs)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = []
     hdr = f"{'policy':8} {'n':>8} {'backend':9} {'median ms':>10} {'us/req':>8} {'speedup vs ref':>14}"
     print(f"# device {device} ({platform.processor() or platform.machine()}, torch {torch.__version__}, "

@@ -69,6 +69,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         ap.error(f"unknown backend {bad[0]!r} (one of {', '.join(BACKENDS)})")
     if args.runs < 1:
         ap.error(f"--runs must be >= 1, got {args.runs}")
+    if "triton" in backends:  # the device backends run on the CPU here: triton would be its interpreter
+        ap.error("the triton backend is timed on a GPU only; this script runs the device backends on the CPU")
     for name in ("limit", "synthetic_requests", "warmup_requests", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")

@@ -162,7 +162,14 @@ def main(argv=None):
     ap.add_argument("--per-request", action="store_true", help="plot us per request instead of seconds")
     ap.add_argument("--markdown", default=None, help="also write the rows as a markdown table here ('-': stdout)")
     args = ap.parse_args(argv)
-    rows = load_rows(args.json, args.run, args.all_runs, args.queue)
+    try:
+        rows = load_rows(args.json, args.run, args.all_runs, args.queue)
+    except FileNotFoundError:
+        ap.error(f"no such file: {args.json}")
+    except (ValueError, OSError) as e:  # not JSON (or gzip), a folder, not UTF-8
+        ap.error(f"{args.json}: not a JSON list of benchmark rows ({e})")
+    except (AttributeError, TypeError):  # JSON, but not a list of row objects
+        ap.error(f"{args.json}: not a JSON list of benchmark rows")
     if not rows:
         raise SystemExit(f"no timed rows in {args.json}")
     out = args.out or str(Path(args.json).with_suffix(".png"))

@@ -5,6 +5,8 @@ their own labels."""
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import plot_bench  # noqa: E402
@@ -43,3 +45,15 @@ def test_every_benchmark_stage_is_drawn_in_bench_queues_order():
     import bench_queue
 
     assert plot_bench.STAGE_ORDER == bench_queue.STAGES
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "no such file"), (b'{"a": 1}', "not a JSON list of benchmark rows"),
+    (b"not json", "not a JSON list of benchmark rows"), (b"\xff\xfe", "not a JSON list of benchmark rows")])
+def test_a_file_that_holds_no_rows_is_a_one_line_error(tmp_path, capsys, content, message):
+    path = tmp_path / "rows.json"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as e:
+        plot_bench.main([str(path)])
+    assert e.value.code == 2 and message in capsys.readouterr().err
