@@ -146,13 +146,19 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=256, help="waiting requests")
     ap.add_argument("--backend", default="triton", choices=("triton", "torch"))
     ap.add_argument("--queue", default="mooncake", choices=("mooncake", "synthetic"))
-    ap.add_argument("--trace", default=bq.DEFAULT_TRACE)
+    ap.add_argument("--trace", default=None, help=f"Mooncake trace (default {bq.DEFAULT_TRACE}; synthetic if absent)")
     ap.add_argument("--warm", type=int, default=500, help="trace requests cached before the queue")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--by-site", action="store_true", help="torch ops by file:function")
     g.add_argument("--by-line", action="store_true", help="torch ops by file:function:line and op")
     ap.add_argument("--out", default=None, help="append the rows to this JSON list")
     args = ap.parse_args(argv)
+    for name, lo in (("n", 1), ("warm", 0)):
+        if getattr(args, name) < lo:
+            ap.error(f"--{name} must be >= {lo}, got {getattr(args, name)}")
+    if args.trace is not None and not os.path.isfile(args.trace):  # only the default may be absent
+        ap.error(f"--trace {args.trace}: no such file")
+    args.trace = args.trace or bq.DEFAULT_TRACE
     old = existing_rows(args.out, ap.error) if args.out else []  # before the run
     pols = args.policies.split(",")
     for p in pols:

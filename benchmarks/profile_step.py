@@ -137,13 +137,21 @@ def main(argv=None):
                     help="eager step, or step() through the recorded step (StepGraph)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after 2 untimed ones)")
     ap.add_argument("--queue", choices=("mooncake", "synthetic"), default="mooncake")
-    ap.add_argument("--trace", default=bq.DEFAULT_TRACE)
+    ap.add_argument("--trace", default=None, help=f"Mooncake trace (default {bq.DEFAULT_TRACE}; synthetic if absent)")
     ap.add_argument("--warm", type=int, default=500)
     ap.add_argument("--max-prompt-len", type=int, default=2048)
     ap.add_argument("--top", type=int, default=25, help="rows of the op table")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave as is)")
     ap.add_argument("--out", default=None, help="write the report as JSON")
     args = ap.parse_args(argv)
+    for name, lo in (("n", 1), ("steps", 1), ("warm", 0), ("max_prompt_len", 1), ("top", 0), ("threads", 0)):
+        if getattr(args, name) < lo:
+            ap.error(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(args, name)}")
+    if args.trace is not None and not os.path.isfile(args.trace):  # only the default may be absent
+        ap.error(f"--trace {args.trace}: no such file")
+    args.trace = args.trace or bq.DEFAULT_TRACE
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: torch sees no CUDA device")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.backend == "triton" and args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

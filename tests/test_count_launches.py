@@ -39,3 +39,12 @@ def test_counter_skips_views_and_counts_kernels():
         torch.where(z > 3, z, 0)  # compare and where (the 0 wrapped: no kernel)
     assert sum(c.ops.values()) == 4, c.ops
     assert c.sites == {"?": 4}  # no gpu_sched frame calls them
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--n", "0"], "--n must be >= 1"), (["--warm", "-1"], "--warm must be >= 0"),
+    (["--trace", "/no/such.jsonl"], "no such file")])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        count_launches.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

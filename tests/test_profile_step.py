@@ -35,3 +35,18 @@ def test_profile_report_of_a_recorded_step(tmp_path, capsys):
     # the recorded step's one read-back is found, at its call site
     assert any(k.startswith("tolist @ step.py") and k.endswith("_read") for k in rep["syncs"]), rep["syncs"]
     assert "host syncs in one step" in capsys.readouterr().out
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    """Counts below their floor, a --trace that is not there (only the default trace may be
+    absent: then the synthetic queue) and CUDA without CUDA stop before any work."""
+    import pytest
+
+    cases = [(["--n", "0"], "--n must be >= 1"), (["--steps", "0"], "--steps must be >= 1"),
+             (["--warm", "-1"], "--warm must be >= 0"), (["--trace", "/no/such.jsonl"], "no such file")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "torch sees no CUDA device"))
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            profile_step.main(["--device", "cpu"] + argv if "--device" not in argv else argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
