@@ -214,6 +214,8 @@ def load_trace(args):
             raise ValueError(f"--rate-scale {args.rate_scale} makes the synthetic workload's rate "
                              f"(8 requests/s x it) overflow")
         tr = synthetic_workload(args.synthetic_requests, seed=args.seed, request_rate=8.0 * args.rate_scale)
+        if not all(math.isfinite(r.arrival_s) for r in tr.requests):  # a tiny rate: arrivals past a float
+            raise ValueError(f"--rate-scale {args.rate_scale} puts arrivals past a float's range")
         if args.limit is not None:
             tr = Trace(name=tr.name, requests=tr.requests[: args.limit], source=tr.source)
     if keys or levels:
@@ -596,9 +598,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except CliError as e:
         print(f"gpu-sched: error: {e}", file=sys.stderr)
         return 2
-    except MemoryError as e:  # a pool, capture or trace larger than this machine holds
-        print(f"gpu-sched: error: out of memory ({e or 'MemoryError'}); a smaller --kv-tokens, --capture "
-              f"or --limit may fit", file=sys.stderr)
+    except MemoryError as e:  # e.g. a pool or capture larger than this machine holds
+        print(f"gpu-sched: error: MemoryError: {e or 'out of memory'}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # stdout closed early (`| head`): no traceback, and none at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -349,7 +349,8 @@ def host_perm(key: np.ndarray, descending: bool = False, bounds=None) -> Optiona
     lo, hi = int(lo), int(hi)
     span = hi - lo
     if _narrow(span):  # priorities, max-new lengths: without the `_offsets` glue
-        if lo >= 0 and hi <= (255 if span < 256 else 65535):  # the values are their own narrow
+        if lo >= 0 and hi <= (255 if span < 256 else 65535) and (
+                span < 256 or key.size < PACKED_NARROW_MIN or not SIMD_SORT):  # the values are their own narrow
             # key: one cast, and for descending order its complement in place (an int64
             # subtraction with a Python scalar costs more than the cast and the sort's glue)
             u = key.astype(np.uint8 if span < 256 else np.uint16)

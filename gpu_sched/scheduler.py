@@ -1169,22 +1169,21 @@ class GpuScheduler(ReferenceScheduler):
         miss = np.flatnonzero(sel[:, RT_HEADT] != T)
         if miss.size:
             self._ensure_hashed(rows[miss])  # their tokens are read from the pool
-            # the heads' width: no fill counts past its length, so the longest fill bounds it
-            # (the same hashes as width T; T may be up to int64's largest)
-            W = max(1, min(T, int(sel[miss, RT_FILL].max())))
+            # the heads' width: positions past a fill count nothing, so the longest fill bounds
+            # it (the same hashes as width T, which may be up to int64's largest); a power of
+            # two, so that few widths (and weight tables, `policy._hash_weights`) ever occur
+            W = min(T, 1 << max(int(sel[miss, RT_FILL].max()) - 1, 0).bit_length())
             if self._host_paths():  # numpy on the pool's view: the same hashes, no torch op
                 tok = self._pool_views()[0][: self._qtop[0]] if self._qtok is not None else np.zeros(0, np.int32)
-                # offsets are >= 0 once hashed; a fill shorter than T may end the pool
+                # offsets are >= 0 once hashed; a fill shorter than W may end the pool
                 cols = np.minimum(_rt_get(self._rt, rows[miss], RT_TOFF)[:, None] + np.arange(W), max(tok.size - 1, 0))
                 heads = tok[cols] if tok.size else np.zeros((miss.size, W), dtype=np.int32)
                 hh = dpolicy.head_hashes_host(heads, np.minimum(sel[miss, RT_FILL], W))
             else:
                 tok, _ = self._pools()
                 toff = torch.from_numpy(_rt_get(self._rt, rows[miss], RT_TOFF)).to(self.device)
-                cols = (toff[:, None] + torch.arange(W, device=self.device)).clamp(0, max(tok.numel() - 1, 0))
-                heads = tok[cols] if tok.numel() else torch.zeros((miss.size, W), dtype=torch.int32, device=self.device)
-                lens = torch.from_numpy(np.minimum(sel[miss, RT_FILL], W)).to(self.device)
-                hh = dpolicy.head_hashes(heads, lens).cpu().numpy()
+                fill = torch.from_numpy(sel[miss, RT_FILL]).to(self.device)
+                hh = dpolicy.head_hashes_pool(tok, toff, fill, W).cpu().numpy()
             ids = self._hg_id
             # hashes are below 2^62: (namespace, hash) as one Python int, exact
             grp = [ids.setdefault((ns << 62) | h, len(ids)) for ns, h in zip(sel[miss, RT_NS].tolist(), hh.tolist())]

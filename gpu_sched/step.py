@@ -306,10 +306,9 @@ class StepGraph:
             m_full, pos_full = tree.find_static(tok, toff, fill, ns, ch, coff, self.max_len, valid=valid,
                                                 out=(self.m_full, self.pos_full), backend=be)
             T = cfg.in_batch_prefix_caching_deprioritize_threshold
-            if T > 0:
-                # fills are <= max_len here, so the hashes' width stops there (T may be huge)
-                hh = dpolicy.head_hashes_pool(tok, toff, fill, min(T, self.max_len), backend=be)
-            else:
+            if 0 < T <= self.max_len:
+                hh = dpolicy.head_hashes_pool(tok, toff, fill, T, backend=be)
+            else:  # no fill reaches T (fills are <= max_len here): R-ORD-9 groups nobody
                 hh = zeros
             dep = dpolicy.in_batch_deprioritize(m_full, fill, ns, hh, cfg.in_batch_prefix_caching_check_threshold,
                                                 T, valid=valid, backend=be)

@@ -1159,3 +1159,22 @@ def test_host_views_of_a_numpy_table_are_flat_in_its_memory_order():
     o.rt = np.zeros((4, 4), dtype=np.int64)[:, ::2]
     with pytest.raises(RuntimeError, match="contiguous"):
         views.mv(o, "rt")
+
+
+@pytest.mark.parametrize("T", [1, 5, 64, 100])
+def test_head_hashes_do_not_depend_on_the_width_past_the_longest_fill(T):
+    """R-ORD-9's head hashes of the first min(fill, T) tokens: the same at width T and at any
+    width W from the longest such prefix up (positions past a row's length count nothing), so
+    the scheduler hashes at width min(T, longest fill rounded up to a power of two) however
+    large T is (fills 0, below, at and above T; the host and torch forms)."""
+    rng = np.random.default_rng(T)
+    fills = np.array([0, 1, max(T - 1, 0), T, T + 3, 2 * T + 7])
+    tokens = rng.integers(0, 2**31 - 1, size=(fills.size, 2 * T + 7), dtype=np.int64).astype(np.int32)
+    lens = np.minimum(fills, T)
+    want = P.head_hashes_host(tokens[:, :T], lens)
+    for W in sorted({max(int(lens.max()), 1), 1 << max(int(lens.max()) - 1, 0).bit_length(), T}):
+        if W > T:
+            continue
+        assert np.array_equal(P.head_hashes_host(tokens[:, :W], lens), want), W
+        got = P.head_hashes(torch.from_numpy(tokens[:, :W].copy()), torch.from_numpy(lens))
+        assert np.array_equal(got.numpy(), want), W

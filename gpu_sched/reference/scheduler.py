@@ -367,8 +367,9 @@ class ReferenceScheduler:
             check_token_id(f"first_tokens[{rid!r}]", t)
         # every extend range's slots at once, or nothing: the loop below allocates request by
         # request (the chunked request's cache insert between them only frees or keeps slots)
+        # (conservative by the duplicate slots a chunk's insert may free between allocations)
         need = sum(r.extend_end - r.extend_start for r in self.prefilling)
-        evictable = self.cache.evictable_size  # a device read on a device cache: once
+        evictable = self.cache.evictable_size if need > self.pool.available else 0  # a device read: only when needed
         if need > self.pool.available + evictable:
             raise MemoryError(f"complete_prefill: the prefill needs {need} KV slots, {self.pool.available} free "
                               f"and {evictable} evictable; finish() or abort() running requests (or "
