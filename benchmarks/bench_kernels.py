@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -133,9 +134,16 @@ def main(argv=None) -> List[dict]:
     bad = [c for c in cases if c not in CASES]
     if bad:
         ap.error(f"unknown case(s) {bad}: choose from {', '.join(CASES)}")
-    sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
-    if any(n < 1 for n in sizes):
+    try:
+        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--sizes takes comma-separated ints, got {args.sizes!r}")
+    if not sizes or any(n < 1 for n in sizes):
         ap.error(f"--sizes must be positive, got {args.sizes}")
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # before any case is timed
+        ap.error("the Triton variants on the CPU need TRITON_INTERPRET=1 (and then time the interpreter)")
     rows = []
     print(f"{'case':<11} {'variant':<10} {'n':>8} {'us':>10}")
     for n in sizes:

@@ -131,6 +131,20 @@ def main(argv=None):
                     help="write the rows as JSON here (default: print only; the recorded rows are "
                          "benchmarks/results/bench_radix.json)")
     args = ap.parse_args(argv)
+    for name, lo in (("build", 1), ("pool", 1), ("len_batch", 1), ("reps", 1), ("page_size", 1), ("threads", 0),
+                     ("ref_max", 0), ("seed", 0)):
+        if getattr(args, name) < lo:
+            ap.error(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(args, name)}")
+    for name in ("sizes", "lengths"):
+        try:
+            vals = [int(x) for x in getattr(args, name).split(",") if x.strip()]
+        except ValueError:
+            vals = []
+        if not vals or min(vals) < 1:
+            ap.error(f"--{name} must be comma-separated ints >= 1, got {getattr(args, name)!r}")
+    bad = [b for b in args.backends.split(",") if b not in ("torch", "triton")]
+    if bad:
+        ap.error(f"unknown backend {bad[0]!r}; choose from torch, triton")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
