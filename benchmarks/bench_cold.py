@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_queue as bq  # noqa: E402
-from rows_file import existing_rows  # noqa: E402
+from bench_args import existing_rows  # noqa: E402
 
 from gpu_sched.config import SchedulerConfig  # noqa: E402
 

@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_args import at_least, int_list  # noqa: E402
 from bench_queue import Clock  # noqa: E402
 from gpu_sched import admission as S  # noqa: E402
 from gpu_sched import policy as P  # noqa: E402
@@ -134,14 +135,8 @@ def main(argv=None) -> List[dict]:
     bad = [c for c in cases if c not in CASES]
     if bad:
         ap.error(f"unknown case(s) {bad}: choose from {', '.join(CASES)}")
-    try:
-        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--sizes takes comma-separated ints, got {args.sizes!r}")
-    if not sizes or any(n < 1 for n in sizes):
-        ap.error(f"--sizes must be positive, got {args.sizes}")
-    if args.reps < 1:
-        ap.error(f"--reps must be >= 1, got {args.reps}")
+    sizes = int_list(args.sizes, "--sizes", ap.error)
+    at_least(args, ap.error, dict(reps=1))
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # before any case is timed
         ap.error("the Triton variants on the CPU need TRITON_INTERPRET=1 (and then time the interpreter)")
     rows = []

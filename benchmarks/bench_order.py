@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import platform
 import statistics
 import sys
@@ -47,6 +48,9 @@ from gpu_sched.reference.policy import dfs_weight_order as ref_dfs, in_batch_dep
 from gpu_sched.reference.radix_cache import KVPool, RadixCache, TreeNode
 from gpu_sched.reference.state import ReqState
 from gpu_sched.request import Request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path or imported: its siblings
+from bench_args import at_least, int_list  # noqa: E402
 
 POLICIES = ("fcfs", "lof", "routing", "random", "lpm", "lpm-kept", "dfs")
 T = 32
@@ -232,14 +236,8 @@ def main(argv=None):
     backends = args.backends.split(",")
     if "triton" in backends and device.type == "cpu":
         ap.error("the triton backend is benchmarked on a GPU only (the CPU interpreter is not a measurement)")
-    try:
-        sizes = [int(s) for s in args.sizes.split(",")]
-    except ValueError:
-        ap.error(f"--sizes takes comma-separated ints, got {args.sizes!r}")
-    if not sizes or min(sizes) < 1:
-        ap.error(f"--sizes must be ints >= 1, got {args.sizes!r}")
-    if args.threads is not None and args.threads < 0:
-        ap.error(f"--threads must be >= 0, got {args.threads}")
+    sizes = int_list(args.sizes, "--sizes", ap.error)
+    at_least(args, ap.error, dict(threads=0))
     bad = [b for b in backends if b not in ("torch", "triton")]
     if bad:
         ap.error(f"unknown backend {bad[0]!r}; choose from torch, triton")

@@ -122,7 +122,7 @@ from gpu_sched.scheduler import GpuScheduler
 from gpu_sched.step import GRAPH_POLICIES
 from gpu_sched.sim.traces import TraceRequest, read_mooncake, synthetic_workload
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path or imported: its siblings
-from rows_file import existing_rows  # noqa: E402
+from bench_args import at_least, existing_rows  # noqa: E402
 
 #: the Mooncake trace in the shared folder beside the repository (../shared from its root)
 DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl")
@@ -578,11 +578,8 @@ def main(argv=None):
                     help="the rows' `run` field (default: the start time); reuse one to continue a run "
                          "in a second invocation (plot_bench keeps the last row of each key)")
     args = ap.parse_args(argv)
-    for name, lo in (("reps", 1), ("max_reps", 1), ("routing_keys", 1), ("warm", 0), ("running", 0),
-                     ("distinct", 0), ("seed", 0), ("threads", 0), ("max_prompt_len", 0)):
-        v = getattr(args, name)
-        if v is not None and v < lo:
-            ap.error(f"--{name.replace('_', '-')} must be >= {lo}, got {v}")
+    at_least(args, ap.error, dict(reps=1, max_reps=1, routing_keys=1, warm=0, running=0, distinct=0, seed=0,
+                                  threads=0, max_prompt_len=0))
     if args.max_reps < args.reps:
         ap.error(f"--max-reps ({args.max_reps}) must be >= --reps ({args.reps}), the calls a row takes at least")
     if args.max_prompt_len == 0:  # as bench_cold.py: 0 keeps the real lengths

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import statistics
 import sys
@@ -48,6 +49,9 @@ import torch
 from gpu_sched.radix import FlatRadixTree
 from gpu_sched.reference.radix_cache import KVPool, RadixCache
 from gpu_sched.sim.traces import BLOCK_TOKENS, read_mooncake
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path or imported: its siblings
+from bench_args import at_least, int_list  # noqa: E402
 
 sys.setrecursionlimit(100_000)  # deep copies of the reference tree recurse per level
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,17 +135,8 @@ def main(argv=None):
                     help="write the rows as JSON here (default: print only; the recorded rows are "
                          "benchmarks/results/bench_radix.json)")
     args = ap.parse_args(argv)
-    for name, lo in (("build", 1), ("pool", 1), ("len_batch", 1), ("reps", 1), ("page_size", 1), ("threads", 0),
-                     ("ref_max", 0), ("seed", 0)):
-        if getattr(args, name) < lo:
-            ap.error(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(args, name)}")
-    for name in ("sizes", "lengths"):
-        try:
-            vals = [int(x) for x in getattr(args, name).split(",") if x.strip()]
-        except ValueError:
-            vals = []
-        if not vals or min(vals) < 1:
-            ap.error(f"--{name} must be comma-separated ints >= 1, got {getattr(args, name)!r}")
+    at_least(args, ap.error, dict(build=1, pool=1, len_batch=1, reps=1, page_size=1, threads=0, ref_max=0, seed=0))
+    sizes, lengths = int_list(args.sizes, "--sizes", ap.error), int_list(args.lengths, "--lengths", ap.error)
     bad = [b for b in args.backends.split(",") if b not in ("torch", "triton")]
     if bad:
         ap.error(f"unknown backend {bad[0]!r}; choose from torch, triton")
@@ -187,7 +182,7 @@ def main(argv=None):
               f"{row.get('note', '')}", flush=True)
 
     # ---- batched match of a queue of n requests ---------------------------------------------
-    for n in [int(s) for s in args.sizes.split(",")]:
+    for n in sizes:
         pick = rng.integers(0, len(later), n)
         ref_n = min(n, args.ref_max)
 
@@ -214,7 +209,7 @@ def main(argv=None):
     print(f"\n{'length':>8} {'backend':10} {'search us/req':>13} {'first us/req':>12} {'again us/req':>12} "
           f"{'single us':>10}")
     per_len = {}
-    for L in [int(s) for s in args.lengths.split(",")]:
+    for L in lengths:
         long_reqs = [r for r in reqs[args.build :] if r.input_len >= L] or [r for r in reqs if r.input_len >= L]
         sel = rng.choice(len(long_reqs), min(args.len_batch, len(long_reqs)), replace=False)
         lq = Queue([long_reqs[i].prompt_ids()[:L] for i in sel], tree, device)

@@ -39,7 +39,7 @@ from gpu_sched.cli import BACKENDS, config_from_args, load_trace, make_scheduler
 from gpu_sched.config import SchedulerConfig
 from gpu_sched.sim.engine import replay
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path or imported: its siblings
-from rows_file import existing_rows  # noqa: E402
+from bench_args import at_least, existing_rows  # noqa: E402
 
 DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl")
 
@@ -71,11 +71,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         ap.error(f"--runs must be >= 1, got {args.runs}")
     if "triton" in backends:  # the device backends run on the CPU here: triton would be its interpreter
         ap.error("the triton backend is timed on a GPU only; this script runs the device backends on the CPU")
-    for name in ("limit", "synthetic_requests", "warmup_requests", "threads"):
-        if getattr(args, name) is not None and getattr(args, name) < 0:
-            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.page_size < 1 or args.kv_tokens < 1:
-        ap.error(f"--page-size and --kv-tokens must be >= 1, got {args.page_size}, {args.kv_tokens}")
+    at_least(args, ap.error, dict(limit=0, synthetic_requests=0, warmup_requests=0, threads=0, page_size=1, kv_tokens=1))
     args.old_rows = existing_rows(args.out, ap.error) if args.out else []  # before the run
     args.backend_list = backends
     return args

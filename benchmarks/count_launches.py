@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_queue as bq  # noqa: E402
-from rows_file import existing_rows  # noqa: E402
+from bench_args import at_least, existing_rows  # noqa: E402
 
 from gpu_sched.config import SchedulerConfig  # noqa: E402
 
@@ -153,9 +153,7 @@ def main(argv=None) -> int:
     g.add_argument("--by-line", action="store_true", help="torch ops by file:function:line and op")
     ap.add_argument("--out", default=None, help="append the rows to this JSON list")
     args = ap.parse_args(argv)
-    for name, lo in (("n", 1), ("warm", 0)):
-        if getattr(args, name) < lo:
-            ap.error(f"--{name} must be >= {lo}, got {getattr(args, name)}")
+    at_least(args, ap.error, dict(n=1, warm=0))
     if args.trace is not None and not os.path.isfile(args.trace):  # only the default may be absent
         ap.error(f"--trace {args.trace}: no such file")
     args.trace = args.trace or bq.DEFAULT_TRACE

@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_queue as bq  # noqa: E402
+from bench_args import at_least  # noqa: E402
 
 from gpu_sched import radix  # noqa: E402
 from gpu_sched.config import SchedulerConfig  # noqa: E402
@@ -144,9 +145,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave as is)")
     ap.add_argument("--out", default=None, help="write the report as JSON")
     args = ap.parse_args(argv)
-    for name, lo in (("n", 1), ("steps", 1), ("warm", 0), ("max_prompt_len", 1), ("top", 0), ("threads", 0)):
-        if getattr(args, name) < lo:
-            ap.error(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(args, name)}")
+    at_least(args, ap.error, dict(n=1, steps=1, warm=0, max_prompt_len=1, top=0, threads=0))
     if args.trace is not None and not os.path.isfile(args.trace):  # only the default may be absent
         ap.error(f"--trace {args.trace}: no such file")
     args.trace = args.trace or bq.DEFAULT_TRACE

@@ -33,6 +33,7 @@ INT64_MIN = -(2**63)
 #: reservation of at most CLIP and a page) cannot overflow where the reference's Python ints
 #: do not
 TOKEN_KNOB_MAX = 2**40
+_TOKEN_BOUND = dict(hi=TOKEN_KNOB_MAX, hi_is="2^40")  # `_check_int`'s bound of a token knob
 #: the largest page size [tokens]: the radix kernels' bound (a page past it is far beyond any
 #: KV cache's pages, 1 to a few hundred tokens)
 PAGE_SIZE_MAX = 2**20
@@ -126,8 +127,8 @@ class SchedulerConfig:
                 f"schedule_policy must be one of {', '.join(POLICIES)}; got {self.schedule_policy!r}{hint}"
             )
         _check_int("page_size", self.page_size, lo=1, hi=PAGE_SIZE_MAX, hi_is="2^20, the radix kernels' bound")
-        _check_int("max_prefill_tokens", self.max_prefill_tokens, lo=1, hi=TOKEN_KNOB_MAX, hi_is="2^40")
-        _check_int("chunked_prefill_size", self.chunked_prefill_size, lo=1, hi=TOKEN_KNOB_MAX, hi_is="2^40",
+        _check_int("max_prefill_tokens", self.max_prefill_tokens, lo=1, **_TOKEN_BOUND)
+        _check_int("chunked_prefill_size", self.chunked_prefill_size, lo=1, **_TOKEN_BOUND,
                    none_means="chunked prefill off")
         _check_int("max_running_requests", self.max_running_requests, lo=1, none_means="no cap")
         for name in (
@@ -139,7 +140,7 @@ class SchedulerConfig:
         ):
             _check_bool(name, getattr(self, name))
         _check_int("priority_scheduling_preemption_threshold", self.priority_scheduling_preemption_threshold, lo=INT64_MIN)
-        _check_int("clip_max_new_tokens", self.clip_max_new_tokens, lo=0, hi=TOKEN_KNOB_MAX, hi_is="2^40")
+        _check_int("clip_max_new_tokens", self.clip_max_new_tokens, lo=0, **_TOKEN_BOUND)
         _check_int("in_batch_prefix_caching_check_threshold", self.in_batch_prefix_caching_check_threshold, lo=-1)
         _check_int(
             "in_batch_prefix_caching_deprioritize_threshold",
@@ -148,7 +149,7 @@ class SchedulerConfig:
         )
         _check_int("lpm_fallback_queue_len", self.lpm_fallback_queue_len, lo=0, none_means="never")
         _check_int("prefill_max_requests", self.prefill_max_requests, lo=1, none_means="no cap")
-        _check_int("truncation_align_size", self.truncation_align_size, lo=1, hi=TOKEN_KNOB_MAX, hi_is="2^40",
+        _check_int("truncation_align_size", self.truncation_align_size, lo=1, **_TOKEN_BOUND,
                    none_means="off")
         _check_int("random_seed", self.random_seed, lo=0, hi=2**64 - 1, hi_is="the generators' largest seed")
         c = self.schedule_conservativeness

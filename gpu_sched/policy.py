@@ -297,6 +297,12 @@ SIMD_SORT = _simd_sort_available()
 PACKED_NARROW_MIN = 8192
 
 
+def _packs_narrow(span: int, n: int) -> bool:
+    """Whether `_narrow_argsort` sorts n offsets of this span packed with the row index (a key
+    over 8 bits, `PACKED_NARROW_MIN` rows or more, `SIMD_SORT`, key and index within 32 bits)."""
+    return span >= 256 and n >= PACKED_NARROW_MIN and SIMD_SORT and span.bit_length() + (n - 1).bit_length() <= 32
+
+
 def _narrow_argsort(off: np.ndarray, span: int) -> np.ndarray:
     """Stable argsort (int64 [n]) of offsets in [0, span], span < 65536, as one uint8 / uint16
     value per row (numpy's radix sort); with `SIMD_SORT`, a key over 8 bits on
@@ -306,10 +312,8 @@ def _narrow_argsort(off: np.ndarray, span: int) -> np.ndarray:
     `rank_perm_host` call it directly for one narrow key: a 1k-row order spends about 10 us
     less in glue than through `_offsets` and `_packed_argsort`."""
     n = off.size
-    if span >= 256 and n >= PACKED_NARROW_MIN and SIMD_SORT:
-        nb = (n - 1).bit_length()
-        if span.bit_length() + nb <= 32:
-            return _sort_with_index(off.astype(np.uint32), nb)
+    if _packs_narrow(span, n):
+        return _sort_with_index(off.astype(np.uint32), (n - 1).bit_length())
     return off.astype(np.uint8 if span < 256 else np.uint16).argsort(kind="stable")  # the method: ~1 us less glue
 
 
@@ -349,10 +353,10 @@ def host_perm(key: np.ndarray, descending: bool = False, bounds=None) -> Optiona
     lo, hi = int(lo), int(hi)
     span = hi - lo
     if _narrow(span):  # priorities, max-new lengths: without the `_offsets` glue
-        if lo >= 0 and hi <= (255 if span < 256 else 65535) and (
-                span < 256 or key.size < PACKED_NARROW_MIN or not SIMD_SORT):  # the values are their own narrow
-            # key: one cast, and for descending order its complement in place (an int64
-            # subtraction with a Python scalar costs more than the cast and the sort's glue)
+        if lo >= 0 and hi <= (255 if span < 256 else 65535) and not _packs_narrow(span, key.size):
+            # the values are their own narrow key for the radix sort: one cast, and for
+            # descending order its complement in place (an int64 subtraction with a Python
+            # scalar costs more than the cast and the sort's glue)
             u = key.astype(np.uint8 if span < 256 else np.uint16)
             if descending:
                 np.invert(u, out=u)

@@ -1607,7 +1607,7 @@ class GpuScheduler(ReferenceScheduler):
         m, drop: int64 [Q] capped matches and lock drops [tokens]; ev: evictable [tokens]."""
         cfg = self.config
         P, clip, cap, pmax = cfg.page_size, cfg.clip_max_new_tokens, cfg.max_running_requests, cfg.prefill_max_requests
-        # no int64 sum below wraps: CLIP and the page size are at most config.TOKEN_KNOB_MAX
+        # no int64 sum below wraps: CLIP and the page size are bounded (config.TOKEN_KNOB_MAX, PAGE_SIZE_MAX)
         Q = len(rows)
         ncan0 = len(adder.can_run)
         RN = adder.ratio * adder.N

@@ -30,8 +30,8 @@ def test_variants_that_disagree_are_reported():
         bench_kernels.same([torch.tensor([0, 1, 2]), torch.tensor([0, 2, 1])], "sort n=3")
 
 
-@pytest.mark.parametrize("argv,msg", [(["--cases", "sorts"], "unknown case"), (["--sizes", "0"], "positive"),
-                                      (["--sizes", "x"], "comma-separated ints"), (["--reps", "0"], "--reps must be >= 1")])
+@pytest.mark.parametrize("argv,msg", [(["--cases", "sorts"], "unknown case"), (["--sizes", "0"], "--sizes must be comma-separated ints >= 1"),
+                                      (["--sizes", "x"], "--sizes must be comma-separated ints >= 1"), (["--reps", "0"], "--reps must be >= 1")])
 def test_bad_arguments_are_refused(argv, msg, capsys):
     with pytest.raises(SystemExit):
         bench_kernels.main(argv + ["--device", "cpu"])

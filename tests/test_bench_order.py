@@ -23,7 +23,7 @@ def test_rows_to_csv_with_the_reference_first(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--sizes", "0"], "--sizes must be ints >= 1"), (["--sizes", "abc"], "--sizes takes comma-separated ints"),
+    (["--sizes", "0"], "--sizes must be comma-separated ints >= 1"), (["--sizes", "abc"], "--sizes must be comma-separated ints >= 1"),
     (["--backends", "foo"], "unknown backend 'foo'"), (["--device", "foo"], "--device 'foo' is not a torch device"),
     (["--policies", "fcfs,foo"], "unknown policy 'foo'"), (["--threads", "-1"], "--threads must be >= 0"),
 ])
