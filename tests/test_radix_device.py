@@ -411,6 +411,37 @@ def test_single_insert_walk_writes_what_the_array_form_writes(page_size, monkeyp
     trees[0].check_integrity()
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_host_compaction_moves_what_the_torch_form_moves(page_size):
+    """A CPU tree's compaction runs on numpy views (`_compact_host`); its torch form
+    (`_compact_torch`, the one a GPU tree runs) leaves every array the same (token pool, node
+    offsets, the table's values, `hslot`), on a fragmented pool with live, evicted and split
+    ranges; the compacted tree still matches every cached sequence."""
+    P = page_size
+    rng = np.random.default_rng(11 + P)
+    tree = FlatRadixTree(P, max_nodes=256, token_capacity=400 * P, seed=5)
+    seqs = []
+    for k in range(40):
+        base = seqs[int(rng.integers(len(seqs)))][: int(rng.integers(0, 12)) * P] if seqs and k % 3 else []
+        seq = list(base) + rng.integers(0, 50, int(rng.integers(1, 10)) * P).tolist()
+        seqs.append(seq)
+        tree.insert(torch.tensor(seq, dtype=torch.int32), torch.arange(len(seq)) + 1000 * k, 0)
+        if k % 7 == 6:
+            tree.evict(int(tree.evictable_size) // 3)
+    assert tree.top > sum(int(n) for n in tree.key_len[tree.alive])  # holes to close
+    a, b = copy.deepcopy(tree), copy.deepcopy(tree)
+    a._compact_host()
+    b._compact_torch()
+    assert_same_tree(a, b, "compact")
+    assert torch.equal(a.hslot, b.hslot) and a._reuse == b._reuse == 0
+    assert a.top == sum(int(n) for n in a.key_len[a.alive])
+    a.check_integrity()
+    want = b.match(*pad(seqs), torch.zeros(len(seqs), dtype=torch.int64))
+    got = a.match(*pad(seqs), torch.zeros(len(seqs), dtype=torch.int64))
+    assert [x.tolist() for x in got] == [x.tolist() for x in want]
+    assert (got[0] > 0).any()
+
+
 def test_freed_pool_ranges_are_reused_before_compacting(monkeypatch):
     """A full token pool takes the next free run of positions at or after the reuse cursor
     (evicted leaves' ranges) without moving a live token; only when no free run is left below
