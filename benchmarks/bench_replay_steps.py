@@ -9,14 +9,19 @@ kept matches after the cache changed, and admit a few requests or none. This rep
 backends alternating within each run so their samples span the same minutes, and prints per
 power-of-two queue bucket (`sched_us_by_queue_len` of the replay's summary): the step count,
 each backend's mean step time [us] (the median over runs of the run means) and the speedup
-reference / backend. Steps that find nothing to do (an empty queue, a full batch) are counted
+reference / backend; then the same for every scheduler call the engine makes (`step()` and
+`ENGINE_CALLS`: submit, complete_prefill, decode_fits, retract_decode, decode, finish; total
+milliseconds per run, median over runs), the scheduler's whole cost to a serving loop: a
+device tree inserts and evicts cached prefixes at a higher cost per token than the
+reference's on a CPU, which `step()` alone does not show. Steps that find nothing to do (an empty queue, a full batch) are counted
 in the buckets as they are in the replay summary. Each backend first replays the trace's first
 `--warmup-requests` requests, untimed (a serving process is warm). The decision digests must agree across
 backends and runs (else the script stops: the numbers would compare different schedules).
 
 Rows are data (STYLE practice 9): one per (bucket, backend) with count, mean_us (median over
-runs), runs_us (each run's mean), speedup_vs_ref; plus one row per backend for the whole run
-(bucket "all": wall_s and sched_wall_s medians). `--out x.json` appends them to a JSON list.
+runs), runs_us (each run's mean), speedup_vs_ref; one per (call, backend) with bucket "call",
+call, count, seconds (median over runs), runs_s, speedup_vs_ref; plus one row per backend for
+the whole run (bucket "all": wall_s, sched_wall_s and calls_s medians). `--out x.json` appends them to a JSON list.
 
 Usage:
   python benchmarks/bench_replay_steps.py [--trace PATH] [--limit 2000] [--policy lpm]
@@ -129,18 +134,27 @@ def run(args) -> List[dict]:
             mean = statistics.median(runs_us)
             rows.append(dict(meta, bucket=label, lo=b0["lo"], hi=b0["hi"], count=b0["count"], backend=b,
                              mean_us=mean, runs_us=runs_us, speedup_vs_ref=ref_mean / mean if mean else None))
+    ref_calls = {name: statistics.median(s["sched_calls_s"][name] for s in summaries[ref])
+                 for name in summaries[ref][0]["sched_calls_s"]}
+    for name, ref_s in ref_calls.items():  # the engine's every call, step() included: the whole cost
+        for b in args.backend_list:
+            runs_s = [s["sched_calls_s"][name] for s in summaries[b]]
+            secs = statistics.median(runs_s)
+            rows.append(dict(meta, bucket="call", call=name, backend=b, count=summaries[b][0]["sched_calls_n"][name],
+                             seconds=secs, runs_s=runs_s, speedup_vs_ref=ref_s / secs if secs else None))
     ref_sched = statistics.median(s["sched_wall_s"] for s in summaries[ref])
     for b in args.backend_list:
         sched = statistics.median(s["sched_wall_s"] for s in summaries[b])
+        calls_s = statistics.median(sum(s["sched_calls_s"].values()) for s in summaries[b])
         rows.append(dict(meta, bucket="all", backend=b, count=summaries[b][0]["digest_steps"],
                          wall_s=statistics.median(s["wall_s"] for s in summaries[b]), sched_wall_s=sched,
-                         speedup_vs_ref=ref_sched / sched if sched else None))
+                         calls_s=calls_s, speedup_vs_ref=ref_sched / sched if sched else None))
     return rows
 
 
 def print_table(rows: List[dict], backends: List[str]) -> None:
     by = {(r["bucket"], r["backend"]): r for r in rows}
-    labels = list(dict.fromkeys(r["bucket"] for r in rows if r["bucket"] != "all"))
+    labels = list(dict.fromkeys(r["bucket"] for r in rows if r["bucket"] not in ("all", "call")))
     head = f"{'queue':>11} {'steps':>6}" + "".join(f" {b + ' us':>14}" for b in backends)
     head += "".join(f" {'x ' + b:>10}" for b in backends[1:])
     print(head)
@@ -150,10 +164,27 @@ def print_table(rows: List[dict], backends: List[str]) -> None:
         line += "".join(f" {by[(label, b)]['mean_us']:>14.1f}" for b in backends)
         line += "".join(f" {by[(label, b)]['speedup_vs_ref']:>9.2f}x" for b in backends[1:])
         print(line)
+    calls = {(r["call"], r["backend"]): r for r in rows if r["bucket"] == "call"}
+    head = f"{'call':>16} {'calls':>7}" + "".join(f" {b + ' ms':>14}" for b in backends)
+    head += "".join(f" {'x ' + b:>10}" for b in backends[1:])
+    print(head)
+    print("-" * len(head))
+    for name in dict.fromkeys(c for c, _ in calls):
+        line = f"{name:>16} {calls[(name, backends[0])]['count']:>7}"
+        line += "".join(f" {calls[(name, b)]['seconds'] * 1e3:>14.1f}" for b in backends)
+        line += "".join(f" {_ratio(calls[(name, b)]['speedup_vs_ref'])}" for b in backends[1:])
+        print(line)
+    ref_calls = by[("all", backends[0])]["calls_s"]
     for b in backends:
         r = by[("all", b)]
         print(f"# {b}: wall {r['wall_s']:.2f} s, step() {r['sched_wall_s']:.2f} s"
-              + (f" ({r['speedup_vs_ref']:.2f}x the reference's)" if b != backends[0] else ""))
+              + (f" ({r['speedup_vs_ref']:.2f}x the reference's)" if b != backends[0] else "")
+              + f", all scheduler calls {r['calls_s']:.2f} s"
+              + (f" ({ref_calls / r['calls_s']:.2f}x the reference's)" if b != backends[0] and r["calls_s"] else ""))
+
+
+def _ratio(x: Optional[float]) -> str:
+    return f"{x:>9.2f}x" if x is not None else f"{'n/a':>10}"
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -16,7 +16,7 @@ def test_rows_per_bucket_and_backend(tmp_path, capsys):
     argv = ["--synthetic-requests", "40", "--runs", "2", "--warmup-requests", "5", "--out", str(out)]
     assert bench_replay_steps.main(argv) == 0
     rows = json.loads(out.read_text())
-    buckets = [r for r in rows if r["bucket"] != "all"]
+    buckets = [r for r in rows if r["bucket"] not in ("all", "call")]
     assert {r["backend"] for r in rows} == {"reference", "torch"}
     assert buckets and len(buckets) % 2 == 0
     for r in buckets:
@@ -31,8 +31,19 @@ def test_rows_per_bucket_and_backend(tmp_path, capsys):
     assert len({r["digest"] for r in rows}) == 1
     whole = {r["backend"]: r for r in rows if r["bucket"] == "all"}
     assert whole["torch"]["sched_wall_s"] > 0 and whole["reference"]["wall_s"] > 0
+    # every engine call, per backend: the same counts (same schedule); the calls add up to calls_s
+    calls = [r for r in rows if r["bucket"] == "call"]
+    assert {r["call"] for r in calls} == {"step", "submit", "complete_prefill", "decode_fits", "retract_decode",
+                                          "decode", "finish"}
+    for b in ("reference", "torch"):
+        mine = {r["call"]: r for r in calls if r["backend"] == b}
+        assert mine["step"]["seconds"] == pytest.approx(whole[b]["sched_wall_s"])
+        assert mine["finish"]["count"] > 0 and mine["decode"]["seconds"] > 0 and len(mine["step"]["runs_s"]) == 2
+        assert whole[b]["calls_s"] >= whole[b]["sched_wall_s"]
+    assert len({(r["call"], r["count"]) for r in calls}) == len(calls) // 2
     table = capsys.readouterr().out
-    assert "x torch" in table and "reference us" in table
+    assert "x torch" in table and "reference us" in table and "complete_prefill" in table
+    assert "all scheduler calls" in table
     # a second run appends
     assert bench_replay_steps.main(argv[:-2] + ["--runs", "1", "--out", str(out)]) == 0
     assert len(json.loads(out.read_text())) > len(rows)

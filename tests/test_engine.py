@@ -5,8 +5,9 @@ import pytest
 
 from gpu_sched.config import SchedulerConfig
 from gpu_sched.reference import ReferenceScheduler
-from gpu_sched.sim.engine import (COST_MODELS, CostModel, NewTokenRatio, SimulationError, get_cost_model,
-                                  replay)
+from gpu_sched.sim.engine import (COST_MODELS, ENGINE_CALLS, CostModel, NewTokenRatio, SimulationError,
+                                  get_cost_model, replay)
+from gpu_sched.sim.metrics import format_comparison, format_summary
 from gpu_sched.sim.traces import Trace, TraceRequest, output_token_ids, synthetic_workload
 
 
@@ -62,6 +63,39 @@ def test_retraction_with_a_tiny_kv_pool_still_completes():
     assert all(s.kv_used_tokens <= 2000 for s in steps)
     # a retracted request keeps its output: its tokens are still the planned stream, no repeats
     assert all(len(r.token_times) == r.output_len for r in reqs)
+
+
+def test_every_scheduler_call_is_timed_and_counted():
+    """The summary's "sched_calls_s" / "sched_calls_n" hold step() and every ENGINE_CALLS
+    method: counts equal the calls the scheduler saw (retractions included), step()'s time is
+    "sched_wall_s", and the summary text lists them with their total."""
+    seen = dict.fromkeys(("step",) + ENGINE_CALLS, 0)
+    depth = [0]  # the engine's calls only: retract_decode calls decode_fits itself
+
+    class Counting(ReferenceScheduler):
+        pass
+
+    for name in seen:
+        def counted(self, *a, _name=name, **k):
+            seen[_name] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return getattr(ReferenceScheduler, _name)(self, *a, **k)
+            finally:
+                depth[0] -= 1
+        setattr(Counting, name, counted)
+    summary, _, _ = _run(_burst(30, output_len=(100, 200)), check=False, kv=2000, make=Counting,
+                         schedule_policy="lpm", clip_max_new_tokens=8)
+    assert summary["retractions"] > 0 and seen["retract_decode"] > 0
+    assert summary["sched_calls_n"] == seen
+    calls = summary["sched_calls_s"]
+    assert set(calls) == set(seen) and all(v >= 0 for v in calls.values())
+    assert calls["step"] == summary["sched_wall_s"] and calls["decode"] > 0 and calls["finish"] > 0
+    text = format_summary(summary)
+    assert f"retract_decode (n={seen['retract_decode']}) (ms):" in text
+    total = next(l for l in text.splitlines() if l.startswith("All scheduler calls (ms):"))
+    assert total.endswith(f"{sum(calls.values()) * 1e3:.1f}")
+    assert "Sched calls, all (s)" in format_comparison({"lpm": summary})
 
 
 def test_same_run_same_digest():

@@ -176,6 +176,41 @@ def _progress_bar(enabled: bool, total: float, desc: str):
                 bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} sim s [{elapsed}<{remaining}{postfix}]")
 
 
+#: the scheduler calls an engine makes besides `step()` (timed apart, per step), in the order
+#: a step may make them
+ENGINE_CALLS = ("submit", "complete_prefill", "decode_fits", "retract_decode", "decode", "finish")
+
+
+class _TimedCalls:
+    """The scheduler as the replay calls it: each call of an `ENGINE_CALLS` method adds its
+    real time to `seconds[name]` and 1 to `counts[name]` (a perf_counter pair, ~0.2 us a
+    call); every other attribute is the scheduler's own. The engine-side cost of a backend is
+    these calls and `step()` together: a device tree's cache inserts and evictions (in
+    `complete_prefill`, `finish`) cost more per token on a CPU than the reference's."""
+
+    def __init__(self, sched):
+        self._sched = sched
+        self.seconds: Dict[str, float] = dict.fromkeys(ENGINE_CALLS, 0.0)
+        self.counts: Dict[str, int] = dict.fromkeys(ENGINE_CALLS, 0)
+        for name in ENGINE_CALLS:
+            setattr(self, name, self._timed(name, getattr(sched, name)))
+
+    def _timed(self, name: str, f):
+        perf, seconds, counts = time.perf_counter, self.seconds, self.counts
+
+        def call(*args, **kwargs):
+            t0 = perf()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                seconds[name] += perf() - t0
+                counts[name] += 1
+        return call
+
+    def __getattr__(self, name: str):
+        return getattr(self._sched, name)
+
+
 class _Replay:
     """One replay's state. Per-request arrays are indexed by trace position i (rid f"r{i}")."""
 
@@ -187,7 +222,7 @@ class _Replay:
         self.cost = cost
         self.check = check
         self.progress = progress
-        self.sched = make_scheduler(config, kv_tokens)
+        self.sched = _TimedCalls(make_scheduler(config, kv_tokens))
         reqs = trace.requests
         n = len(reqs)
         self.rids = [f"r{i}" for i in range(n)]
@@ -208,7 +243,8 @@ class _Replay:
         self.digest = DecisionDigest()
         self.mixed = bool(config.enable_mixed_chunk and config.chunked_prefill_size is not None)
         self.t = 0.0
-        self.sched_wall = 0.0
+        self.sched_wall = 0.0  # real seconds in step(), `step_calls` calls
+        self.step_calls = 0
         self.check_wall = 0.0
 
     # ---- per-request helpers ---------------------------------------------------------------
@@ -381,6 +417,7 @@ class _Replay:
                 plan = sched.step(self.ratio.value, now=self.t)
                 wall = perf() - t0
                 self.sched_wall += wall
+                self.step_calls += 1
                 if plan.admitted or plan.preempted:
                     self.digest.update(plan)
                 for rid in plan.preempted:
@@ -453,7 +490,8 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
     Returns:
         (summary, requests, steps): `metrics.summarize` plus "digest" (SHA-256 hex of every
         admitting or preempting plan), "digest_steps", "wall_s", "sched_wall_s" (real seconds in
-        `step()`), "check_wall_s", "kv_tokens", "cost_model", "policy"; one `RequestRecord` per
+        `step()`), "sched_calls_s" / "sched_calls_n" (real seconds and counts of `step()` and
+        of each `ENGINE_CALLS` method: the scheduler's whole cost to the engine), "check_wall_s", "kv_tokens", "cost_model", "policy"; one `RequestRecord` per
         trace request in trace order (rid f"r{i}"; `output_len` = tokens generated, planned
         max(output_len, 1); `cached_tokens` = extend_start of the request's first admission,
         i.e. its prefix-cache hit when first prefilled; later chunks and re-prefills after a
@@ -478,6 +516,8 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
     summary = summarize(sim.records, sim.steps)
     summary.update({"digest": sim.digest.hexdigest(), "digest_steps": sim.digest.steps,
                     "wall_s": time.perf_counter() - wall0, "sched_wall_s": sim.sched_wall,
+                    "sched_calls_s": {"step": sim.sched_wall, **sim.sched.seconds},
+                    "sched_calls_n": {"step": sim.step_calls, **sim.sched.counts},
                     "check_wall_s": sim.check_wall if check else None, "kv_tokens": kv_tokens,
                     "cost_model": cost.name, "policy": config.schedule_policy})
     return summary, sim.records, sim.steps

@@ -217,6 +217,13 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result", width
     row("P99 sched time (us):", g("p99_sched_us"))
     for label, b in (g("sched_us_by_queue_len") or {}).items():
         row(f"  queue {label} (n={b['count']}) mean/p99:", f"{_fmt(b['mean_us'], 1)}/{_fmt(b['p99_us'], 1)}")
+    calls = g("sched_calls_s")
+    if calls:  # a replay's: step() and the engine's other scheduler calls, real seconds
+        sec("Scheduler calls (real time)")
+        counts = g("sched_calls_n") or {}
+        for name, secs in calls.items():
+            row(f"{name} (n={counts.get(name, 0)}) (ms):", _fmt(secs * 1e3, 1))
+        row("All scheduler calls (ms):", _fmt(sum(calls.values()) * 1e3, 1))
     if g("digest"):
         row("Decision digest:", str(g("digest"))[:12])
     lines.append("=" * width)
@@ -228,6 +235,7 @@ COMPARISON_ROWS = (("Requests completed", "completed"), ("Request throughput (re
                    ("Mean TTFT (ms)", "mean_ttft_ms"), ("P99 TTFT (ms)", "p99_ttft_ms"),
                    ("Mean TPOT (ms)", "mean_tpot_ms"), ("Mean E2EL (ms)", "mean_e2el_ms"),
                    ("Sched mean (us/step)", "mean_sched_us"), ("Sched p99 (us/step)", "p99_sched_us"),
+                   ("Sched calls, all (s)", "calls_s"),
                    ("Decision digest", "digest"))
 
 
@@ -259,6 +267,8 @@ def _table(labels, names, cells, min_width: int, title: Optional[str] = None) ->
 
 
 def _metric(s: dict, key: str):
+    if key == "calls_s":
+        return None if not s.get("sched_calls_s") else sum(s["sched_calls_s"].values())
     if key == "hit%":
         return None if s.get("prefix_cache_hit_rate") is None else 100.0 * s["prefix_cache_hit_rate"]
     return s.get(key)
