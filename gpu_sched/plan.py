@@ -91,6 +91,30 @@ class PrefillPlan:
             out[f.name] = v
         return out
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "PrefillPlan":
+        """`to_dict`'s inverse (e.g. after a JSON round trip): admitted entries become (rid,
+        extend_start, extend_end) tuples again, lists are copied; missing fields take their
+        defaults. Raises ValueError for a key that is not a field or an admitted entry that is
+        not (str, int, int), TypeError for a `d` that is not a dict."""
+        if not isinstance(d, dict):
+            raise TypeError(f"PrefillPlan.from_dict takes a dict, got {type(d).__name__}")
+        names = {f.name for f in fields(cls)}
+        extra = sorted(k for k in d if k not in names)
+        if extra:
+            raise ValueError(f"PrefillPlan.from_dict: unknown fields {extra[:5]}")
+        kw = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple)) else v)
+              for k, v in d.items()}
+        admitted = []
+        for a in kw.get("admitted", []):
+            ok = isinstance(a, (list, tuple)) and len(a) == 3 and isinstance(a[0], str)
+            ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in a[1:])
+            if not ok:
+                raise ValueError(f"PrefillPlan.from_dict: admitted entry {a!r} is not (rid, extend_start, extend_end)")
+            admitted.append(tuple(a))
+        kw["admitted"] = admitted
+        return cls(**kw)
+
     def decision_bytes(self) -> bytes:
         """The decisions that define a run (admitted rids and extend ranges, chunked request,
         preempted rids), serialised for the replay digest."""

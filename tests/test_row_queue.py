@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gpu_sched.config import SchedulerConfig
+from gpu_sched.plan import PrefillPlan
 from gpu_sched.reference import ReferenceScheduler
 from gpu_sched.request import Request
 from gpu_sched.row_queue import LazyList, RowQueue
@@ -230,9 +231,25 @@ def test_plan_to_dict_is_plain_json(policy):
         assert json.loads(json.dumps(db)) == json.loads(json.dumps(da))
         assert db == da and type(db["queue_order"]) is list
         assert db["admitted"] and all(type(x) is list for x in db["admitted"])
+        back = PrefillPlan.from_dict(json.loads(json.dumps(db)))  # the round trip gives the plan back
+        assert back == PrefillPlan.from_dict(da) and back.admitted == a.admitted
+        assert back.to_dict() == da and back.budgets == a.budgets and back.stop == a.stop
         done = {rid: 1 for rid, _, _ in a.admitted}
         ref.complete_prefill(done)
         dev.complete_prefill(done)
+
+
+@pytest.mark.parametrize("bad, err, words", [
+    ({"admitted": [["a", 0]]}, ValueError, "admitted entry"),
+    ({"admitted": [[1, 0, 2]]}, ValueError, "admitted entry"),
+    ({"admitted": [["a", 0, True]]}, ValueError, "admitted entry"),
+    ({"admited": []}, ValueError, "unknown fields"),
+    ([("admitted", [])], TypeError, "takes a dict"),
+])
+def test_plan_from_dict_refuses_what_to_dict_never_gives(bad, err, words):
+    with pytest.raises(err, match=words):
+        PrefillPlan.from_dict(bad)
+    assert PrefillPlan.from_dict({}) == PrefillPlan()
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lof"])

@@ -193,7 +193,9 @@ class _TimedCalls:
         self.seconds: Dict[str, float] = dict.fromkeys(ENGINE_CALLS, 0.0)
         self.counts: Dict[str, int] = dict.fromkeys(ENGINE_CALLS, 0)
         for name in ENGINE_CALLS:
-            setattr(self, name, self._timed(name, getattr(sched, name)))
+            f = getattr(sched, name, None)  # one it lacks fails when called, as without the timing
+            if f is not None:
+                setattr(self, name, self._timed(name, f))
 
     def _timed(self, name: str, f):
         perf, seconds, counts = time.perf_counter, self.seconds, self.counts
