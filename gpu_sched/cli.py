@@ -386,18 +386,20 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
 
 
 def _check_out_dir(out: str) -> None:
-    """CliError unless `out` is a folder this run can write into (made if missing)."""
+    """CliError unless `out` is a folder this run can write into, or one it can make there
+    (made when the results are written: a run that fails leaves no empty folder)."""
     from pathlib import Path
 
     p = Path(out)
     if p.exists() and not p.is_dir():
         raise CliError(f"--out {out} is a file, not a folder")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CliError(f"cannot write results to {out}: {e}") from None
-    if not os.access(p, os.W_OK):
-        raise CliError(f"cannot write results to {out}: the folder is not writable")
+    base = p.absolute()
+    while not base.exists():  # the nearest existing folder on its path, where it would be made
+        base = base.parent
+    if not base.is_dir():
+        raise CliError(f"cannot write results to {out}: {base} is a file, not a folder")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise CliError(f"cannot write results to {out}: {base} is not writable")
 
 
 def cmd_replay(args) -> int:

@@ -72,12 +72,13 @@ class DeviceRadixCache:
         return int(m[0]), int(last[0])
 
     def present_len(self, key, ns=None) -> int:
-        """Length of `key` already cached (no stamps, no splits)."""
-        if self.disable:
+        """Length of `key` already cached (no stamps, no splits, no new namespace id: a
+        namespace never seen holds nothing)."""
+        if self.disable or ns not in self._ns:
             return 0
         t = self._tokens(key)
         m, _ = self.tree._find(t[None], torch.tensor([t.numel()], device=self.device),
-                               torch.tensor([self.ns_id(ns)], device=self.device))
+                               torch.tensor([self._ns[ns]], device=self.device))
         return int(m[0])
 
     def insert(self, key, value, ns=None, known: int = 0, known_node=None) -> int:

@@ -130,6 +130,26 @@ def test_seeding_short_of_free_slots_changes_nothing(cls, call):
     assert after_eviction(s) == after_eviction(twin)
 
 
+@pytest.mark.parametrize("call", ["seed_running", "seed_chunked", "seed_cache"])
+def test_seeding_short_of_free_slots_names_no_new_namespace(call):
+    """A request or prefix in a namespace the cache has not seen (its `extra_key`) that does
+    not fit: the device cache's namespace ids stay as they were (the free-pool check reads
+    a never-seen namespace as holding nothing, without giving it an id)."""
+    s = _seeded(GpuScheduler)
+    ids = dict(s.cache._ns)
+    prompt = list(range(100, 120))
+    with pytest.raises(MemoryError, match="needs"):
+        if call == "seed_running":
+            s.seed_running(Request("big", prompt, 4, extra_key="fresh"))
+        elif call == "seed_chunked":
+            s.seed_chunked(Request("big", prompt + [1], 4, extra_key="fresh"), done=len(prompt))
+        else:
+            s.seed_cache(prompt, extra_key="fresh")
+    assert s.cache._ns == ids
+    assert s.seed_cache([7, 7, 7], extra_key="fresh") == 3 and "fresh" in s.cache._ns  # fits: named now
+    s.check_integrity()
+
+
 TOKEN_KNOBS = ["max_prefill_tokens", "chunked_prefill_size", "clip_max_new_tokens",
                "truncation_align_size"]
 INT64_KNOBS = ["max_running_requests", "prefill_max_requests", "lpm_fallback_queue_len",

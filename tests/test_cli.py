@@ -285,6 +285,7 @@ def _bad_rows(tmp_path):
     (["replay", "--cost-model", "COST"], "cost.json: CostModel fixed_s must be a number of seconds in [0, 3600]"),
     (["replay", "--cost-model", "BINCOST"], "bincost.json: not UTF-8 text"),
     (["replay", "--out", "OUTFILE"], "is a file, not a folder"),
+    (["replay", "--out", "OUTFILE/sub/dir"], "outfile is a file, not a folder"),
     (["trace-stats", "EMPTY"], "no requests in"),
     (["replay", "--limit", "0"], "no requests to replay in synthetic"),
     (["replay", "--synthetic-requests", "0"], "no requests to replay in synthetic"),
@@ -315,7 +316,8 @@ def test_bad_input_is_one_line_without_traceback(argv, message, tmp_path, capsys
                        ("empty.jsonl", b"")):
         (tmp_path / name).write_bytes(data)
         files[name.split(".")[0].upper()] = tmp_path / name
-    argv = [str(files[a]) if a in files else a for a in argv]
+    head = lambda a: a.split("/", 1)[0]  # noqa: E731  (NAME/more: a path under a made file)
+    argv = [str(files[head(a)]) + a[len(head(a)):] if head(a) in files else a for a in argv]
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc != 0
@@ -392,6 +394,16 @@ def test_check_prints_that_it_passed(capsys):
     assert re.findall(r"^integrity check passed \[fcfs, lpm\]: ", capsys.readouterr().out, re.M)
     assert main(argv) == 0
     assert "integrity check" not in capsys.readouterr().out
+
+
+def test_a_failed_run_makes_no_out_folder(tmp_path, capsys):
+    """--out is checked before the run (a file on its path is refused at once) but made only
+    when the results are written: a run that fails leaves nothing behind."""
+    out = tmp_path / "new" / "deep"
+    assert main(["replay", "--trace", str(_bad_rows(tmp_path)), "--no-progress", "--out", str(out)]) == 2
+    assert "line 2" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    assert main(["replay", "--synthetic-requests", "5", "--no-progress", "--out", str(out)]) == 0
+    assert (out / "results.json").is_file()
 
 
 def test_skip_bad_rows(tmp_path, capsys):
