@@ -13,8 +13,8 @@ reference / backend; then the same for every scheduler call the engine makes (`s
 `ENGINE_CALLS`: submit, complete_prefill, decode_fits, retract_decode, decode, finish; total
 milliseconds per run, median over runs), the scheduler's whole cost to a serving loop: a
 device tree inserts and evicts cached prefixes at a higher cost per token than the
-reference's on a CPU, which `step()` alone does not show. Steps that find nothing to do (an empty queue, a full batch) are counted
-in the buckets as they are in the replay summary. Each backend first replays the trace's first
+reference's on a CPU, which `step()` alone does not show. Steps that find nothing to do (an
+empty queue, a full batch) are counted in the buckets as they are in the replay summary. Each backend first replays the trace's first
 `--warmup-requests` requests, untimed (a serving process is warm). The decision digests must agree across
 backends and runs (else the script stops: the numbers would compare different schedules).
 
@@ -162,7 +162,7 @@ def print_table(rows: List[dict], backends: List[str]) -> None:
     for label in labels:
         line = f"{label:>11} {by[(label, backends[0])]['count']:>6}"
         line += "".join(f" {by[(label, b)]['mean_us']:>14.1f}" for b in backends)
-        line += "".join(f" {by[(label, b)]['speedup_vs_ref']:>9.2f}x" for b in backends[1:])
+        line += "".join(f" {_ratio(by[(label, b)]['speedup_vs_ref'])}" for b in backends[1:])
         print(line)
     calls = {(r["call"], r["backend"]): r for r in rows if r["bucket"] == "call"}
     head = f"{'call':>16} {'calls':>7}" + "".join(f" {b + ' ms':>14}" for b in backends)
@@ -178,7 +178,7 @@ def print_table(rows: List[dict], backends: List[str]) -> None:
     for b in backends:
         r = by[("all", b)]
         print(f"# {b}: wall {r['wall_s']:.2f} s, step() {r['sched_wall_s']:.2f} s"
-              + (f" ({r['speedup_vs_ref']:.2f}x the reference's)" if b != backends[0] else "")
+              + (f" ({_ratio(r['speedup_vs_ref']).strip()} the reference's)" if b != backends[0] else "")
               + f", all scheduler calls {r['calls_s']:.2f} s"
               + (f" ({ref_calls / r['calls_s']:.2f}x the reference's)" if b != backends[0] and r["calls_s"] else ""))
 

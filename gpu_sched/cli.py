@@ -390,16 +390,23 @@ def _check_out_dir(out: str) -> None:
     (made when the results are written: a run that fails leaves no empty folder)."""
     from pathlib import Path
 
-    p = Path(out)
-    if p.exists() and not p.is_dir():
-        raise CliError(f"--out {out} is a file, not a folder")
-    base = p.absolute()
-    while not base.exists():  # the nearest existing folder on its path, where it would be made
-        base = base.parent
-    if not base.is_dir():
-        raise CliError(f"cannot write results to {out}: {base} is a file, not a folder")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise CliError(f"cannot write results to {out}: {base} is not writable")
+    try:
+        p = Path(out)
+        if p.exists() and not p.is_dir():
+            raise CliError(f"--out {out} is a file, not a folder")
+        base = p.absolute()
+        # the nearest existing entry on its path, where it would be made; a link that leads
+        # nowhere (exists() is False for it) would fail the final mkdir, after the run
+        while not (base.exists() or base.is_symlink()):
+            base = base.parent
+        if base.is_symlink() and not base.exists():
+            raise CliError(f"cannot write results to {out}: {base} is a link that leads nowhere")
+        if not base.is_dir():
+            raise CliError(f"cannot write results to {out}: {base} is a file, not a folder")
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise CliError(f"cannot write results to {out}: {base} is not writable")
+    except OSError as e:  # a name too long, a folder on the path that cannot be searched
+        raise CliError(f"cannot write results to {out}: {e}") from None
 
 
 def cmd_replay(args) -> int:

@@ -18,6 +18,21 @@ STOP_REASONS = (
 )
 
 
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+_NONE = object()
+#: `PrefillPlan.from_dict`'s check of each list field's entries, and what it names
+_LIST_FIELDS = {"admitted": lambda a: isinstance(a, (list, tuple)) and len(a) == 3 and isinstance(a[0], str)
+                and _int(a[1]) and _int(a[2]),
+                "preempted": lambda x: isinstance(x, str), "queue_order": lambda x: isinstance(x, str),
+                "deprioritized": lambda x: isinstance(x, str), "num_matched": _int}
+_LIST_WHAT = {"admitted": "(rid, extend_start, extend_end)", "preempted": "a rid", "queue_order": "a rid",
+              "deprioritized": "a rid", "num_matched": "an int"}
+_OPTIONAL_LISTS = ("num_matched", "deprioritized")
+
+
 @dataclass
 class PrefillPlan:
     """One step's decisions.
@@ -94,25 +109,34 @@ class PrefillPlan:
     @classmethod
     def from_dict(cls, d: dict) -> "PrefillPlan":
         """`to_dict`'s inverse (e.g. after a JSON round trip): admitted entries become (rid,
-        extend_start, extend_end) tuples again, lists are copied; missing fields take their
-        defaults. Raises ValueError for a key that is not a field or an admitted entry that is
-        not (str, int, int), TypeError for a `d` that is not a dict."""
+        extend_start, extend_end) tuples again, lists and dicts are copied; missing fields
+        take their defaults. Raises TypeError for a `d` that is not a dict, ValueError naming
+        the field for a key that is not a field, a list field that is not a list of what
+        `to_dict` writes there (rids: str; admitted: (str, int, int); num_matched: int) or a
+        budgets field that is not a dict."""
         if not isinstance(d, dict):
             raise TypeError(f"PrefillPlan.from_dict takes a dict, got {type(d).__name__}")
         names = {f.name for f in fields(cls)}
         extra = sorted(k for k in d if k not in names)
         if extra:
             raise ValueError(f"PrefillPlan.from_dict: unknown fields {extra[:5]}")
-        kw = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple)) else v)
-              for k, v in d.items()}
-        admitted = []
-        for a in kw.get("admitted", []):
-            ok = isinstance(a, (list, tuple)) and len(a) == 3 and isinstance(a[0], str)
-            ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in a[1:])
-            if not ok:
-                raise ValueError(f"PrefillPlan.from_dict: admitted entry {a!r} is not (rid, extend_start, extend_end)")
-            admitted.append(tuple(a))
-        kw["admitted"] = admitted
+        kw = dict(d)
+        for name, ok in _LIST_FIELDS.items():
+            if name not in kw or kw[name] is None and name in _OPTIONAL_LISTS:
+                continue
+            v = kw[name]
+            if not isinstance(v, (list, tuple)):
+                raise ValueError(f"PrefillPlan.from_dict: {name} must be a list, got {v!r}")
+            bad = next((x for x in v if not ok(x)), _NONE)
+            if bad is not _NONE:
+                raise ValueError(f"PrefillPlan.from_dict: {name} entry {bad!r} is not {_LIST_WHAT[name]}")
+            kw[name] = [tuple(x) for x in v] if name == "admitted" else list(v)
+        for name in ("budgets", "budgets_start"):
+            v = kw.get(name)
+            if v is not None and not isinstance(v, dict):
+                raise ValueError(f"PrefillPlan.from_dict: {name} must be a dict or None, got {v!r}")
+            if v is not None:
+                kw[name] = dict(v)
         return cls(**kw)
 
     def decision_bytes(self) -> bytes:

@@ -404,6 +404,15 @@ def test_a_failed_run_makes_no_out_folder(tmp_path, capsys):
     assert "line 2" in capsys.readouterr().err and not (tmp_path / "new").exists()
     assert main(["replay", "--synthetic-requests", "5", "--no-progress", "--out", str(out)]) == 0
     assert (out / "results.json").is_file()
+    # refused up front, before the run: a link that leads nowhere (on the path or as it), a
+    # name the system cannot hold
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "x")
+    for bad, words in ((tmp_path / "dangling", "a link that leads nowhere"),
+                       (tmp_path / "dangling" / "sub", "a link that leads nowhere"),
+                       (tmp_path / ("x" * 300), "cannot write results to")):
+        assert main(["replay", "--synthetic-requests", "5", "--no-progress", "--out", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
 def test_skip_bad_rows(tmp_path, capsys):

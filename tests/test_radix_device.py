@@ -429,10 +429,16 @@ def test_host_compaction_moves_what_the_torch_form_moves(page_size):
         if k % 7 == 6:
             tree.evict(int(tree.evictable_size) // 3)
     assert tree.top > sum(int(n) for n in tree.key_len[tree.alive])  # holes to close
-    a, b = copy.deepcopy(tree), copy.deepcopy(tree)
+    a, b, c, d = (copy.deepcopy(tree) for _ in range(4))
     a._compact_host()
     b._compact_torch()
     assert_same_tree(a, b, "compact")
+    d.compact()  # the host form, the change log started anew
+    c._compact_host = None  # under `torch_forms()` compact() runs the torch form, CPU tree or not
+    with PM.torch_forms():
+        c.compact()
+    assert_same_tree(c, d, "compact in torch_forms()")
+    assert d._log == [] and d._log_floor == d.version
     assert torch.equal(a.hslot, b.hslot) and a._reuse == b._reuse == 0
     assert a.top == sum(int(n) for n in a.key_len[a.alive])
     a.check_integrity()

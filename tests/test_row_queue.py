@@ -244,12 +244,19 @@ def test_plan_to_dict_is_plain_json(policy):
     ({"admitted": [[1, 0, 2]]}, ValueError, "admitted entry"),
     ({"admitted": [["a", 0, True]]}, ValueError, "admitted entry"),
     ({"admited": []}, ValueError, "unknown fields"),
+    ({"admitted": None}, ValueError, "admitted must be a list"),
+    ({"admitted": "abc"}, ValueError, "admitted must be a list"),
+    ({"preempted": "xy"}, ValueError, "preempted must be a list"),
+    ({"queue_order": ["a", 1]}, ValueError, "queue_order entry 1 is not a rid"),
+    ({"num_matched": [1, "2"]}, ValueError, "num_matched entry '2' is not an int"),
+    ({"budgets": [1]}, ValueError, "budgets must be a dict"),
     ([("admitted", [])], TypeError, "takes a dict"),
 ])
 def test_plan_from_dict_refuses_what_to_dict_never_gives(bad, err, words):
     with pytest.raises(err, match=words):
         PrefillPlan.from_dict(bad)
     assert PrefillPlan.from_dict({}) == PrefillPlan()
+    assert PrefillPlan.from_dict({"num_matched": None, "deprioritized": None}) == PrefillPlan()
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lof"])

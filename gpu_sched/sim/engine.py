@@ -31,6 +31,7 @@ finish/check_integrity, property kv_used).
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import sys
@@ -176,26 +177,29 @@ def _progress_bar(enabled: bool, total: float, desc: str):
                 bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} sim s [{elapsed}<{remaining}{postfix}]")
 
 
-#: the scheduler calls an engine makes besides `step()` (timed apart, per step), in the order
-#: a step may make them
+#: the scheduler calls an engine makes besides `step()` (which the replay times per step)
 ENGINE_CALLS = ("submit", "complete_prefill", "decode_fits", "retract_decode", "decode", "finish")
 
 
 class _TimedCalls:
-    """The scheduler as the replay calls it: each call of an `ENGINE_CALLS` method adds its
-    real time to `seconds[name]` and 1 to `counts[name]` (a perf_counter pair, ~0.2 us a
-    call); every other attribute is the scheduler's own. The engine-side cost of a backend is
-    these calls and `step()` together: a device tree's cache inserts and evictions (in
-    `complete_prefill`, `finish`) cost more per token on a CPU than the reference's."""
+    """The scheduler as the replay calls it: each `ENGINE_CALLS` method adds its real time to
+    `seconds[name]` and 1 to `counts[name]` (calls the scheduler makes on itself are not
+    counted); `step` and every other attribute are the scheduler's own (reads and writes go
+    to it). A copy wraps the same scheduler (a deep copy: a deep copy of it), with the
+    counts so far."""
+
+    _OWN = frozenset(("_sched", "seconds", "counts", "step") + ENGINE_CALLS)
 
     def __init__(self, sched):
-        self._sched = sched
-        self.seconds: Dict[str, float] = dict.fromkeys(ENGINE_CALLS, 0.0)
-        self.counts: Dict[str, int] = dict.fromkeys(ENGINE_CALLS, 0)
+        own = self.__dict__
+        own["_sched"] = sched
+        own["seconds"] = dict.fromkeys(ENGINE_CALLS, 0.0)
+        own["counts"] = dict.fromkeys(ENGINE_CALLS, 0)
+        own["step"] = sched.step  # looked up once: not inside the step's own timing
         for name in ENGINE_CALLS:
             f = getattr(sched, name, None)  # one it lacks fails when called, as without the timing
             if f is not None:
-                setattr(self, name, self._timed(name, f))
+                own[name] = self._timed(name, f)
 
     def _timed(self, name: str, f):
         perf, seconds, counts = time.perf_counter, self.seconds, self.counts
@@ -209,8 +213,27 @@ class _TimedCalls:
                 counts[name] += 1
         return call
 
+    def _copy_with(self, sched) -> "_TimedCalls":
+        new = _TimedCalls(sched)
+        new.seconds.update(self.seconds)
+        new.counts.update(self.counts)
+        return new
+
+    def __copy__(self) -> "_TimedCalls":
+        return self._copy_with(self._sched)
+
+    def __deepcopy__(self, memo) -> "_TimedCalls":
+        return self._copy_with(copy.deepcopy(self._sched, memo))
+
     def __getattr__(self, name: str):
+        if name.startswith("__") or name in _TimedCalls._OWN:  # not set yet (a copy): no recursion
+            raise AttributeError(name)
         return getattr(self._sched, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _TimedCalls._OWN:
+            raise AttributeError(f"{name} is the timing wrapper's own")
+        setattr(self._sched, name, value)
 
 
 class _Replay:
@@ -493,8 +516,9 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
         (summary, requests, steps): `metrics.summarize` plus "digest" (SHA-256 hex of every
         admitting or preempting plan), "digest_steps", "wall_s", "sched_wall_s" (real seconds in
         `step()`), "sched_calls_s" / "sched_calls_n" (real seconds and counts of `step()` and
-        of each `ENGINE_CALLS` method: the scheduler's whole cost to the engine), "check_wall_s", "kv_tokens", "cost_model", "policy"; one `RequestRecord` per
-        trace request in trace order (rid f"r{i}"; `output_len` = tokens generated, planned
+        of each `ENGINE_CALLS` method: the scheduler's whole cost to the engine),
+        "check_wall_s", "kv_tokens", "cost_model", "policy"; one `RequestRecord` per trace
+        request in trace order (rid f"r{i}"; `output_len` = tokens generated, planned
         max(output_len, 1); `cached_tokens` = extend_start of the request's first admission,
         i.e. its prefix-cache hit when first prefilled; later chunks and re-prefills after a
         retraction are not counted); one `StepRecord` per engine step.

@@ -235,7 +235,7 @@ COMPARISON_ROWS = (("Requests completed", "completed"), ("Request throughput (re
                    ("Mean TTFT (ms)", "mean_ttft_ms"), ("P99 TTFT (ms)", "p99_ttft_ms"),
                    ("Mean TPOT (ms)", "mean_tpot_ms"), ("Mean E2EL (ms)", "mean_e2el_ms"),
                    ("Sched mean (us/step)", "mean_sched_us"), ("Sched p99 (us/step)", "p99_sched_us"),
-                   ("Sched calls, all (s)", "calls_s"),
+                   ("Sched calls, all (ms)", "calls_ms"),
                    ("Decision digest", "digest"))
 
 
@@ -267,8 +267,8 @@ def _table(labels, names, cells, min_width: int, title: Optional[str] = None) ->
 
 
 def _metric(s: dict, key: str):
-    if key == "calls_s":
-        return None if not s.get("sched_calls_s") else sum(s["sched_calls_s"].values())
+    if key == "calls_ms":
+        return None if not s.get("sched_calls_s") else 1e3 * sum(s["sched_calls_s"].values())
     if key == "hit%":
         return None if s.get("prefix_cache_hit_rate") is None else 100.0 * s["prefix_cache_hit_rate"]
     return s.get(key)
