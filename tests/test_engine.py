@@ -99,6 +99,31 @@ def test_every_scheduler_call_is_timed_and_counted():
     assert row.endswith(f"{sum(calls.values()) * 1e3:.2f}")
 
 
+def test_the_timing_wrapper_is_the_scheduler_to_its_users():
+    """`_TimedCalls`: reads and writes reach the scheduler, step() is its own (untimed here),
+    copies keep the counts (a deep copy wraps a deep copy of the scheduler), its own fields
+    cannot be overwritten by mistake."""
+    import copy
+
+    from gpu_sched.request import Request
+    from gpu_sched.sim.engine import _TimedCalls
+
+    s = ReferenceScheduler(SchedulerConfig(), 100)
+    w = _TimedCalls(s)
+    w.submit([Request("a", [1, 2, 3], 4)])
+    w.batch_is_full = True  # a write goes to the scheduler
+    assert s.batch_is_full and w.kv_used == s.kv_used and w.step == s.step
+    d = copy.deepcopy(w)
+    d.submit([Request("b", [1, 2], 4)])
+    assert (w.counts["submit"], d.counts["submit"]) == (1, 2)
+    assert len(s.queue) == 1 and len(d._sched.queue) == 2 and d._sched is not s
+    c = copy.copy(w)
+    c.submit([Request("c", [1], 1)])
+    assert len(s.queue) == 2 and (w.counts["submit"], c.counts["submit"]) == (1, 2)
+    with pytest.raises(AttributeError, match="own"):
+        w.seconds = {}
+
+
 def test_same_run_same_digest():
     tr = _burst()
     a, _, _ = _run(tr, check=False, schedule_policy="lpm")
