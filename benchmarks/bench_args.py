@@ -4,6 +4,7 @@ Every check reports through `error` (an argparse parser's `error`: one line, exi
 before any work, so a bad argument never costs a run."""
 
 import json
+import os
 from pathlib import Path
 from typing import Callable, List
 
@@ -31,10 +32,16 @@ def int_list(text: str, flag: str, error: Callable[[str], None]) -> List[int]:
 def existing_rows(path, error: Callable[[str], None]) -> list:
     """The rows already in `path` ([] when it is missing or empty), read before a run so that a
     file the run could not append to stops it at once rather than after it: `error` for a
-    folder, text that is not JSON, or JSON that is not a list."""
+    folder, a place the rows cannot be written, text that is not JSON, or JSON that is not a
+    list."""
     p = Path(path)
     if p.is_dir():
         error(f"--out {p} is a folder, not a JSON file")
+    where = p.absolute().parent  # `write_rows` writes a file beside it and renames it over
+    while not where.exists():  # the nearest existing folder, where the missing ones are made
+        where = where.parent
+    if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
+        error(f"--out {p}: cannot write in {where}")
     if not p.exists() or p.stat().st_size == 0:
         return []
     try:
@@ -44,3 +51,14 @@ def existing_rows(path, error: Callable[[str], None]) -> list:
     if not isinstance(rows, list):
         error(f"--out {p} holds a JSON {type(rows).__name__}, not a list of rows to append to")
     return rows
+
+
+def write_rows(path, rows: list) -> None:
+    """Write `rows` (the old ones and this run's) to `path` as a JSON list: to a file beside
+    it, then renamed over it, so an interrupted write leaves the old rows whole. Missing
+    folders are made."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(rows, indent=1))
+    os.replace(tmp, p)

@@ -34,7 +34,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -47,7 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_queue as bq  # noqa: E402
-from bench_args import existing_rows  # noqa: E402
+from bench_args import existing_rows, write_rows  # noqa: E402
 
 from gpu_sched.config import SchedulerConfig  # noqa: E402
 
@@ -199,8 +198,7 @@ def main(argv=None) -> int:
         old = args.old_rows
         meta = dict(run=time.strftime("%Y%m%dT%H%M%S"), sweep_mib=args.sweep_mib, sleep_ms=args.sleep_ms,
                     command="python benchmarks/bench_cold.py " + " ".join(sys.argv[1:] if argv is None else argv))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(old + [dict(r, **meta) for r in rows], indent=1))
+        write_rows(out, old + [dict(r, **meta) for r in rows])
         print(f"# {len(rows)} rows appended to {out}")
     return 0
 

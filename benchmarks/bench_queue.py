@@ -98,7 +98,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import platform
@@ -122,7 +121,7 @@ from gpu_sched.scheduler import GpuScheduler
 from gpu_sched.step import GRAPH_POLICIES
 from gpu_sched.sim.traces import TraceRequest, read_mooncake, synthetic_workload
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path or imported: its siblings
-from bench_args import at_least, existing_rows  # noqa: E402
+from bench_args import at_least, existing_rows, write_rows  # noqa: E402
 
 #: the Mooncake trace in the shared folder beside the repository (../shared from its root)
 DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl")
@@ -637,10 +636,7 @@ def main(argv=None):
     def save():
         if out is None:
             return
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(old + rows, indent=1))
-        os.replace(tmp, out)
+        write_rows(out, old + rows)
 
     scheds = []
     for backend, device in backends:

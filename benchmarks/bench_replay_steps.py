@@ -1,5 +1,6 @@
-"""Serving-loop step times by queue size: one trace replayed through the reference and the
-device backends, each step's `step()` time grouped by the waiting queue's length.
+"""Serving-loop step times by queue size, and every scheduler call's total: one trace
+replayed through the reference and the device backends, each step's `step()` time grouped by
+the waiting queue's length, then each kind of call the engine makes.
 
 `bench_queue.py` times a step on a fixed queue of n requests; a serving loop's steps are
 different: most queues are small (SGLang turns lpm off above 128 waiting requests), most steps
@@ -21,7 +22,9 @@ backends and runs (else the script stops: the numbers would compare different sc
 Rows are data (STYLE practice 9): one per (bucket, backend) with count, mean_us (median over
 runs), runs_us (each run's mean), speedup_vs_ref; one per (call, backend) with bucket "call",
 call, count, seconds (median over runs), runs_s, speedup_vs_ref; plus one row per backend for
-the whole run (bucket "all": wall_s, sched_wall_s and calls_s medians). `--out x.json` appends them to a JSON list.
+the whole run (bucket "all": wall_s, sched_wall_s and calls_s medians, count = the steps that
+admitted or preempted (the digest's), speedup_vs_ref = reference / backend for step() and
+calls_speedup_vs_ref for all calls). `--out x.json` appends them to a JSON list.
 
 Usage:
   python benchmarks/bench_replay_steps.py [--trace PATH] [--limit 2000] [--policy lpm]
@@ -32,7 +35,6 @@ Without --trace it replays the built-in synthetic workload (`gpu-sched replay`'s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -44,7 +46,7 @@ from gpu_sched.cli import BACKENDS, config_from_args, load_trace, make_scheduler
 from gpu_sched.config import SchedulerConfig
 from gpu_sched.sim.engine import replay
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path or imported: its siblings
-from bench_args import at_least, existing_rows  # noqa: E402
+from bench_args import at_least, existing_rows, write_rows  # noqa: E402
 
 DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl")
 
@@ -143,12 +145,14 @@ def run(args) -> List[dict]:
             rows.append(dict(meta, bucket="call", call=name, backend=b, count=summaries[b][0]["sched_calls_n"][name],
                              seconds=secs, runs_s=runs_s, speedup_vs_ref=ref_s / secs if secs else None))
     ref_sched = statistics.median(s["sched_wall_s"] for s in summaries[ref])
+    ref_all = statistics.median(sum(s["sched_calls_s"].values()) for s in summaries[ref])
     for b in args.backend_list:
         sched = statistics.median(s["sched_wall_s"] for s in summaries[b])
         calls_s = statistics.median(sum(s["sched_calls_s"].values()) for s in summaries[b])
         rows.append(dict(meta, bucket="all", backend=b, count=summaries[b][0]["digest_steps"],
                          wall_s=statistics.median(s["wall_s"] for s in summaries[b]), sched_wall_s=sched,
-                         calls_s=calls_s, speedup_vs_ref=ref_sched / sched if sched else None))
+                         calls_s=calls_s, speedup_vs_ref=ref_sched / sched if sched else None,
+                         calls_speedup_vs_ref=ref_all / calls_s if calls_s else None))
     return rows
 
 
@@ -174,13 +178,12 @@ def print_table(rows: List[dict], backends: List[str]) -> None:
         line += "".join(f" {calls[(name, b)]['seconds'] * 1e3:>14.1f}" for b in backends)
         line += "".join(f" {_ratio(calls[(name, b)]['speedup_vs_ref'])}" for b in backends[1:])
         print(line)
-    ref_calls = by[("all", backends[0])]["calls_s"]
     for b in backends:
         r = by[("all", b)]
-        print(f"# {b}: wall {r['wall_s']:.2f} s, step() {r['sched_wall_s']:.2f} s"
-              + (f" ({_ratio(r['speedup_vs_ref']).strip()} the reference's)" if b != backends[0] else "")
-              + f", all scheduler calls {r['calls_s']:.2f} s"
-              + (f" ({ref_calls / r['calls_s']:.2f}x the reference's)" if b != backends[0] and r["calls_s"] else ""))
+        print(f"# {b}: wall {r['wall_s'] * 1e3:.1f} ms, step() {r['sched_wall_s'] * 1e3:.1f} ms"
+              + (f" (speedup {_ratio(r['speedup_vs_ref']).strip()})" if b != backends[0] else "")
+              + f", all scheduler calls {r['calls_s'] * 1e3:.1f} ms"
+              + (f" (speedup {_ratio(r['calls_speedup_vs_ref']).strip()})" if b != backends[0] else ""))
 
 
 def _ratio(x: Optional[float]) -> str:
@@ -194,10 +197,8 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{rows[0]['page_size']}, {args.runs} runs per backend, digest {rows[0]['digest']}")
     print_table(rows, args.backend_list)
     if args.out:
-        p = Path(args.out)
-        old = args.old_rows
-        p.write_text(json.dumps(old + rows, indent=1))
-        print(f"# {len(rows)} rows appended to {p}")
+        write_rows(args.out, args.old_rows + rows)
+        print(f"# {len(rows)} rows appended to {args.out}")
     return 0
 
 

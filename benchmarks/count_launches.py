@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 import time
@@ -41,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_queue as bq  # noqa: E402
-from bench_args import at_least, existing_rows  # noqa: E402
+from bench_args import at_least, existing_rows, write_rows  # noqa: E402
 
 from gpu_sched.config import SchedulerConfig  # noqa: E402
 
@@ -179,8 +178,7 @@ def main(argv=None) -> int:
             for k, v in r["triton"].items():
                 print(f"    {v:4d} [triton] {k}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(old + rows, f, indent=1)
+        write_rows(args.out, old + rows)
     return 0
 
 

@@ -428,7 +428,9 @@ def cmd_replay(args) -> int:
         seeds = _parse_seeds(args)
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise CliError(str(e)) from None
-    if args.out:  # before the run, not after it
+    if args.out is not None:  # before the run, not after it
+        if not args.out.strip():
+            raise CliError("--out must name a folder, got an empty string")
         _check_out_dir(args.out)
     if seeds is not None:
         return _replay_seeds(args, configs, cost, seeds)

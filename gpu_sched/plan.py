@@ -25,12 +25,21 @@ def _int(x) -> bool:
 _NONE = object()
 #: `PrefillPlan.from_dict`'s check of each list field's entries, and what it names
 _LIST_FIELDS = {"admitted": lambda a: isinstance(a, (list, tuple)) and len(a) == 3 and isinstance(a[0], str)
-                and _int(a[1]) and _int(a[2]),
+                and _int(a[1]) and _int(a[2]) and 0 <= a[1] <= a[2],
                 "preempted": lambda x: isinstance(x, str), "queue_order": lambda x: isinstance(x, str),
                 "deprioritized": lambda x: isinstance(x, str), "num_matched": _int}
-_LIST_WHAT = {"admitted": "(rid, extend_start, extend_end)", "preempted": "a rid", "queue_order": "a rid",
+_LIST_WHAT = {"admitted": "(rid, extend_start, extend_end), 0 <= start <= end", "preempted": "a rid", "queue_order": "a rid",
               "deprioritized": "a rid", "num_matched": "an int"}
 _OPTIONAL_LISTS = ("num_matched", "deprioritized")
+#: the other fields' checks, and what they name
+_SCALARS = {"new_chunked_rid": (lambda x: x is None or isinstance(x, str), "a rid or None"),
+            "chunked_rid_after": (lambda x: x is None or isinstance(x, str), "a rid or None"),
+            "active_policy": (lambda x: x is None or isinstance(x, str), "a policy name or None"),
+            "ordered": (lambda x: isinstance(x, bool), "a bool"),
+            "batch_is_full": (lambda x: isinstance(x, bool), "a bool"),
+            "stop": (lambda x: x in STOP_REASONS, f"one of {STOP_REASONS}"),
+            **{k: (lambda x: _int(x) and x >= 0, "an int >= 0") for k in (
+                "log_hit_tokens", "log_input_tokens", "available", "evictable", "protected", "preempt_evicted_tokens")}}
 
 
 @dataclass
@@ -111,9 +120,11 @@ class PrefillPlan:
         """`to_dict`'s inverse (e.g. after a JSON round trip): admitted entries become (rid,
         extend_start, extend_end) tuples again, lists and dicts are copied; missing fields
         take their defaults. Raises TypeError for a `d` that is not a dict, ValueError naming
-        the field for a key that is not a field, a list field that is not a list of what
-        `to_dict` writes there (rids: str; admitted: (str, int, int); num_matched: int) or a
-        budgets field that is not a dict."""
+        the field for a key that is not a field or a value of another type than `to_dict`
+        writes there (rids: str or None; admitted: (str, int, int) with 0 <= start <= end;
+        num_matched, counters and sizes: ints, >= 0 where counts; flags: bools; stop: one of
+        `STOP_REASONS`; budgets: a dict or None). Checks types and ranges, not a plan's
+        consistency (an admitted rid twice, a chunked rid not admitted)."""
         if not isinstance(d, dict):
             raise TypeError(f"PrefillPlan.from_dict takes a dict, got {type(d).__name__}")
         names = {f.name for f in fields(cls)}
@@ -131,6 +142,9 @@ class PrefillPlan:
             if bad is not _NONE:
                 raise ValueError(f"PrefillPlan.from_dict: {name} entry {bad!r} is not {_LIST_WHAT[name]}")
             kw[name] = [tuple(x) for x in v] if name == "admitted" else list(v)
+        for name, (ok, what) in _SCALARS.items():
+            if name in kw and not ok(kw[name]):
+                raise ValueError(f"PrefillPlan.from_dict: {name} must be {what}, got {kw[name]!r}")
         for name in ("budgets", "budgets_start"):
             v = kw.get(name)
             if v is not None and not isinstance(v, dict):

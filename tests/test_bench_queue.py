@@ -299,13 +299,17 @@ def test_a_plan_that_differs_from_the_reference_fails_the_command(tmp_path):
 
 @pytest.mark.parametrize("content,message", [
     ('{"a": 1}', "holds a JSON dict, not a list of rows"), ("not json", "is not a JSON list of rows"),
-    (None, "is a folder, not a JSON file")])
+    (None, "is a folder, not a JSON file"), ("UNDER_A_FILE", "cannot write in")])
 def test_an_out_file_it_cannot_append_to_stops_the_run_before_it_starts(tmp_path, capsys, content, message):
-    """--out that is a folder or holds no JSON list: argparse's one-line error (status 2)
-    before the workload is built, where the run's end used to fail and lose its rows."""
+    """--out that is a folder, holds no JSON list or lies under a file: argparse's one-line
+    error (status 2) before the workload is built, where the run's end used to fail and lose
+    its rows."""
     out = tmp_path / "rows.json"
     if content is None:
         out.mkdir()
+    elif content == "UNDER_A_FILE":
+        (tmp_path / "f").write_text("")
+        out, content = tmp_path / "f" / "sub" / "rows.json", None
     else:
         out.write_text(content)
     with pytest.raises(SystemExit) as e:

@@ -40,6 +40,8 @@ def test_rows_per_bucket_and_backend(tmp_path, capsys):
         assert mine["step"]["seconds"] == pytest.approx(whole[b]["sched_wall_s"])
         assert mine["finish"]["count"] > 0 and mine["decode"]["seconds"] > 0 and len(mine["step"]["runs_s"]) == 2
         assert whole[b]["calls_s"] >= whole[b]["sched_wall_s"]
+        ref_all = whole["reference"]["calls_s"]
+        assert whole[b]["calls_speedup_vs_ref"] == pytest.approx(ref_all / whole[b]["calls_s"])
     assert len({(r["call"], r["count"]) for r in calls}) == len(calls) // 2
     table = capsys.readouterr().out
     assert "x torch" in table and "reference us" in table and "complete_prefill" in table

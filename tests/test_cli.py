@@ -286,6 +286,7 @@ def _bad_rows(tmp_path):
     (["replay", "--cost-model", "BINCOST"], "bincost.json: not UTF-8 text"),
     (["replay", "--out", "OUTFILE"], "is a file, not a folder"),
     (["replay", "--out", "OUTFILE/sub/dir"], "outfile is a file, not a folder"),
+    (["replay", "--out", ""], "--out must name a folder, got an empty string"),
     (["trace-stats", "EMPTY"], "no requests in"),
     (["replay", "--limit", "0"], "no requests to replay in synthetic"),
     (["replay", "--synthetic-requests", "0"], "no requests to replay in synthetic"),

@@ -250,6 +250,13 @@ def test_plan_to_dict_is_plain_json(policy):
     ({"queue_order": ["a", 1]}, ValueError, "queue_order entry 1 is not a rid"),
     ({"num_matched": [1, "2"]}, ValueError, "num_matched entry '2' is not an int"),
     ({"budgets": [1]}, ValueError, "budgets must be a dict"),
+    ({"admitted": [["a", 5, 3]]}, ValueError, "admitted entry"),
+    ({"admitted": [["a", -1, 3]]}, ValueError, "admitted entry"),
+    ({"new_chunked_rid": 5}, ValueError, "new_chunked_rid must be a rid or None"),
+    ({"ordered": "yes"}, ValueError, "ordered must be a bool"),
+    ({"stop": "bogus"}, ValueError, "stop must be one of"),
+    ({"available": -1}, ValueError, "available must be an int >= 0"),
+    ({"log_hit_tokens": 1.5}, ValueError, "log_hit_tokens must be an int >= 0"),
     ([("admitted", [])], TypeError, "takes a dict"),
 ])
 def test_plan_from_dict_refuses_what_to_dict_never_gives(bad, err, words):

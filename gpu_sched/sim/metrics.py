@@ -189,7 +189,9 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result", width
     g = summary.get
     pct = lambda k: None if g(k) is None else 100.0 * g(k)  # noqa: E731
     lines = [f" {title} ".center(width, "=")]
-    row = lambda name, v: lines.append(f"{name:<{width - 14}}{_fmt(v):>14}")  # noqa: E731
+    def row(name: str, v) -> None:  # the value right-aligned at `width`, however long the name
+        text = _fmt(v)
+        lines.append(f"{name}{text:>{max(width - len(name), len(text) + 1)}}")
     sec = lambda name: lines.append(f" {name} ".center(width, "-") if len(name) < width - 2 else name[:width])  # noqa: E731
     for name, k in (("Successful requests:", "completed"), ("Unfinished requests:", "unfinished"),
                     ("Benchmark duration (s):", "duration"), ("Total input tokens:", "total_input_tokens"),
@@ -216,7 +218,7 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result", width
     row("Median sched time (us):", g("median_sched_us"))
     row("P99 sched time (us):", g("p99_sched_us"))
     for label, b in (g("sched_us_by_queue_len") or {}).items():
-        row(f"  queue {label} (n={b['count']}) mean/p99:", f"{_fmt(b['mean_us'], 1)}/{_fmt(b['p99_us'], 1)}")
+        row(f"  queue {label} (n={b['count']}) mean/p99 (us):", f"{_fmt(b['mean_us'], 1)}/{_fmt(b['p99_us'], 1)}")
     calls = g("sched_calls_s")
     if calls:  # a replay's: step() and the engine's other scheduler calls, real seconds
         sec("Scheduler calls (real time)")
