@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Callable, List
 
+from gpu_sched.cli import unwritable_reason
+
 
 def at_least(args, error: Callable[[str], None], floors: dict) -> None:
     """`error` for the first option whose value (not None) is below its floor; `floors` maps an
@@ -37,11 +39,9 @@ def existing_rows(path, error: Callable[[str], None]) -> list:
     p = Path(path)
     if p.is_dir():
         error(f"--out {p} is a folder, not a JSON file")
-    where = p.absolute().parent  # `write_rows` writes a file beside it and renames it over
-    while not where.exists():  # the nearest existing folder, where the missing ones are made
-        where = where.parent
-    if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
-        error(f"--out {p}: cannot write in {where}")
+    why = unwritable_reason(p.absolute().parent)  # `write_rows` writes a file beside it, renamed over it
+    if why:
+        error(f"--out {p}: cannot write in its folder: {why}")
     if not p.exists() or p.stat().st_size == 0:
         return []
     try:

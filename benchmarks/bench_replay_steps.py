@@ -15,9 +15,10 @@ reference / backend; then the same for every scheduler call the engine makes (`s
 milliseconds per run, median over runs), the scheduler's whole cost to a serving loop: a
 device tree inserts and evicts cached prefixes at a higher cost per token than the
 reference's on a CPU, which `step()` alone does not show. Steps that find nothing to do (an
-empty queue, a full batch) are counted in the buckets as they are in the replay summary. Each backend first replays the trace's first
-`--warmup-requests` requests, untimed (a serving process is warm). The decision digests must agree across
-backends and runs (else the script stops: the numbers would compare different schedules).
+empty queue, a full batch) are counted in the buckets as they are in the replay summary. Each
+backend first replays the trace's first `--warmup-requests` requests, untimed (a serving
+process is warm). The decision digests must agree across backends and runs (else the script
+stops: the numbers would compare different schedules).
 
 Rows are data (STYLE practice 9): one per (bucket, backend) with count, mean_us (median over
 runs), runs_us (each run's mean), speedup_vs_ref; one per (call, backend) with bucket "call",

@@ -385,28 +385,42 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
     return 0
 
 
+def unwritable_reason(folder) -> Optional[str]:
+    """Why files cannot be written into `folder` (it, or the folders missing on its path, made
+    when written), or None: the nearest existing entry on its path is a link that leads
+    nowhere, a file, or a folder without write and search permission, or the path itself is
+    an error (too long, a folder on it that cannot be searched). Checked before a run, so that
+    its end does not fail to write its results."""
+    from pathlib import Path
+
+    try:
+        base = Path(folder).absolute()
+        while not (base.exists() or base.is_symlink()):  # exists() is False for a dangling link
+            base = base.parent
+        if base.is_symlink() and not base.exists():
+            return f"{base} is a link that leads nowhere"
+        if not base.is_dir():
+            return f"{base} is a file, not a folder"
+        if not os.access(base, os.W_OK | os.X_OK):
+            return f"{base} is not writable"
+    except OSError as e:
+        return str(e)
+    return None
+
+
 def _check_out_dir(out: str) -> None:
     """CliError unless `out` is a folder this run can write into, or one it can make there
     (made when the results are written: a run that fails leaves no empty folder)."""
     from pathlib import Path
 
     try:
-        p = Path(out)
-        if p.exists() and not p.is_dir():
+        if Path(out).exists() and not Path(out).is_dir():
             raise CliError(f"--out {out} is a file, not a folder")
-        base = p.absolute()
-        # the nearest existing entry on its path, where it would be made; a link that leads
-        # nowhere (exists() is False for it) would fail the final mkdir, after the run
-        while not (base.exists() or base.is_symlink()):
-            base = base.parent
-        if base.is_symlink() and not base.exists():
-            raise CliError(f"cannot write results to {out}: {base} is a link that leads nowhere")
-        if not base.is_dir():
-            raise CliError(f"cannot write results to {out}: {base} is a file, not a folder")
-        if not os.access(base, os.W_OK | os.X_OK):
-            raise CliError(f"cannot write results to {out}: {base} is not writable")
-    except OSError as e:  # a name too long, a folder on the path that cannot be searched
-        raise CliError(f"cannot write results to {out}: {e}") from None
+    except OSError:
+        pass  # `unwritable_reason` names it
+    why = unwritable_reason(out)
+    if why:
+        raise CliError(f"cannot write results to {out}: {why}")
 
 
 def cmd_replay(args) -> int:

@@ -22,14 +22,15 @@ def _int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-_NONE = object()
-#: `PrefillPlan.from_dict`'s check of each list field's entries, and what it names
-_LIST_FIELDS = {"admitted": lambda a: isinstance(a, (list, tuple)) and len(a) == 3 and isinstance(a[0], str)
-                and _int(a[1]) and _int(a[2]) and 0 <= a[1] <= a[2],
-                "preempted": lambda x: isinstance(x, str), "queue_order": lambda x: isinstance(x, str),
-                "deprioritized": lambda x: isinstance(x, str), "num_matched": _int}
-_LIST_WHAT = {"admitted": "(rid, extend_start, extend_end), 0 <= start <= end", "preempted": "a rid", "queue_order": "a rid",
-              "deprioritized": "a rid", "num_matched": "an int"}
+#: `PrefillPlan.from_dict`'s check of each list field's entries, and what it names (the
+#: optional ones may be None)
+_LISTS = {"admitted": (lambda a: isinstance(a, (list, tuple)) and len(a) == 3 and isinstance(a[0], str)
+                       and _int(a[1]) and _int(a[2]) and 0 <= a[1] <= a[2],
+                       "(rid, extend_start, extend_end), 0 <= start <= end"),
+          "preempted": (lambda x: isinstance(x, str), "a rid"),
+          "queue_order": (lambda x: isinstance(x, str), "a rid"),
+          "deprioritized": (lambda x: isinstance(x, str), "a rid"),
+          "num_matched": (_int, "an int")}
 _OPTIONAL_LISTS = ("num_matched", "deprioritized")
 #: the other fields' checks, and what they name
 _SCALARS = {"new_chunked_rid": (lambda x: x is None or isinstance(x, str), "a rid or None"),
@@ -132,15 +133,15 @@ class PrefillPlan:
         if extra:
             raise ValueError(f"PrefillPlan.from_dict: unknown fields {extra[:5]}")
         kw = dict(d)
-        for name, ok in _LIST_FIELDS.items():
+        for name, (ok, what) in _LISTS.items():
             if name not in kw or kw[name] is None and name in _OPTIONAL_LISTS:
                 continue
             v = kw[name]
             if not isinstance(v, (list, tuple)):
                 raise ValueError(f"PrefillPlan.from_dict: {name} must be a list, got {v!r}")
-            bad = next((x for x in v if not ok(x)), _NONE)
-            if bad is not _NONE:
-                raise ValueError(f"PrefillPlan.from_dict: {name} entry {bad!r} is not {_LIST_WHAT[name]}")
+            for x in v:
+                if not ok(x):
+                    raise ValueError(f"PrefillPlan.from_dict: {name} entry {x!r} is not {what}")
             kw[name] = [tuple(x) for x in v] if name == "admitted" else list(v)
         for name, (ok, what) in _SCALARS.items():
             if name in kw and not ok(kw[name]):

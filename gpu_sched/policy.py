@@ -297,6 +297,12 @@ SIMD_SORT = _simd_sort_available()
 PACKED_NARROW_MIN = 8192
 
 
+def _narrow_dtype(span: int):
+    """(the unsigned type of a narrow key's offsets in [0, span] (span < 65536), its largest
+    value)."""
+    return (np.uint8, 255) if span < 256 else (np.uint16, 65535)
+
+
 def _packs_narrow(span: int, n: int) -> bool:
     """Whether `_narrow_argsort` sorts n offsets of this span packed with the row index (a key
     over 8 bits, `PACKED_NARROW_MIN` rows or more, `SIMD_SORT`, key and index within 32 bits)."""
@@ -314,7 +320,7 @@ def _narrow_argsort(off: np.ndarray, span: int) -> np.ndarray:
     n = off.size
     if _packs_narrow(span, n):
         return _sort_with_index(off.astype(np.uint32), (n - 1).bit_length())
-    return off.astype(np.uint8 if span < 256 else np.uint16).argsort(kind="stable")  # the method: ~1 us less glue
+    return off.astype(_narrow_dtype(span)[0]).argsort(kind="stable")  # the method: ~1 us less glue
 
 
 def _pack_parts(parts, widths, ut):
@@ -353,11 +359,12 @@ def host_perm(key: np.ndarray, descending: bool = False, bounds=None) -> Optiona
     lo, hi = int(lo), int(hi)
     span = hi - lo
     if _narrow(span):  # priorities, max-new lengths: without the `_offsets` glue
-        if lo >= 0 and hi <= (255 if span < 256 else 65535) and not _packs_narrow(span, key.size):
+        ut, top = _narrow_dtype(span)
+        if lo >= 0 and hi <= top and not _packs_narrow(span, key.size):
             # the values are their own narrow key for the radix sort: one cast, and for
             # descending order its complement in place (an int64 subtraction with a Python
             # scalar costs more than the cast and the sort's glue)
-            u = key.astype(np.uint8 if span < 256 else np.uint16)
+            u = key.astype(ut)
             if descending:
                 np.invert(u, out=u)
             return u.argsort(kind="stable")

@@ -181,7 +181,9 @@ class RadixCache:
 
     def present_len(self, key: np.ndarray, ns=None) -> int:
         """`match_prefix(key, ns)`'s length [tokens, multiple of P] without its stamps and
-        splits: a read, for callers that check before they change anything."""
+        splits: a read, for callers that check before they change anything. The same walk as
+        match_prefix's, written twice on purpose: match_prefix is the reference's hot path (the
+        benchmarks' baseline), which a shared generator or flag would slow."""
         if self.disable:
             return 0
         key = key[: self._page_floor(len(key))]
