@@ -829,8 +829,9 @@ def deprioritize_groups_host(prefix_len: np.ndarray, fill_len: np.ndarray, group
     checked by the caller): bool [n]. The first occurrence of each group among the eligible
     rows (with a warm cache few have a match within check_threshold) by a stable argsort of
     their ids. `group`: int [n] ids, or a function of the eligible rows' indices (int64 [k])
-    returning their ids (int [k]), called only when some row is eligible: a caller that
-    computes ids on demand (`GpuScheduler`) skips the rows that are not."""
+    returning their ids (int [k]), called only when two or more rows are eligible (one is
+    its group's first whatever its id): a caller that computes ids on demand
+    (`GpuScheduler`, which hashes a fill's head for its id) skips the rows that are not."""
     n = prefix_len.size
     if check_threshold == -1:
         return np.zeros(n, dtype=bool)
@@ -839,7 +840,7 @@ def deprioritize_groups_host(prefix_len: np.ndarray, fill_len: np.ndarray, group
         return checked
     e = np.flatnonzero(checked & (fill_len >= threshold))
     out = np.zeros(n, dtype=bool)
-    if e.size:
+    if e.size > 1:  # one eligible row is its group's first: no ids needed
         out[e] = True
         g = group(e) if callable(group) else group[e]
         o = np.argsort(g, kind="stable")  # each group's rows in queue order

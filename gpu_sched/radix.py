@@ -1530,8 +1530,10 @@ class FlatRadixTree:
         end at their node's end (no split: the usual step) takes no torch op: the same clock and
         creation-id advance and the same stamp walk (`_stamp_paths_host`) as `_apply` (a torch
         call right after other work costs 20-35 us, against 5-9 us for a numpy call:
-        `benchmarks/bench_cold.py`); any other batch goes through `_apply`, handed the match
-        ends found here. m, pos: int64 [B] match lengths and last pool positions."""
+        `benchmarks/bench_cold.py`); a batch of at most SCALAR_BATCH that splits at most one
+        node takes `_apply_walks` on Python lists, as `_apply_scalar` would within `_apply`;
+        any other batch goes through `_apply`, handed the match ends found here. m, pos: int64
+        [B] match lengths and last pool positions."""
         B = m.size
         if B > SCALAR_BATCH:
             X, interior = self._match_ends_host(m, pos)
@@ -1543,8 +1545,14 @@ class FlatRadixTree:
                 _stamp_paths_host(self._np("parent")[:b], self._np("last_access")[:b], X, stamp)
                 return X
             ends = (torch.from_numpy(X), torch.from_numpy(np.flatnonzero(interior)))
-        else:
-            ends = None
+        else:  # `_apply`'s scalar form without its tensors (~40 us of torch calls for one row)
+            last = self._apply_walks(m.tolist(), pos.tolist(), range(self.clock + 1, self.clock + 1 + B),
+                                     range(self.next_cid, self.next_cid + B))
+            if last is not None:
+                self.clock += B
+                self.next_cid += B
+                return np.array(last, dtype=np.int64)
+            ends = None  # two or more splits: `_apply` (the walks changed nothing)
         return self._apply(torch.from_numpy(m), torch.from_numpy(pos), "torch", ends=ends)[1].numpy()
 
     def _apply_scalar(self, m: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor,
