@@ -1002,6 +1002,10 @@ class GpuScheduler(ReferenceScheduler):
                 return OrderResult(policy, q, [], [])
             # R-ORD-8: match in queue order (splits and stamps as sequential matching), then
             # keys, deprioritization and the order on the device; one read-back at the end
+            if n == 1 and host:  # one arrival at an otherwise idle step: Python values, no array call
+                one = self._order_one(policy, rows)
+                if one is not None:
+                    return one
             tree = self.cache.tree
             sel = _RowCols(self._rt, rows)
             # every row matched on the tree's current content (versions only grow and a row's is
@@ -1095,6 +1099,34 @@ class GpuScheduler(ReferenceScheduler):
             perm = dpolicy.routing_key_order(torch.from_numpy(qk).to(dev), torch.from_numpy(self._rk_ranks()).to(dev),
                                              torch.from_numpy(run_ids).to(dev), backend=be)
         return OrderResult(policy, RowQueue(self, rows[perm.cpu().numpy()]))
+
+    def _order_one(self, policy: str, rows: np.ndarray) -> Optional[OrderResult]:
+        """lpm / dfs-weight ordering (R-ORD-8..10) of a queue of one request whose row holds no
+        kept match (a new arrival: the usual non-empty step of a light load), on the host paths,
+        with Python values: the array path's search (`_find_rows_scalar`, as `_search_rows`
+        takes it for one row), its row writes (the hashes, then the version, length and
+        position), its splits and stamps (`FlatRadixTree._apply_list`, as `_apply_host` applies
+        one match) and R-ORD-9's outcome for one row (`deprioritize_groups_host`: with
+        T == 0 a checked row is deprioritized, else one row is its group's first), without the
+        ~40 numpy and torch calls of the array path (~170 -> ~70 us on a CPU after the engine's
+        other work). The order of one request is itself. None, having done nothing, when the
+        row has a kept match or the array search would take it (`_scalar_find`)."""
+        r = int(rows[0])
+        f, N = self._rt_mv()
+        if f[RT_MVER * N + r] != -1 or not self._scalar_find(1):
+            return None
+        tree = self.cache.tree
+        m, pos, h1, h2 = self._find_rows_scalar(rows, capped=False)[:, 0].tolist()
+        f, N = self._rt_mv()  # the table as it is after the search (which adds no row)
+        f[RT_H1 * N + r], f[RT_H2 * N + r] = h1, h2  # RT_MVER stays -1 until the version below
+        version = tree.version  # read before the splits, as the array path reads it
+        tree._apply_list([m], [pos])
+        f[RT_MVER * N + r], f[RT_MLEN * N + r], f[RT_MPOS * N + r] = version, m, pos
+        cfg = self.config
+        check = cfg.in_batch_prefix_caching_check_threshold
+        dep = check != -1 and m <= check and cfg.in_batch_prefix_caching_deprioritize_threshold == 0
+        num = min(m, f[RT_CAP * N + r])
+        return OrderResult(policy, RowQueue(self, rows.copy()), [num], [self._rt_owner[r].rid] if dep else [])
 
     def _random_perm(self, n: int) -> torch.Tensor:
         """R-ORD-6: the permutation (int64 [n], on the device) that orders a queue of n
@@ -1872,6 +1904,8 @@ class GpuScheduler(ReferenceScheduler):
         admission window's of a fcfs, lof or routing-key request, an ordering's of a few new
         lpm or dfs-weight ones) walks the tree on the fill's tokens instead (`_find_lazy`)."""
         if self.LAZY_FIND_TOKENS > 0:
+            if len(rows) == 1 and self._rt.item(int(rows[0]), RT_TOFF) < 0:  # one arrival: no array call
+                return np.array(self._find_lazy(int(rows[0]), capped), dtype=np.int64).reshape(4, 1)
             fresh = _rt_get(self._rt, rows, RT_TOFF) < 0
             if fresh.any():
                 out = np.empty((4, len(rows)), dtype=np.int64)

@@ -930,3 +930,58 @@ def test_lazy_first_match_equals_the_pooled_search(page_size, monkeypatch):
         ref.complete_prefill(done)
         dev.complete_prefill(done)
     assert admitted > 10
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_one_arrival_ordering_equals_the_array_path(policy, page_size):
+    """`GpuScheduler._order_one` (lpm / dfs-weight ordering of a queue of one request without a
+    kept match, in Python) leaves what the array path leaves: the same order result (capped
+    length, R-ORD-9's outcome with T == 0 and T > 0, check thresholds -1, 0 and above every
+    match), the row's kept-match columns, and the tree's splits, stamps, creation ids and
+    clock; whole runs of single arrivals (most taking it) make the reference's plans."""
+    from gpu_sched.scheduler import RT_H1, RT_H2, RT_MLEN, RT_MPOS, RT_MVER
+
+    cols = [RT_MVER, RT_MLEN, RT_MPOS, RT_H1, RT_H2]
+    taken = 0
+    for seed, (T, check) in enumerate([(0, 0), (0, 10**6), (0, -1), (3, 10**6), (32, 32), (8, 0)]):
+        rng = random.Random(seed)
+        cfg = SchedulerConfig(schedule_policy=policy, page_size=page_size, max_prefill_tokens=64,
+                              chunked_prefill_size=None, in_batch_prefix_caching_deprioritize_threshold=T,
+                              in_batch_prefix_caching_check_threshold=check)
+        ref, fast, slow = ReferenceScheduler(cfg, 3000), GpuScheduler(cfg, 3000), GpuScheduler(cfg, 3000)
+        slow._order_one = lambda policy, rows: None  # the array path throughout
+        calls = []
+        one = fast._order_one
+        fast._order_one = lambda policy, rows: calls.append(one(policy, rows)) or calls[-1]
+        bases = [[rng.randrange(1, 9) for _ in range(rng.randrange(20, 90))] for _ in range(3)]
+        for s in (ref, fast, slow):
+            s.seed_cache(bases[0][:40])
+        for t in range(40):
+            b = rng.choice(bases)
+            r = Request(rid=f"r{t}", prompt_ids=b[: rng.randrange(len(b) + 1)] + [rng.randrange(1, 9) for _ in range(rng.randrange(1, 9))],
+                        max_new_tokens=rng.choice([1, 3]), enqueue_time=float(t), extra_key=rng.choice([None, "ns"]))
+            for s in (ref, fast, slow):
+                s.submit([Request(**{k: getattr(r, k) for k in r.__dataclass_fields__})], now=float(t))
+            if rng.random() < 0.3:  # a second arrival now and then: the array path on both
+                continue
+            rows = fast._queue_rows(fast.queue)
+            plans = [s.step(0.7, now=float(t)) for s in (ref, fast, slow)]
+            assert plan_fields(plans[0]) == plan_fields(plans[1]) == plan_fields(plans[2]), (seed, t)
+            ta, tb = fast.cache.tree, slow.cache.tree
+            assert (ta.clock, ta.next_cid) == (tb.clock, tb.next_cid), (seed, t)
+            b_ = ta.node_bound()
+            for name in ("parent", "key_len", "key_off", "last_access", "cid", "lock_ref"):
+                assert np.array_equal(ta._np(name)[:b_], tb._np(name)[:b_]), (seed, t, name)
+            # the same row numbers on both (same arrivals, same frees); versions are numbered
+            # across trees, so a kept match's is compared as "this tree's current one or not"
+            ka, kb = fast._rt[rows][:, cols], slow._rt[rows][:, cols]
+            assert np.array_equal(ka[:, 0] == ta.version, kb[:, 0] == tb.version), (seed, t)
+            assert np.array_equal(ka[:, 1:], kb[:, 1:]), (seed, t)
+            first = {rid: 5 for rid, _, _ in plans[0].admitted}
+            for s in (ref, fast, slow):
+                s.complete_prefill(first)
+                done = [x.rid for x in s.running]
+                s.finish(done)
+        taken += sum(c is not None for c in calls)
+    assert taken > 50  # most single-arrival steps took the Python path
