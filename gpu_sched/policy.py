@@ -831,7 +831,8 @@ def deprioritize_groups_host(prefix_len: np.ndarray, fill_len: np.ndarray, group
     their ids. `group`: int [n] ids, or a function of the eligible rows' indices (int64 [k])
     returning their ids (int [k]), called only when two or more rows are eligible (one is
     its group's first whatever its id): a caller that computes ids on demand
-    (`GpuScheduler`, which hashes a fill's head for its id) skips the rows that are not."""
+    (`GpuScheduler`, which hashes a fill into its pools for its head's id) skips the rows
+    that are not, and a lone eligible row stays unhashed until a path needs its fill."""
     n = prefix_len.size
     if check_threshold == -1:
         return np.zeros(n, dtype=bool)

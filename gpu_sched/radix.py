@@ -108,7 +108,9 @@ def _mod(x: np.ndarray, p: int) -> np.ndarray:
     """x % p for an int64 array and a Python int p, in place (x is returned): x - (x // p) * p.
     numpy's int64 floor division by a scalar multiplies and shifts (libdivide), its remainder
     divides (measured with numpy 2.4: ~1.5 against ~3.7 ns an element), and floor division
-    makes this `%`'s floor remainder exactly (no overflow: |x // p * p| <= |x| + p)."""
+    makes this `%`'s floor remainder exactly, for every int64 x (the product wraps only for x
+    within p of int64's minimum, and the wrap cancels in the subtraction; the callers' values
+    are non-negative)."""
     q = x // p
     q *= p
     x -= q
@@ -116,7 +118,10 @@ def _mod(x: np.ndarray, p: int) -> np.ndarray:
 
 
 def _mod_pp(a: np.ndarray) -> np.ndarray:
-    """a % _PP in place for int64 [2, ...] (row 0 mod P1, row 1 mod P2) by `_mod` per row."""
+    """a % _PP in place for int64 [2, ...] of two or more dimensions (row 0 mod P1, row 1 mod
+    P2) by `_mod` per row (a view each; a 1-d a's items would be copies: ValueError)."""
+    if a.ndim < 2:
+        raise ValueError(f"_mod_pp needs an array of two or more dimensions, got shape {a.shape}")
     _mod(a[0], P1)
     _mod(a[1], P2)
     return a
@@ -1485,7 +1490,8 @@ class FlatRadixTree:
 
         Row i stamps with stamp[i] and a split it makes gets creation id cid[i]; by default the
         next B clock values and creation ids (the caller that passes them advances the counters).
-        `ends`: `_match_ends(m, pos)` when the caller has it already (not computed again)."""
+        `ends`: `_match_ends(m, pos)` when the caller has it already (not computed again; a
+        small host batch then skips the walks, which its caller tried)."""
         B = m.numel()
         dev = self.device
         host = be == "torch" and _host(m)
@@ -1505,7 +1511,7 @@ class FlatRadixTree:
             self.next_cid += B
         if lazy_cid and B <= SCALAR_BATCH:  # the scalar form reads them
             cid = default_cid()
-        if B <= SCALAR_BATCH and host:
+        if B <= SCALAR_BATCH and host and ends is None:  # (`_apply_host` hands ends after trying the walks)
             last = self._apply_scalar(m, pos, stamp, cid)
             if last is not None:
                 return m, last
@@ -1549,8 +1555,8 @@ class FlatRadixTree:
         call right after other work costs 20-35 us, against 5-9 us for a numpy call:
         `benchmarks/bench_cold.py`); a batch of at most SCALAR_BATCH that splits at most one
         node takes `_apply_walks` on Python lists, as `_apply_scalar` would within `_apply`;
-        any other batch goes through `_apply`, handed the match ends found here. m, pos: int64
-        [B] match lengths and last pool positions."""
+        any other batch goes through `_apply`'s rounds, handed the match ends found here. m,
+        pos: int64 [B] match lengths and last pool positions."""
         B = m.size
         if B > SCALAR_BATCH:
             X, interior = self._match_ends_host(m, pos)
@@ -1569,7 +1575,10 @@ class FlatRadixTree:
                 self.clock += B
                 self.next_cid += B
                 return np.array(last, dtype=np.int64)
-            ends = None  # two or more splits: `_apply` (the walks changed nothing)
+            # two or more splits (the walks changed nothing): `_apply`'s rounds, handed the
+            # ends, which also tells it not to try the walks again
+            X, interior = self._match_ends_host(m, pos)
+            ends = (torch.from_numpy(X), torch.from_numpy(np.flatnonzero(interior)))
         return self._apply(torch.from_numpy(m), torch.from_numpy(pos), "torch", ends=ends)[1].numpy()
 
     def _apply_scalar(self, m: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor,

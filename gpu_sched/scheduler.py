@@ -233,7 +233,9 @@ class _Views:
     `values()`, `id(v) in views`. Plain weak references in a list, the dead ones dropped
     when it has doubled since the last sweep (a WeakValueDictionary's entry costs ~0.7 us,
     a callback-free reference ~0.1 us; a step makes a few views). The sweep also keeps one
-    reference per view, so the list stays within twice the live views (and 64)."""
+    reference per view, so the list holds at most twice the live views of the last sweep
+    (or 64); between sweeps `values()` may give a view twice (pinning it twice does nothing
+    more)."""
 
     __slots__ = ("_refs", "_sweep_at")
 

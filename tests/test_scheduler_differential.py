@@ -311,7 +311,7 @@ def test_long_queue_runs_take_the_numpy_apply(policy, monkeypatch):
     contents and stamps included (they decide evictions)."""
     from gpu_sched.radix import SCALAR_BATCH, FlatRadixTree
 
-    seen = {"numpy": 0, "splits": 0, "longest": 0}
+    seen = {"numpy": 0, "splits": 0, "longest": 0, "small splits": 0}
     orig_host, orig_apply = FlatRadixTree._apply_host, FlatRadixTree._apply
 
     def spy(self, m, pos):
@@ -320,9 +320,11 @@ def test_long_queue_runs_take_the_numpy_apply(policy, monkeypatch):
         return orig_host(self, m, pos)
 
     def spy_apply(self, m, pos, *a, ends=None, **k):
-        if ends is not None:  # handed over by `_apply_host`: a batch with splits
+        if ends is not None and m.numel() > SCALAR_BATCH:  # handed over by `_apply_host`: a batch with splits
             seen["numpy"] -= 1
             seen["splits"] += 1
+        elif ends is not None:  # a small batch whose walks found two or more splits
+            seen["small splits"] += 1
         return orig_apply(self, m, pos, *a, ends=ends, **k)
 
     monkeypatch.setattr(FlatRadixTree, "_apply_host", spy)
