@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import math
 import os
 import platform
@@ -721,6 +722,12 @@ def main(argv=None):
                         stopped.add((backend, device, pol))
                         print(f"# {backend}/{device} {pol}: a call took over {args.max_seconds} s at n={n}; "
                               f"larger n skipped", flush=True)
+                # the stage's scheduler copies (order-churn, order-served, order-arrivals,
+                # step-served: each a copy of the whole tree, GBs with a 20M-token pool) are
+                # cycles (a scheduler and its queue views) that only the cyclic collector frees:
+                # freed now, untimed (a 4-size run was killed for memory at 24 GB without it)
+                del group, results
+                gc.collect()
             for backend, device, s, cached, clock in here:
                 if isinstance(s, GpuScheduler):
                     s._graph = None  # its buffers hold this n's queue
