@@ -238,8 +238,10 @@ class FlatRadixTree:
 
     def host_int(self, name: str) -> int:
         """The 0-d array `name` (`evictable_size` or `protected_size`) as an int [tokens]: on
-        the CPU a read of its numpy view (`_np`), elsewhere `.item()` (a device sync)."""
-        return int(self._np(name)) if self._on_cpu else int(getattr(self, name))
+        the CPU a read of its memoryview (`_mv`: a Python int, ~0.2 us against ~0.5 us for
+        int() of the numpy view; a serving loop reads these several times a call), elsewhere
+        `.item()` (a device sync)."""
+        return self._mv(name)[()] if self._on_cpu else int(getattr(self, name))
 
     def _host_form(self, backend: Optional[str] = None) -> bool:
         """Whether a call with this backend takes its host form: the torch backend on a CPU tree

@@ -1140,9 +1140,9 @@ class GpuScheduler(ReferenceScheduler):
         position), its splits and stamps (`FlatRadixTree._apply_list`, as `_apply_host` applies
         one match) and R-ORD-9's outcome for one row (`deprioritize_groups_host`: with
         T == 0 a checked row is deprioritized, else one row is its group's first), without the
-        ~40 numpy and torch calls of the array path (~170 -> ~70 us on a CPU after the engine's
-        other work). The order of one request is itself. None, having done nothing, when the
-        row has a kept match or the array search would take it (`_scalar_find`)."""
+        ~40 numpy and torch calls of the array path (each 2-9 us on a cold cache, as after an
+        engine's other work). The order of one request is itself. None, having done nothing,
+        when the row has a kept match or the array search would take it (`_scalar_find`)."""
         r = int(rows[0])
         f, N = self._rt_mv()
         if f[RT_MVER * N + r] != -1 or not self._scalar_find(1):
