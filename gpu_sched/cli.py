@@ -479,7 +479,8 @@ def cmd_replay(args) -> int:
             print(f"decision digest [{name}]: {s['digest']}")
     else:
         (name, s), = summaries.items()
-        print(format_summary(s, title=f"Replay: {trace.name}, {name}, {args.backend}"))
+        label = name + (" + priority" if configs[name].enable_priority_scheduling else "")
+        print(format_summary(s, title=f"Replay: {trace.name}, {label}, {args.backend}"))
         print(f"decision digest: {s['digest']}")
     if args.check:
         # a violation stops the replay (exit 1), so reaching here means every check held

@@ -454,11 +454,14 @@ def test_finish_and_abort_bad_rids_change_nothing(serving, call, exc, words):
 
 
 def test_finish_during_prefill_says_so(serving):
-    """finish() of an admitted request before complete_prefill() names the state, not just
-    "not running", and changes nothing."""
+    """finish() (and abort()) of an admitted request before complete_prefill() names the state
+    and what to do, not just "not running", and changes nothing."""
     before = _engine_state(serving)
     with pytest.raises(ValueError, match="finish: request 'a' is in the prefill being run: call complete_prefill"):
         serving.finish(["a"])
+    assert _engine_state(serving) == before
+    with pytest.raises(ValueError, match=r"abort: request 'a' is in the prefill being run: call complete_prefill\(\) first"):
+        serving.abort(["a"])
     assert _engine_state(serving) == before
     with pytest.raises(ValueError, match="finish: request 'zz' is not running: no such request"):
         serving.finish(["zz"])

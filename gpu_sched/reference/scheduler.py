@@ -535,7 +535,8 @@ class ReferenceScheduler:
             if rid not in self.reqs:
                 raise ValueError(f"abort: unknown request {rid!r}")
             if any(r.rid == rid for r in self.prefilling):
-                raise ValueError(f"abort: request {rid!r} is in the prefill being run")
+                raise ValueError(f"abort: request {rid!r} is in the prefill being run: call complete_prefill() "
+                                 f"first (it then runs, or waits as the chunked request), then abort() it")
         for rid in rids:
             r = self.reqs.pop(rid)
             if r is self.chunked:
