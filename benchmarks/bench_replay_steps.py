@@ -150,10 +150,15 @@ def run(args) -> List[dict]:
     for b in args.backend_list:
         sched = statistics.median(s["sched_wall_s"] for s in summaries[b])
         calls_s = statistics.median(sum(s["sched_calls_s"].values()) for s in summaries[b])
+        # each run's totals too (the reference's run k ran next to ours: their ratio is that run's)
+        runs_calls = [sum(s["sched_calls_s"].values()) for s in summaries[b]]
+        ref_runs = [sum(s["sched_calls_s"].values()) for s in summaries[ref]]
         rows.append(dict(meta, bucket="all", backend=b, count=summaries[b][0]["digest_steps"],
                          wall_s=statistics.median(s["wall_s"] for s in summaries[b]), sched_wall_s=sched,
                          calls_s=calls_s, speedup_vs_ref=ref_sched / sched if sched else None,
-                         calls_speedup_vs_ref=ref_all / calls_s if calls_s else None))
+                         calls_speedup_vs_ref=ref_all / calls_s if calls_s else None,
+                         sched_runs_s=[s["sched_wall_s"] for s in summaries[b]], calls_runs_s=runs_calls,
+                         calls_speedup_runs=[r / c if c else None for r, c in zip(ref_runs, runs_calls)]))
     return rows
 
 

@@ -42,6 +42,12 @@ def test_rows_per_bucket_and_backend(tmp_path, capsys):
         assert whole[b]["calls_s"] >= whole[b]["sched_wall_s"]
         ref_all = whole["reference"]["calls_s"]
         assert whole[b]["calls_speedup_vs_ref"] == pytest.approx(ref_all / whole[b]["calls_s"])
+        # each run's totals: the call rows' runs_s summed run by run, and that run's ratio
+        per_run = [sum(r["runs_s"][k] for r in calls if r["backend"] == b) for k in range(2)]
+        assert whole[b]["calls_runs_s"] == pytest.approx(per_run)
+        assert whole[b]["sched_runs_s"] == pytest.approx(mine["step"]["runs_s"])
+        assert whole[b]["calls_speedup_runs"] == pytest.approx(
+            [x / y for x, y in zip(whole["reference"]["calls_runs_s"], per_run)])
     assert len({(r["call"], r["count"]) for r in calls}) == len(calls) // 2
     table = capsys.readouterr().out
     assert "x torch" in table and "reference us" in table and "complete_prefill" in table
