@@ -122,7 +122,7 @@ from gpu_sched.scheduler import GpuScheduler
 from gpu_sched.step import GRAPH_POLICIES
 from gpu_sched.sim.traces import TraceRequest, read_mooncake, synthetic_workload
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run by path or imported: its siblings
-from bench_args import at_least, existing_rows, write_rows  # noqa: E402
+from bench_args import at_least, existing_rows, int_list, write_rows  # noqa: E402
 
 #: the Mooncake trace in the shared folder beside the repository (../shared from its root)
 DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl")
@@ -600,12 +600,7 @@ def main(argv=None):
     if any(d == "cuda" for _, d in backends) and not torch.cuda.is_available():
         ap.error("a cuda backend was asked for but torch.cuda.is_available() is False")
     if args.sizes:
-        try:
-            sizes = sorted({int(x) for x in args.sizes.split(",")})
-        except ValueError:
-            ap.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
-        if sizes[0] < 1:
-            ap.error(f"--sizes must be at least 1, got {sizes[0]}")
+        sizes = sorted(set(int_list(args.sizes, "--sizes", ap.error)))
     else:
         sizes = [2 ** e for e in range(args.min_exp, args.max_exp + 1)]
     if not sizes:

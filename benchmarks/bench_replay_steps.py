@@ -145,20 +145,18 @@ def run(args) -> List[dict]:
             secs = statistics.median(runs_s)
             rows.append(dict(meta, bucket="call", call=name, backend=b, count=summaries[b][0]["sched_calls_n"][name],
                              seconds=secs, runs_s=runs_s, speedup_vs_ref=ref_s / secs if secs else None))
-    ref_sched = statistics.median(s["sched_wall_s"] for s in summaries[ref])
-    ref_all = statistics.median(sum(s["sched_calls_s"].values()) for s in summaries[ref])
+    # each run's totals (the reference's run k ran next to ours: their ratio is that run's), medians
+    sched_runs = {b: [s["sched_wall_s"] for s in summaries[b]] for b in args.backend_list}
+    calls_runs = {b: [sum(s["sched_calls_s"].values()) for s in summaries[b]] for b in args.backend_list}
+    ref_sched, ref_all = statistics.median(sched_runs[ref]), statistics.median(calls_runs[ref])
     for b in args.backend_list:
-        sched = statistics.median(s["sched_wall_s"] for s in summaries[b])
-        calls_s = statistics.median(sum(s["sched_calls_s"].values()) for s in summaries[b])
-        # each run's totals too (the reference's run k ran next to ours: their ratio is that run's)
-        runs_calls = [sum(s["sched_calls_s"].values()) for s in summaries[b]]
-        ref_runs = [sum(s["sched_calls_s"].values()) for s in summaries[ref]]
+        sched, calls_s = statistics.median(sched_runs[b]), statistics.median(calls_runs[b])
         rows.append(dict(meta, bucket="all", backend=b, count=summaries[b][0]["digest_steps"],
                          wall_s=statistics.median(s["wall_s"] for s in summaries[b]), sched_wall_s=sched,
                          calls_s=calls_s, speedup_vs_ref=ref_sched / sched if sched else None,
                          calls_speedup_vs_ref=ref_all / calls_s if calls_s else None,
-                         sched_runs_s=[s["sched_wall_s"] for s in summaries[b]], calls_runs_s=runs_calls,
-                         calls_speedup_runs=[r / c if c else None for r, c in zip(ref_runs, runs_calls)]))
+                         sched_runs_s=sched_runs[b], calls_runs_s=calls_runs[b],
+                         calls_speedup_runs=[r / c if c else None for r, c in zip(calls_runs[ref], calls_runs[b])]))
     return rows
 
 

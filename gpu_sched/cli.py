@@ -411,14 +411,7 @@ def unwritable_reason(folder) -> Optional[str]:
 def _check_out_dir(out: str) -> None:
     """CliError unless `out` is a folder this run can write into, or one it can make there
     (made when the results are written: a run that fails leaves no empty folder)."""
-    from pathlib import Path
-
-    try:
-        if Path(out).exists() and not Path(out).is_dir():
-            raise CliError(f"--out {out} is a file, not a folder")
-    except OSError:
-        pass  # `unwritable_reason` names it
-    why = unwritable_reason(out)
+    why = unwritable_reason(out)  # a file at `out` itself included
     if why:
         raise CliError(f"cannot write results to {out}: {why}")
 

@@ -1549,39 +1549,44 @@ class FlatRadixTree:
         self._stamp_paths(last, stamp, be)
         return m, last
 
-    def _apply_host(self, m: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def _apply_host(self, m: np.ndarray, pos: np.ndarray, walked: bool = False) -> np.ndarray:
         """`_apply(m, pos)` (this call's own stamps and creation ids) on a CPU tree with numpy in
-        and out: the last nodes, int64 [B]. A batch of more than SCALAR_BATCH matches that all
-        end at their node's end (no split: the usual step) takes no torch op: the same clock and
-        creation-id advance and the same stamp walk (`_stamp_paths_host`) as `_apply` (a torch
-        call right after other work costs 20-35 us, against 5-9 us for a numpy call:
-        `benchmarks/bench_cold.py`); a batch of at most SCALAR_BATCH that splits at most one
-        node takes `_apply_walks` on Python lists, as `_apply_scalar` would within `_apply`;
-        any other batch goes through `_apply`'s rounds, handed the match ends found here. m,
-        pos: int64 [B] match lengths and last pool positions."""
+        and out: the last nodes, int64 [B]. A batch of at most SCALAR_BATCH that splits at most
+        one node takes the walks on Python lists (`_apply_walks_next`, as `_apply_scalar`
+        would within `_apply`; `walked`: the caller tried them already). A batch whose matches
+        all end at their node's end (no split: the usual step) takes no torch op: the same
+        clock and creation-id advance and the same stamp walk (`_stamp_paths_host`) as
+        `_apply` (a torch call right after other work costs 20-35 us, against 5-9 us for a
+        numpy call: `benchmarks/bench_cold.py`); any other batch goes through `_apply`'s
+        rounds, handed the match ends found here. m, pos: int64 [B] match lengths and last
+        pool positions."""
         B = m.size
-        if B > SCALAR_BATCH:
-            X, interior = self._match_ends_host(m, pos)
-            if not interior.any():
-                stamp = np.arange(self.clock + 1, self.clock + 1 + B, dtype=np.int64)
-                self.clock += B
-                self.next_cid += B
-                b = self.node_bound()  # every live id is below it
-                _stamp_paths_host(self._np("parent")[:b], self._np("last_access")[:b], X, stamp)
-                return X
-            ends = (torch.from_numpy(X), torch.from_numpy(np.flatnonzero(interior)))
-        else:  # `_apply`'s scalar form without its tensors (~40 us of torch calls for one row)
-            last = self._apply_walks(m.tolist(), pos.tolist(), range(self.clock + 1, self.clock + 1 + B),
-                                     range(self.next_cid, self.next_cid + B))
+        if B <= SCALAR_BATCH and not walked:  # without `_apply`'s tensors (~40 us of torch calls for one row)
+            last = self._apply_walks_next(m.tolist(), pos.tolist())
             if last is not None:
-                self.clock += B
-                self.next_cid += B
                 return np.array(last, dtype=np.int64)
-            # two or more splits (the walks changed nothing): `_apply`'s rounds, handed the
-            # ends, which also tells it not to try the walks again
-            X, interior = self._match_ends_host(m, pos)
-            ends = (torch.from_numpy(X), torch.from_numpy(np.flatnonzero(interior)))
+        # a small batch here splits two or more nodes (the walks changed nothing)
+        X, interior = self._match_ends_host(m, pos)
+        if not interior.any():
+            stamp = np.arange(self.clock + 1, self.clock + 1 + B, dtype=np.int64)
+            self.clock += B
+            self.next_cid += B
+            b = self.node_bound()  # every live id is below it
+            _stamp_paths_host(self._np("parent")[:b], self._np("last_access")[:b], X, stamp)
+            return X
+        ends = (torch.from_numpy(X), torch.from_numpy(np.flatnonzero(interior)))  # `_apply` skips the walks
         return self._apply(torch.from_numpy(m), torch.from_numpy(pos), "torch", ends=ends)[1].numpy()
+
+    def _apply_walks_next(self, m: List[int], pos: List[int]) -> Optional[List[int]]:
+        """`_apply_walks` with the batch's own stamps and creation ids (the next len(m) of
+        each), advanced when it applies; None, having changed nothing, as there."""
+        B = len(m)
+        last = self._apply_walks(m, pos, range(self.clock + 1, self.clock + 1 + B),
+                                 range(self.next_cid, self.next_cid + B))
+        if last is not None:
+            self.clock += B
+            self.next_cid += B
+        return last
 
     def _apply_scalar(self, m: torch.Tensor, pos: torch.Tensor, stamp: torch.Tensor,
                       cid: torch.Tensor) -> Optional[torch.Tensor]:
@@ -1648,18 +1653,14 @@ class FlatRadixTree:
         """`_apply` (splits and stamps, the next len(m) clock values and creation ids) of a
         batch given as Python lists of matched lengths [tokens] and last pool positions; returns
         the last nodes as a list. On a CPU tree with the torch backend a few matches that split
-        at most one node take `_apply_walks` and more take `_apply_host`; the others go
-        through `_apply`."""
-        B = len(m)
+        at most one node take the walks (`_apply_walks_next`) and the rest `_apply_host`; on
+        other trees `_apply`."""
         if self._host_form():
-            if B > SCALAR_BATCH:
-                return self._apply_host(np.array(m, dtype=np.int64), np.array(pos, dtype=np.int64)).tolist()
-            last = self._apply_walks(m, pos, range(self.clock + 1, self.clock + 1 + B),
-                                     range(self.next_cid, self.next_cid + B))
-            if last is not None:
-                self.clock += B
-                self.next_cid += B
-                return last
+            if len(m) <= SCALAR_BATCH:
+                last = self._apply_walks_next(m, pos)
+                if last is not None:
+                    return last
+            return self._apply_host(np.array(m, dtype=np.int64), np.array(pos, dtype=np.int64), walked=True).tolist()
         t = torch.tensor([m, pos], dtype=torch.int64).to(self.device)
         return self._apply(t[0], t[1], self.backend)[1].tolist()
 
