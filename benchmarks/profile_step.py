@@ -15,11 +15,15 @@ steps (each undone, as in bench_queue), then reports:
   indexing, `unique`, `bincount`, reading a tensor as a Python number/bool), by call site;
 - torch ops: `torch.profiler` table of the step's operators by self CPU time (and CUDA time);
 - graph recordings during the timed steps (a recorded step records again whenever a tensor it
-  reads was reallocated; more than 0 here means every step pays a capture).
+  reads was reallocated; more than 0 here means every step pays a capture);
+- with `--count-host-work`: the Python lines, Python calls and C calls (builtins, numpy and torch
+  entry points) one step runs on the host, by function, for GpuScheduler and for the reference
+  scheduler on the same state (`sys.settrace` / `sys.setprofile`): counts, not times, so they are
+  the same on any machine and at any load, where a timing on a shared CPU moves by +-30%.
 
 Usage:
     python benchmarks/profile_step.py [--policy lpm] [--n 4096] [--backend torch|triton]
-        [--device cpu|cuda] [--mode eager|graph] [--steps 5] [--out profile.json]
+        [--device cpu|cuda] [--mode eager|graph] [--steps 5] [--count-host-work] [--out profile.json]
 Rows/fields are data: `--out` writes phases, syncs, ops and graph recordings as JSON.
 """
 
@@ -34,6 +38,7 @@ import sys
 import time
 import traceback
 import warnings
+from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -102,6 +107,44 @@ class SyncCounter(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def count_host_work(fn: Callable[[], object], top: int = 25) -> dict:
+    """What one call of fn runs on the host, counted: Python lines (`sys.settrace` line
+    events), Python calls and C calls (`sys.setprofile` c_call events: builtins and the entry
+    points of numpy and torch), in all and by function ("file.py:function"; C calls by the
+    Python function that made them). Returns dict(lines, py_calls, c_calls, by_function=[dict(
+    function, lines, py_calls, c_calls)] for the `top` functions with the most lines)."""
+    lines, calls, ccalls = collections.Counter(), collections.Counter(), collections.Counter()
+
+    def name(frame) -> str:
+        return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+
+    def trace(frame, event, arg):
+        if event == "call":
+            calls[name(frame)] += 1
+        elif event == "line":
+            lines[name(frame)] += 1
+        return trace
+
+    own = sys._getframe().f_code  # its own call of sys.setprofile is not counted
+
+    def profile(frame, event, arg):
+        if event == "c_call" and frame.f_code is not own:
+            ccalls[name(frame)] += 1
+
+    old_trace, old_profile = sys.gettrace(), sys.getprofile()
+    sys.settrace(trace)
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(old_profile)
+        sys.settrace(old_trace)
+    funcs = set(lines) | set(calls) | set(ccalls)
+    ranked = sorted(funcs, key=lambda f: (-lines[f], -calls[f], -ccalls[f], f))[:top]
+    return dict(lines=sum(lines.values()), py_calls=sum(calls.values()), c_calls=sum(ccalls.values()),
+                by_function=[dict(function=f, lines=lines[f], py_calls=calls[f], c_calls=ccalls[f]) for f in ranked])
+
+
 def _wrap_phases(acc: dict, sync):
     """Patch PHASES with timers; returns the undo."""
     saved = []
@@ -143,6 +186,9 @@ def main(argv=None):
     ap.add_argument("--max-prompt-len", type=int, default=2048)
     ap.add_argument("--top", type=int, default=25, help="rows of the op table")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave as is)")
+    ap.add_argument("--count-host-work", action="store_true",
+                    help="also count the Python lines, Python calls and C calls of one step, ours and the "
+                         "reference scheduler's on the same state (counts: the same at any machine load)")
     ap.add_argument("--out", default=None, help="write the report as JSON")
     args = ap.parse_args(argv)
     at_least(args, ap.error, dict(n=1, steps=1, warm=0, max_prompt_len=1, top=0, threads=0))
@@ -233,6 +279,20 @@ def main(argv=None):
         sync()
     restore()
     captures = (g.captures if g is not None else 0) - captures0
+
+    # 5. host work of one step, counted (ours, then the reference's on the same state)
+    work = None
+    if args.count_host_work:
+        work = {"gpu_sched": count_host_work(fn, args.top)}
+        restore()
+        ref, _ = bq.make_scheduler("reference", "cpu", wl, pool=bq.kv_pool_size(wl, 64, 1_000_000))
+        ref.config = s.config
+        bq.set_queue(ref, wl.queue[: args.n])
+        rfn, rrestore = bq.stage_fns(ref, "step", wl.max_len)
+        rfn()  # the same untimed first step as ours had
+        rrestore()
+        work["reference"] = count_host_work(rfn, args.top)
+        rrestore()
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     events = prof.key_averages()
     n_ops = sum(e.count for e in events if e.key.startswith("aten::"))
@@ -249,6 +309,12 @@ def main(argv=None):
         print(f"{c:6d}  {site}")
     print(f"\n## torch ops of one step (by {sort_by})")
     print(events.table(sort_by=sort_by, row_limit=args.top, max_name_column_width=40))
+    if work is not None:
+        print("\n## host work of one step, counted (Python lines / Python calls / C calls)")
+        for who, w in work.items():
+            print(f"{who}: {w['lines']} lines, {w['py_calls']} Python calls, {w['c_calls']} C calls")
+            for row in w["by_function"]:
+                print(f"{row['lines']:8d} {row['py_calls']:6d} {row['c_calls']:6d}  {row['function']}")
     if args.out:
         report = dict(policy=args.policy, n=args.n, backend=args.backend, device=str(s.device), mode=args.mode,
                       steps=args.steps, step_median_s=med, step_times_s=plain, graph_recordings=captures,
@@ -256,7 +322,7 @@ def main(argv=None):
                       ops=[dict(name=e.key, count=e.count, self_cpu_us=e.self_cpu_time_total,
                                 self_device_us=getattr(e, "self_device_time_total", 0.0))
                            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[: 4 * args.top]],
-                      torch=torch.__version__,
+                      host_work=work, torch=torch.__version__,
                       gpu=torch.cuda.get_device_name() if cuda else None)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

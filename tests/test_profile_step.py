@@ -50,3 +50,39 @@ def test_bad_arguments_are_one_line_errors(capsys):
         with pytest.raises(SystemExit) as e:
             profile_step.main(["--device", "cpu"] + argv if "--device" not in argv else argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def _one(i):
+    return len([i])
+
+
+def _three():
+    x = 0
+    for i in range(3):
+        x += _one(i)
+    return x
+
+
+def test_host_work_counts_calls_by_function():
+    """Python calls and C calls are counted where they run (the counter's own call of
+    sys.setprofile is not), lines by function, and the tracer is removed after the call."""
+    w = profile_step.count_host_work(_three)
+    rows = {r["function"]: r for r in w["by_function"]}
+    assert rows["test_profile_step.py:_three"]["py_calls"] == 1 and rows["test_profile_step.py:_three"]["c_calls"] == 0
+    assert rows["test_profile_step.py:_one"]["py_calls"] == 3 and rows["test_profile_step.py:_one"]["c_calls"] == 3
+    assert set(rows) == {"test_profile_step.py:_three", "test_profile_step.py:_one"}, rows
+    assert (w["py_calls"], w["c_calls"]) == (4, 3)
+    assert w["lines"] == sum(r["lines"] for r in rows.values()) and rows["test_profile_step.py:_one"]["lines"] == 3
+    assert sys.getprofile() is None
+
+
+def test_profile_report_counts_both_schedulers_host_work(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    profile_step.main(["--policy", "fcfs", "--n", "24", "--steps", "1", "--queue", "synthetic", "--warm", "10",
+                       "--top", "40", "--threads", "0", "--count-host-work", "--out", str(out)])
+    work = json.loads(out.read_text())["host_work"]
+    for who, fn in (("gpu_sched", "scheduler.py:_admission_scan"), ("reference", "policy.py:order_queue")):
+        w = work[who]
+        assert w["lines"] > 0 and w["py_calls"] > 0, (who, w)
+        assert fn in {r["function"] for r in w["by_function"]}, (who, w["by_function"])
+    assert "host work of one step, counted" in capsys.readouterr().out
