@@ -18,7 +18,7 @@ steps (each undone, as in bench_queue), then reports:
   reads was reallocated; more than 0 here means every step pays a capture);
 - with `--count-host-work`: the Python lines, Python calls and C calls (builtins, numpy and torch
   entry points) one step runs on the host, by function, for GpuScheduler and for the reference
-  scheduler on the same state (`sys.settrace` / `sys.setprofile`): counts, not times, so they are
+  scheduler on the same workload (queue, running batch, warm cache; `sys.settrace` / `sys.setprofile`): counts, not times, so they are
   the same on any machine and at any load, where a timing on a shared CPU moves by +-30%.
 
 Usage:
@@ -184,11 +184,11 @@ def main(argv=None):
     ap.add_argument("--trace", default=None, help=f"Mooncake trace (default {bq.DEFAULT_TRACE}; synthetic if absent)")
     ap.add_argument("--warm", type=int, default=500)
     ap.add_argument("--max-prompt-len", type=int, default=2048)
-    ap.add_argument("--top", type=int, default=25, help="rows of the op table")
+    ap.add_argument("--top", type=int, default=25, help="rows of the op table (and of --count-host-work's tables)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave as is)")
     ap.add_argument("--count-host-work", action="store_true",
                     help="also count the Python lines, Python calls and C calls of one step, ours and the "
-                         "reference scheduler's on the same state (counts: the same at any machine load)")
+                         "reference scheduler's on the same workload (counts: the same at any machine load)")
     ap.add_argument("--out", default=None, help="write the report as JSON")
     args = ap.parse_args(argv)
     at_least(args, ap.error, dict(n=1, steps=1, warm=0, max_prompt_len=1, top=0, threads=0))
@@ -280,7 +280,7 @@ def main(argv=None):
     restore()
     captures = (g.captures if g is not None else 0) - captures0
 
-    # 5. host work of one step, counted (ours, then the reference's on the same state)
+    # 5. host work of one step, counted (ours, then the reference's on the same workload)
     work = None
     if args.count_host_work:
         work = {"gpu_sched": count_host_work(fn, args.top)}
