@@ -494,6 +494,23 @@ def test_seed_chunked_validation():
         s.seed_chunked(R("d", [1, 2, 3]), 1)
 
 
+@pytest.mark.parametrize("make", ["reference", "torch"])
+def test_seed_chunked_with_chunking_off_is_refused(make):
+    """With chunking off no request can be the chunked one (R-ADM-5 reads rem_chunk, unset
+    then): seeding one is refused, nothing changed, and steps go on (they raised TypeError
+    in R-ADM-5 before)."""
+    from gpu_sched.scheduler import GpuScheduler
+
+    cfg = SchedulerConfig(chunked_prefill_size=None)
+    s = ReferenceScheduler(cfg, 100) if make == "reference" else GpuScheduler(cfg, 100)
+    with pytest.raises(ValueError, match="chunking is off"):
+        s.seed_chunked(R("c", list(range(1, 41)), 4), 8)
+    assert s.chunked is None and s.pool.available == 100 and "c" not in s.reqs
+    s.check_integrity()
+    s.submit([R("a", [1, 2, 3], 2)])
+    assert s.step(0.7).admitted == [("a", 0, 3)]
+
+
 # ---- randomized flows -----------------------------------------------------------------------------------
 def _random_flow(seed, steps=40):
     """Random configs and workloads through submit/step/complete_prefill/retract/decode/finish,

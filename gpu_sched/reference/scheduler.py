@@ -592,7 +592,13 @@ class ReferenceScheduler:
 
     def seed_chunked(self, req: Request, done: int) -> None:
         """Set the in-flight chunked request with `done` tokens prefilled (FORMAT.md 3.4).
-        Raises MemoryError, nothing changed, when the free pool cannot hold the uncached ones."""
+        Raises MemoryError, nothing changed, when the free pool cannot hold the uncached ones;
+        ValueError when a chunked request is in flight already, for `done` outside
+        [0, len(fill)), and when chunking is off (`chunked_prefill_size` None: R-ADM-5 budgets
+        the in-flight chunk by `rem_chunk`, which chunking off leaves unset)."""
+        if self.config.chunked_prefill_size is None:
+            raise ValueError(f"seed_chunked: chunking is off (chunked_prefill_size is None), so no request "
+                             f"can be in flight as the chunked request; got {req.rid!r}")
         if self.chunked is not None:
             raise ValueError("a chunked request is already in flight")
         if not 0 <= done < req.fill_len:
