@@ -797,7 +797,7 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
         room = torch.minimum(rc, rt.to(i64))
         room = torch.where(room <= 0, rc, room)
         ext_c = chunked.fill_len - chunked.prefix_len
-        nc = torch.minimum(ext_c, room)
+        nc = torch.clamp(torch.minimum(ext_c, room), min=0)  # none for rem_chunk < 0 (`add_chunked_req`)
         ec = _ceil_p(nc, P)
         resc = torch.where(nc == ext_c, torch.clamp(chunked.max_new, max=cfg.clip), 0)
         pr = chunked.present
@@ -990,7 +990,7 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
         room = min(rc, int(rt))  # float64 -> int64 truncates toward zero, as int() does
         room = rc if room <= 0 else room
         ext_c = c_fill - c_pre
-        nc = min(ext_c, room)
+        nc = max(min(ext_c, room), 0)  # none for rem_chunk < 0 (`add_chunked_req`)
         ec = _ceil_i(nc, P)
         resc = min(c_max, cfg.clip) if nc == ext_c else 0
         I, cur, rin, rc = I + ec + resc + P, cur + ec + P, rin - ec, rc - ec

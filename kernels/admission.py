@@ -367,7 +367,7 @@ def _prepare_kernel(fill_ptr, out_ptr, prompt_ptr, maxn_ptr, pre_ptr, drop_ptr, 
         room = tl.minimum(rc, rt.to(tl.int64))
         room = tl.where(room <= 0, rc, room)
         ext_c = cfill - cpre
-        nc = tl.minimum(ext_c, room)
+        nc = tl.maximum(tl.minimum(ext_c, room), 0)  # none for rem_chunk < 0 (`add_chunked_req`)
         ec = _ceil_page(nc, P)
         resc = tl.where(nc == ext_c, tl.minimum(cmaxn, clip), 0)
         I = tl.where(pr, I + ec + resc + P, I)

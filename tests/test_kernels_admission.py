@@ -200,6 +200,24 @@ def test_admit_step_triton_backend_equals_torch():
     assert ("chunk", True) in seen and len({v for k, v in seen if k == "stop"}) >= 3, seen
 
 
+
+def test_admit_step_triton_in_flight_chunk_past_the_chunk_size():
+    """The in-flight chunk with rem_chunk < 0 (more mixed decode tokens than
+    chunked_prefill_size): the triton set-up gives it an empty extend range, as the torch form
+    and the reference do (`test_step_core`)."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_step_core import mixed_past_chunk_size_state, static_inputs
+
+    cfg, ref = mixed_past_chunk_size_state()
+    scfg, st, q, held, chunked, _ = static_inputs(cfg, ref, 0.7, False, 1)
+    mv = lambda x: None if x is None else type(x)(*[v.to(DEV) for v in x])  # noqa: E731
+    st, q, held, chunked = mv(st), mv(q), mv(held), mv(chunked)
+    want = S.admit_step(scfg, st, q, held, chunked)
+    got = S.admit_step(scfg, st, q, held, chunked, backend="triton")
+    assert (int(got.inflight_end), bool(got.inflight_left)) == (4, True)
+    assert S.read_step_result(got) == S.read_step_result(want)
+
 # ---- launcher checks -----------------------------------------------------------------------------
 def test_launchers_check_arguments():
     cfg = CFGS[0]

@@ -987,3 +987,44 @@ def test_one_arrival_ordering_equals_the_array_path(policy, page_size):
                 s.finish(done)
         taken += sum(c is not None for c in calls)
     assert taken > 50  # most single-arrival steps took the Python path
+
+
+@pytest.mark.parametrize("form", ["reference", "host", "torch-forms", "recorded", "triton"])
+def test_in_flight_chunk_with_more_mixed_tokens_than_the_chunk_size(form):
+    """enable_mixed_chunk with more running requests than chunked_prefill_size leaves rem_chunk
+    < 0, and R-ADM-5 read literally gives the in-flight chunk a negative extend range (a plan
+    PrefillPlan.from_dict refuses, and complete_prefill could not allocate it: the scheduler
+    was stuck). Every form gives it no tokens instead, as at rem_chunk 0, and the chunk goes on
+    once the running batch is small enough (a helper's finding, session 51)."""
+    import contextlib
+
+    from gpu_sched.plan import PrefillPlan
+    from gpu_sched.policy import torch_forms
+
+    cfg = SchedulerConfig(chunked_prefill_size=2, enable_mixed_chunk=True)
+
+    def make(kind):
+        s = ReferenceScheduler(cfg, 1000) if kind == "reference" else GpuScheduler(
+            cfg, 1000, backend="triton" if kind == "triton" else "torch")
+        for i in range(3):
+            s.seed_running(Request(rid=f"run{i}", prompt_ids=[5, i], output_ids=[1], max_new_tokens=10))
+        s.seed_chunked(Request(rid="c", prompt_ids=[7] * 20, max_new_tokens=10), 4)
+        if kind == "recorded":
+            s.capture(queue_capacity=8, running_capacity=8)
+        return s
+
+    ref, s = make("reference"), make(form)
+    ends = []
+    with torch_forms() if form == "torch-forms" else contextlib.nullcontext():
+        for k in range(3):
+            pa, pb = ref.step(0.7), s.step(0.7)
+            assert plan_fields(pa) == plan_fields(pb), k
+            (rid, a, b), = pb.admitted
+            assert rid == "c" and pb.chunked_rid_after == "c" and a <= b
+            assert PrefillPlan.from_dict(pb.to_dict()).to_dict() == pb.to_dict()
+            ends.append(b)
+            for x in (ref, s):
+                x.complete_prefill({})
+                x.check_integrity()
+                x.finish([x.running[0].rid])  # the batch shrinks: 2, 1, 0 running after
+    assert ends == [4, 4, 5], ends  # rem_chunk -1, 0, then 2 - 1 = 1 token

@@ -233,6 +233,32 @@ def test_admit_step_several_chunks_in_one_step():
 
 
 
+def mixed_past_chunk_size_state():
+    """An in-flight chunked request with more running requests than chunked_prefill_size and
+    enable_mixed_chunk: rem_chunk = 2 - 3 < 0 (R-ADM-5 read literally: a negative extend)."""
+    cfg = SchedulerConfig(chunked_prefill_size=2, enable_mixed_chunk=True)
+    ref = ReferenceScheduler(cfg, 1000)
+    for i in range(3):
+        ref.seed_running(Request(f"run{i}", [5, i], 10, output_ids=[1]))
+    ref.seed_chunked(Request("chunked", [7] * 20, 10), 4)
+    ref.submit([Request("q0", [1, 2, 3], 4)], now=1.0)
+    return cfg, ref
+
+
+def test_in_flight_chunk_gets_no_tokens_when_mixed_tokens_pass_the_chunk_size():
+    """The reference adder, `admit_step` and `admit_step_host` give the in-flight chunk an
+    empty extend range (as at rem_chunk 0), not a negative one, and stop there (OTHER)."""
+    cfg, ref = mixed_past_chunk_size_state()
+    scfg, st, q, held, chunked, _ = static_inputs(cfg, ref, 0.7, False, 1)
+    want = admit_step(scfg, st, q, held, chunked)
+    adder, left, stop, at = reference_loop(cfg, ref, 0.7, False)
+    assert (ref.chunked.extend_start, ref.chunked.extend_end, left) == (4, 4, True)
+    assert (int(want.inflight_end), bool(want.inflight_left)) == (4, True)
+    assert (STOP_NAMES[int(want.stop)], stop, int(want.stop_index), at) == ("budget_other", "budget_other", 0, 0)
+    assert (int(want.I), int(want.cur_off), int(want.rem_chunk)) == (adder.I, adder.cur_off, adder.rem_chunk)
+    check_host_result(admit_step_host(scfg, st, q, held, chunked), want, "mixed past the chunk size")
+
+
 def host_equals_tensor_form(seed, **over):
     """`admit_step_host` (rounds' state on the host) == `admit_step` field by field, on the same
     inputs; returns the number of chunked admissions (so callers can check chunks occurred)."""

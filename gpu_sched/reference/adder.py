@@ -113,7 +113,9 @@ class PrefillAdder:
         if room <= 0:
             room = self.rem_chunk
         ext = r.fill_len - r.prefix_len
-        n = min(ext, room)
+        # rem_chunk < 0 (more mixed decode tokens than chunked_prefill_size) would give a
+        # negative extend range: the chunk gets none, as at rem_chunk 0 (not in SPEC.md)
+        n = max(min(ext, room), 0)
         self._admit(r, r.prefix_len, r.prefix_len + n)
         self._commit(0, n, min(r.max_new, self.clip) if n == ext else 0)
         return n < ext
