@@ -855,6 +855,10 @@ def admit_step(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional[Held
         stop_k = torch.where(atend, STOP_QUEUE_END, _at(stop_j, k))
         kind_k = torch.where(atend, KIND_NONE, _at(kind_j, k))
         tc_k = _at(tc, k)
+        # one chunk a step (`PrefillAdder.add_one_req`): a second is refused, OTHER
+        again = (kind_k == KIND_CHUNK) & (chunk_idx >= 0)
+        stop_k = torch.where(again, STOP_OTHER, stop_k)
+        kind_k = torch.where(again, KIND_NONE, kind_k)
         whole_k = kind_k == KIND_WHOLE
         e_k, ec_k = _at(e, k), _ceil_p(tc_k, P)
         dI = torch.where(whole_k, _at(wI, k), ec_k + P)
@@ -1046,6 +1050,8 @@ def admit_step_host(cfg: StepConfig, st: StepState, q: QueueCols, held: Optional
         atend = k >= n
         stop_k = STOP_QUEUE_END if atend else stop_r
         kind_k = KIND_NONE if atend else kind_r
+        if kind_k == KIND_CHUNK and chunk_idx >= 0:  # one chunk a step (`PrefillAdder.add_one_req`)
+            stop_k, kind_k = STOP_OTHER, KIND_NONE
         whole_k = kind_k == KIND_WHOLE
         ec_k = _ceil_i(tc_k, P)
         dI = wI_k if whole_k else ec_k + P

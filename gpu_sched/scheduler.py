@@ -39,6 +39,7 @@ import torch
 
 from .config import SchedulerConfig
 from .device_cache import DeviceRadixCache
+from .reference.adder import AddResult
 from .reference.policy import OrderResult, active_policy, checked_shuffle
 from .reference.scheduler import ReferenceScheduler
 from .reference.state import ReqState
@@ -1404,6 +1405,11 @@ class GpuScheduler(ReferenceScheduler):
                 vals = pending.head[:12] + pending.extend_end
                 matched = None if self.cache.disable else (self._graph.m_cap, self._graph.pos_cap)
                 pending = None
+            elif adder.new_chunked is not None:
+                # an earlier window chunked a request: one chunk a step (`PrefillAdder.add_one_req`),
+                # which a window decided on its own does not know, so the rest goes request by
+                # request (the chunk left little budget: the loop stops within a few)
+                return self._admit_after_chunk(queue, i, adder, running_bs)
             else:
                 # a window of the queue: the loop never reads past its stop point, and one that
                 # gets through the window goes on with the next (twice as long)
@@ -1457,6 +1463,28 @@ class GpuScheduler(ReferenceScheduler):
                 lead += 1
                 self._lead = (queue, adder.can_run, start, lead)
             i += k + 1
+        return "queue_end"
+
+    def _admit_after_chunk(self, queue, i: int, adder, running_bs: int) -> str:
+        """R-STEP-3 from queue[i] on, one request at a time (`_admit_one`'s iteration, the
+        batch-full case through `_admit_preempting`), for a loop that already chunked a request
+        in an earlier window; returns the stop reason."""
+        cfg = self.config
+        cap = cfg.max_running_requests
+        for j in range(i, len(queue)):
+            if adder.budget_state() is AddResult.OTHER:
+                return "budget_other"
+            if cap is not None and running_bs + len(adder.can_run) >= cap:
+                self.batch_is_full = True
+            r = queue[j]
+            if self.batch_is_full:
+                if not cfg.enable_priority_preemption:
+                    return "batch_full"
+                stop = self._admit_preempting(r, adder)
+            else:
+                stop = self._rematch_and_add(r, adder)
+            if stop is not None:
+                return stop
         return "queue_end"
 
     def _admit_preempting(self, r: ReqState, adder) -> Optional[str]:
@@ -1785,6 +1813,8 @@ class GpuScheduler(ReferenceScheduler):
             if res is None:
                 if rc is None or in_paged <= rc:
                     n_ext, reserve, end = in_paged, min(maxnew, clip), fill
+                elif ci >= 0:  # one chunk a step (`PrefillAdder.add_one_req`)
+                    res = "add_other"
                 else:  # the chunked request of this step (R-ADM-3's truncation)
                     t = rc // P * P
                     if align is not None:

@@ -232,6 +232,9 @@ def _round_kernel(stop_ptr, kind_ptr, tc_ptr, mark_ptr, e_ptr, wI_ptr, wC_ptr, e
     atend = k >= n
     stop_k = tl.where(atend, 1, tl.load(stop_ptr + k))
     kind_k = tl.where(atend, 0, tl.load(kind_ptr + k))
+    again = (kind_k == 2) & (chunk_idx >= 0)  # one chunk a step: a second is refused, OTHER (5)
+    stop_k = tl.where(again, 5, stop_k)
+    kind_k = tl.where(again, 0, kind_k)
     tc_k = tl.load(tc_ptr + k)
     whole_k = kind_k == 1
     e_k = tl.load(e_ptr + k)

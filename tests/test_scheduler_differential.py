@@ -1028,3 +1028,64 @@ def test_in_flight_chunk_with_more_mixed_tokens_than_the_chunk_size(form):
                 x.check_integrity()
                 x.finish([x.running[0].rid])  # the batch shrinks: 2, 1, 0 running after
     assert ends == [4, 4, 5], ends  # rem_chunk -1, 0, then 2 - 1 = 1 token
+
+
+@pytest.mark.parametrize("windows", ["one", "many"])
+@pytest.mark.parametrize("form", ["scalar", "static", "torch-forms", "recorded", "triton"])
+def test_one_chunk_a_step_in_and_across_admission_windows(form, windows):
+    """A truncation_align_size that is not a multiple of the page size leaves room for a second
+    chunk after the first; SPEC.md's R-ADM-3.7 would chunk it and make it the new chunked
+    request, leaving the first cut short and not the chunked request (complete_prefill could
+    not finish it: KeyError, half-applied; a helper's finding, session 51). Both schedulers
+    refuse the second chunk (OTHER), in one admission window (each form's own rule: the
+    scalar loop, the static admission's host and torch forms, the recorded step, triton's
+    round kernel) and, with windows of one request, across windows (the rule then holds for
+    the scheduler's loop over windows); against the reference, then complete_prefill and a
+    second step."""
+    import contextlib
+
+    from gpu_sched.policy import torch_forms
+
+    cfg = SchedulerConfig(page_size=3, chunked_prefill_size=9, truncation_align_size=5)
+    reqs = [Request(rid=x, prompt_ids=[i + 1] * 10, max_new_tokens=4) for i, x in enumerate("abc")]
+    ref = ReferenceScheduler(cfg, 1000)
+    s = GpuScheduler(cfg, 1000, backend="triton" if form == "triton" else "torch")
+    if windows == "many":
+        s.admit_window, s.adaptive_window = 1, False
+    if form != "scalar":
+        s.SCALAR_WINDOW = 0
+    if form == "recorded":
+        s.capture(queue_capacity=8, running_capacity=8, admit_window=1 if windows == "many" else 8)
+    for x in (ref, s):
+        x.submit([Request(**{k: getattr(r, k) for k in r.__dataclass_fields__}) for r in reqs], now=0.0)
+    with torch_forms() if form == "torch-forms" else contextlib.nullcontext():
+        for step in range(2):
+            pa, pb = ref.step(0.7), s.step(0.7)
+            assert plan_fields(pa) == plan_fields(pb), (form, step)
+            if step == 0:
+                assert pb.admitted == [("a", 0, 3)] and pb.new_chunked_rid == "a" and pb.stop == "add_other"
+            for x in (ref, s):
+                x.complete_prefill({rid: 1 for rid, a, b in pb.admitted if b == 10})
+                x.check_integrity()
+    assert pb.admitted[0] == ("a", 3, 10), pb.admitted  # the chunk goes on (R-ADM-5: not page-aligned)
+
+
+@pytest.mark.parametrize("form", ["scalar", "static", "triton"])
+def test_one_chunk_a_step_on_the_ignore_eos_path(form):
+    """R-ADM-6's chunk (the cache disabled, an ignore-EOS request) after a chunk cut short by
+    truncation_align_size: refused too (SPEC.md would make it the new chunked request)."""
+    cfg = SchedulerConfig(disable_radix_cache=True, chunked_prefill_size=64, truncation_align_size=48)
+    reqs = [Request(rid="a", prompt_ids=[1] * 100, max_new_tokens=5),
+            Request(rid="b", prompt_ids=[2] * 100, max_new_tokens=5, ignore_eos=True)]
+    ref = ReferenceScheduler(cfg, 1000)
+    s = GpuScheduler(cfg, 1000, backend="triton" if form == "triton" else "torch")
+    if form != "scalar":
+        s.SCALAR_WINDOW = 0
+    for x in (ref, s):
+        x.submit([Request(**{k: getattr(r, k) for k in r.__dataclass_fields__}) for r in reqs], now=0.0)
+    pa, pb = ref.step(0.7), s.step(0.7)
+    assert plan_fields(pa) == plan_fields(pb)
+    assert (pb.admitted, pb.new_chunked_rid, pb.stop) == ([("a", 0, 48)], "a", "add_other")
+    for x in (ref, s):
+        x.complete_prefill({})
+        x.check_integrity()

@@ -149,6 +149,11 @@ class PrefillAdder:
                 self._admit(r, r.prefix_len, r.fill_len)
                 self._lock(r)
                 self._commit(r.prefix_len, in_paged, min(r.max_new, self.clip))
+            elif self.new_chunked is not None:
+                # a second chunk in one step (room left by truncation_align_size or by a page
+                # size it is not a multiple of) would leave the first unfinished and not the
+                # chunked request: refused (not in SPEC.md, which lets the second replace it)
+                res = AddResult.OTHER
             else:
                 t = self.rem_chunk // self.P * self.P
                 a = cfg.truncation_align_size
@@ -203,7 +208,7 @@ class PrefillAdder:
             self._admit(r, r.prefix_len, r.fill_len)
             self._commit(0, ext, min(r.max_new, self.clip))
         else:
-            if self.rem_chunk <= 0:
+            if self.rem_chunk <= 0 or self.new_chunked is not None:  # one chunk a step (`add_one_req`)
                 return AddResult.OTHER
             self._admit(r, r.prefix_len, r.prefix_len + self.rem_chunk)
             self.new_chunked = r
