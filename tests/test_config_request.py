@@ -454,14 +454,11 @@ def test_finish_and_abort_bad_rids_change_nothing(serving, call, exc, words):
 
 
 def test_finish_during_prefill_says_so(serving):
-    """finish() (and abort()) of an admitted request before complete_prefill() names the state
-    and what to do, not just "not running", and changes nothing."""
+    """finish() of an admitted request before complete_prefill() names the state and what to
+    do, not just "not running", and changes nothing."""
     before = _engine_state(serving)
     with pytest.raises(ValueError, match="finish: request 'a' is in the prefill being run: call complete_prefill"):
         serving.finish(["a"])
-    assert _engine_state(serving) == before
-    with pytest.raises(ValueError, match=r"abort: request 'a' is in the prefill being run: call complete_prefill\(\) first"):
-        serving.abort(["a"])
     assert _engine_state(serving) == before
     with pytest.raises(ValueError, match="finish: request 'zz' is not running: no such request"):
         serving.finish(["zz"])
@@ -469,6 +466,47 @@ def test_finish_during_prefill_says_so(serving):
     with pytest.raises(ValueError, match="finish: request 'w' is not running: it is waiting in the queue"):
         serving.finish(["w"])
     assert [r.rid for r in serving.queue] == ["w"]
+
+
+def test_abort_during_prefill_takes_the_request_out_of_it(serving):
+    """abort() of a request of the prefill being run: it leaves the prefill (its prefix lock
+    released, nothing allocated or cached), complete_prefill() refuses a token for it and
+    completes the others."""
+    serving.abort(["b"])
+    assert "b" not in serving.reqs and [r.rid for r in serving.prefilling] == ["a", "ab"]
+    serving.check_integrity()
+    with pytest.raises(ValueError, match=r"\['b'\] are not in the prefill being run"):
+        serving.complete_prefill({"a": 1, "b": 2, "ab": 3})
+    serving.complete_prefill({"a": 1, "ab": 3})
+    assert [r.rid for r in serving.running] == ["a", "ab"]
+    serving.check_integrity()
+    serving.finish(["a", "ab"])
+    assert serving.protected == 0 and serving.available + serving.evictable == 1000
+
+
+@pytest.mark.parametrize("kind", ["reference", "torch"])
+def test_an_in_flight_chunk_that_cannot_fit_can_be_aborted(kind):
+    """A chunked request restored with seed_chunked whose fill outgrows the pool: R-ADM-5 admits
+    its next chunk whatever the budget, complete_prefill() raises MemoryError with nothing
+    running to free, and step() waits for complete_prefill(). abort() of the request is the
+    way out (it was refused as "in the prefill being run": the scheduler was stuck; a
+    helper's finding, session 51); the scheduler then serves the queue again."""
+    from gpu_sched.scheduler import GpuScheduler
+
+    cls = ReferenceScheduler if kind == "reference" else GpuScheduler
+    s = cls(SchedulerConfig(chunked_prefill_size=8), 20)
+    s.seed_chunked(Request("c", list(range(1, 41)), 4), 8)
+    with pytest.raises(MemoryError, match="abort\\(\\) requests of this prefill"):
+        for _ in range(4):
+            assert [rid for rid, _, _ in s.step(0.7).admitted] == ["c"]
+            s.complete_prefill({})
+    with pytest.raises(RuntimeError, match="complete_prefill"):
+        s.step(0.7)
+    s.abort(["c"])
+    assert s.chunked is None and not s.prefilling and s.available + s.evictable == 20
+    s.check_integrity()
+    s.submit([Request("d", [1, 2, 3], 2)])
+    assert s.step(0.7).admitted == [("d", 2, 3)]  # c's prefilled chunks stay cached
 
 
 @pytest.mark.parametrize("kind", ["reference", "torch"])

@@ -350,7 +350,7 @@ class ReferenceScheduler:
         MemoryError when the extend ranges need more KV slots than are free and evictable
         (decode() between step() and here, or R-ADM-5's in-flight chunk, which is admitted
         whatever the budget, may have used them): free some (finish() or abort() running
-        requests, retract_decode()) and call again."""
+        requests, retract_decode()) and call again, or abort() requests of this prefill."""
         if not isinstance(first_tokens, Mapping):
             raise TypeError(f"complete_prefill takes a mapping rid -> first token, got {type(first_tokens).__name__}")
         in_prefill = {r.rid for r in self.prefilling}
@@ -373,7 +373,8 @@ class ReferenceScheduler:
         if need > self.pool.available + evictable:
             raise MemoryError(f"complete_prefill: the prefill needs {need} KV slots, {self.pool.available} free "
                               f"and {evictable} evictable; finish() or abort() running requests (or "
-                              f"retract_decode()) and call complete_prefill again")
+                              f"retract_decode()) and call complete_prefill again, or abort() requests of "
+                              f"this prefill")
         for r in self.prefilling:
             if r.kv_len == 0 and r.extend_start > 0 or r.lock_node is not None and r.cached_len == 0 and r.kv_len == 0:
                 # fresh admission: its cached prefix is the locked path
@@ -527,22 +528,25 @@ class ReferenceScheduler:
             self.batch_is_full = False  # the batch shrank (as SGLang's update_running_batch)
 
     def abort(self, rids: Iterable[str]) -> None:
-        """Drop requests wherever they are (queue, running, chunked); nothing is cached.
-        Raises (before changing anything) ValueError for an unknown rid or one in the prefill
-        being run, TypeError for a single string."""
+        """Drop requests wherever they are (queue, running, chunked, the prefill being run);
+        nothing is cached. A request of the prefill being run (between step() and
+        complete_prefill()) leaves that prefill: the engine must not run it, and
+        complete_prefill() takes no token for it. That is also the way out when
+        complete_prefill() raises MemoryError and nothing running can be freed (an in-flight
+        chunk is admitted whatever the budget, R-ADM-5). Raises (before changing anything)
+        ValueError for an unknown rid, TypeError for a single string."""
         rids = _distinct("abort", rids)
         for rid in rids:
             if rid not in self.reqs:
                 raise ValueError(f"abort: unknown request {rid!r}")
-            if any(r.rid == rid for r in self.prefilling):
-                raise ValueError(f"abort: request {rid!r} is in the prefill being run: call complete_prefill() "
-                                 f"first (it then runs, or waits as the chunked request), then abort() it")
         for rid in rids:
             r = self.reqs.pop(rid)
             if r is self.chunked:
                 self.chunked = None
             self._drop_kv(r)
             self._remove_queued(r)
+            if any(x is r for x in self.prefilling):
+                self.prefilling = [x for x in self.prefilling if x is not r]
             if any(x is r for x in self.running):
                 self.running = [x for x in self.running if x is not r]
                 self.batch_is_full = False
