@@ -208,7 +208,8 @@ def main(argv=None):
                                max_prompt_len=args.max_prompt_len, routing_keys=32, running=64,
                                synthetic_groups=16)
     wl = bq.build_workload(wargs, args.n)
-    s, cached = bq.make_scheduler(args.backend, args.device, wl, pool=bq.kv_pool_size(wl, 64, 1_000_000))
+    pool = bq.kv_pool_size(wl, 64, 1_000_000)  # the reference of --count-host-work gets the same
+    s, cached = bq.make_scheduler(args.backend, args.device, wl, pool=pool)
     s.config = SchedulerConfig(**bq.POLICIES[args.policy])
     bq.set_queue(s, wl.queue[: args.n])
     stage = "gstep" if args.mode == "graph" else "step"
@@ -285,7 +286,7 @@ def main(argv=None):
     if args.count_host_work:
         work = {"gpu_sched": count_host_work(fn, args.top)}
         restore()
-        ref, _ = bq.make_scheduler("reference", "cpu", wl, pool=bq.kv_pool_size(wl, 64, 1_000_000))
+        ref, _ = bq.make_scheduler("reference", "cpu", wl, pool=pool)
         ref.config = s.config
         bq.set_queue(ref, wl.queue[: args.n])
         rfn, rrestore = bq.stage_fns(ref, "step", wl.max_len)

@@ -39,7 +39,6 @@ import torch
 
 from .config import SchedulerConfig
 from .device_cache import DeviceRadixCache
-from .reference.adder import AddResult
 from .reference.policy import OrderResult, active_policy, checked_shuffle
 from .reference.scheduler import ReferenceScheduler
 from .reference.state import ReqState
@@ -1408,8 +1407,12 @@ class GpuScheduler(ReferenceScheduler):
             elif adder.new_chunked is not None:
                 # an earlier window chunked a request: one chunk a step (`PrefillAdder.add_one_req`),
                 # which a window decided on its own does not know, so the rest goes request by
-                # request (the chunk left little budget: the loop stops within a few)
-                return self._admit_after_chunk(queue, i, adder, running_bs)
+                # request, the reference's iteration (the chunk left little budget: it stops within a few)
+                for j in range(i, n):
+                    stop = self._admit_one(queue[j], adder, running_bs)
+                    if stop is not None:
+                        return stop
+                return "queue_end"
             else:
                 # a window of the queue: the loop never reads past its stop point, and one that
                 # gets through the window goes on with the next (twice as long)
@@ -1465,39 +1468,17 @@ class GpuScheduler(ReferenceScheduler):
             i += k + 1
         return "queue_end"
 
-    def _admit_after_chunk(self, queue, i: int, adder, running_bs: int) -> str:
-        """R-STEP-3 from queue[i] on, one request at a time (`_admit_one`'s iteration, the
-        batch-full case through `_admit_preempting`), for a loop that already chunked a request
-        in an earlier window; returns the stop reason."""
-        cfg = self.config
-        cap = cfg.max_running_requests
-        for j in range(i, len(queue)):
-            if adder.budget_state() is AddResult.OTHER:
-                return "budget_other"
-            if cap is not None and running_bs + len(adder.can_run) >= cap:
-                self.batch_is_full = True
-            r = queue[j]
-            if self.batch_is_full:
-                if not cfg.enable_priority_preemption:
-                    return "batch_full"
-                stop = self._admit_preempting(r, adder)
-            else:
-                stop = self._rematch_and_add(r, adder)
-            if stop is not None:
-                return stop
-        return "queue_end"
-
     def _admit_preempting(self, r: ReqState, adder) -> Optional[str]:
         """R-STEP-3 for a request that finds the batch full with priority preemption on: re-match
-        (D5), the preemption decision on the device (`_preempt_device`), re-match again (the
+        (D5), the preemption decision on the device (`_preempt`), re-match again (the
         victims' release may have evicted part of the prefix), add_one_req."""
         self.batch_is_full = True
         self._rematch(r)
-        if not self._preempt_device(r, adder):
+        if not self._preempt(r, adder):
             return "batch_full"
         return self._rematch_and_add(r, adder)
 
-    def _preempt_device(self, r: ReqState, adder) -> bool:
+    def _preempt(self, r: ReqState, adder) -> bool:
         """R-ADM-7: victims chosen by `gpu_sched.admission.preempt_select` (sorted on the device,
         cumulative reservations, cut), read back once; the host then releases them in
         running-batch order exactly as `PrefillAdder.preempt_for` does."""

@@ -282,9 +282,15 @@ class ReferenceScheduler:
             if not cfg.enable_priority_preemption:
                 return "batch_full"
             self._rematch(r)  # D5: the need uses the re-matched extend length
-            if not adder.preempt_for(r, self._release):
+            if not self._preempt(r, adder):
                 return "batch_full"
         return self._rematch_and_add(r, adder)
+
+    def _preempt(self, r: ReqState, adder: PrefillAdder) -> bool:
+        """R-ADM-7 for r, which found the batch full: victims chosen, released and requeued;
+        False, nothing changed, when none make room. Device schedulers choose them on the
+        device."""
+        return adder.preempt_for(r, self._release)
 
     def _rematch_and_add(self, r: ReqState, adder: PrefillAdder) -> Optional[str]:
         """The end of R-STEP-3 for one request: re-match (D5), add_one_req, and the stop reason
