@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -177,7 +178,8 @@ def main(argv=None):
     title = (f"{r0.get('queue')} queue, warm cache {r0.get('cache_tokens')} tokens, prompt cap "
              f"{r0.get('max_prompt_len')}, {r0.get('threads')} thread(s), run {r0.get('run')}")
     plot(rows, out, args.per_request, title)
-    print(out)
+    # the written paths on stdout, unless the markdown table goes there (then they go to stderr)
+    print(out, file=sys.stderr if args.markdown == "-" else sys.stdout)
     if args.markdown:
         table = markdown_table(rows)
         if args.markdown == "-":

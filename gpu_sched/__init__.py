@@ -6,4 +6,18 @@ from .ratio import NewTokenRatio
 from .request import Request
 
 __version__ = "0.1.0"
-__all__ = ["SchedulerConfig", "PrefillPlan", "NewTokenRatio", "Request", "__version__"]
+__all__ = ["SchedulerConfig", "PrefillPlan", "NewTokenRatio", "Request", "GpuScheduler", "ReferenceScheduler",
+           "__version__"]
+
+# the schedulers on first use (PEP 562): `import gpu_sched` stays light (no torch import)
+_LAZY = {"GpuScheduler": ".scheduler", "ReferenceScheduler": ".reference"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

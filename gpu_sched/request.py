@@ -60,7 +60,8 @@ def check_token_id(what: str, v) -> int:
     """v as an int token id; TypeError unless an int (bools and floats too), ValueError
     outside [0, 2^31-1]. `what` names the field in the message."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{what} must be an int token id, got {type(v).__name__} {v!r}")
+        hint = " (pass int(token): a sampler's tensor output needs .tolist() first)" if hasattr(v, "tolist") else ""
+        raise TypeError(f"{what} must be an int token id, got {type(v).__name__} {v!r}{hint}")
     if not 0 <= v <= INT32_MAX:
         raise ValueError(f"{what} = {v} is outside the token id range [0, {INT32_MAX}]")
     return int(v)
@@ -70,7 +71,12 @@ def check_real(what: str, v, expected: str = "a number") -> float:
     """v as a float; TypeError (saying `what` must be `expected`) unless an int or float
     (bools and strings refused)."""
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{what} must be {expected}, got {type(v).__name__} {v!r}")
+        inner = getattr(v, "value", None)  # e.g. a NewTokenRatio, whose number is its .value
+        if isinstance(inner, (int, float)) and not isinstance(inner, bool):
+            hint = f" (pass its .value, {inner!r})"
+        else:
+            hint = " (pass float(x) or x.item())" if hasattr(v, "item") else ""
+        raise TypeError(f"{what} must be {expected}, got {type(v).__name__} {v!r}{hint}")
     return float(v)
 
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from gpu_sched import Request, SchedulerConfig
+from gpu_sched import NewTokenRatio, Request, SchedulerConfig
 from gpu_sched.config import INT64_MAX, INT64_MIN, POLICIES
 from gpu_sched.reference import ReferenceScheduler
 
@@ -410,6 +410,8 @@ def test_gpu_scheduler_on_cuda_without_cuda_says_so():
     ({"a": 5, "b": -7, "ab": 1}, ValueError, "tokens['b'] = -7 is outside"),
     ({"a": 5, "b": True, "ab": 1}, TypeError, "tokens['b'] must be an int token id, got bool"),
     ({"a": 5, "b": 1, "ab": 2.0}, TypeError, "tokens['ab'] must be an int token id, got float"),
+    ({"a": 5, "b": np.array(1), "ab": 1}, TypeError, "got ndarray array(1) (pass int(token): a sampler's "
+     "tensor output needs .tolist() first)"),
     ({"a": 2**40, "b": 1, "ab": 1}, ValueError, "tokens['a'] = 1099511627776 is outside"),
     ({"a": 5, "b": 1}, ValueError, "missing for running requests ['ab']"),
     ({"a": 5, "b": 1, "zz": 1}, ValueError, "['zz'] are not running (and no token for running requests ['ab'])"),
@@ -590,6 +592,10 @@ def test_submit_and_step_reject_bad_arguments(serving):
         serving.submit([Request("z", [1], 1)], now=math.nan)
     with pytest.raises(TypeError, match="new_token_ratio must be a number in \\(0, 1\\], got str '0.5'"):
         serving.step("0.5")
+    with pytest.raises(TypeError, match=r"got NewTokenRatio .* \(pass its \.value, 0\.7\)"):
+        serving.step(NewTokenRatio())  # the object, not its value
+    with pytest.raises(TypeError, match=r"got ndarray array\(0\.5\) \(pass float\(x\) or x\.item\(\)\)"):
+        serving.step(np.array(0.5))
     with pytest.raises(ValueError, match="step: now must be finite, got inf"):
         serving.step(0.5, now=math.inf)
     with pytest.raises(TypeError, match="step: now must be a number"):
@@ -609,3 +615,22 @@ def test_step_before_complete_prefill_names_the_prefill(serving):
     assert _engine_state(serving) == before
     serving.complete_prefill({"a": 1, "b": 2, "ab": 3})
     serving.step(0.7)
+
+
+def test_package_exports_both_schedulers_lazily():
+    """`from gpu_sched import GpuScheduler, ReferenceScheduler` works, and `import gpu_sched`
+    alone does not import torch (the schedulers load on first use)."""
+    import subprocess
+    import sys
+
+    import gpu_sched
+    from gpu_sched.reference import ReferenceScheduler as Ref
+    from gpu_sched.scheduler import GpuScheduler as Gpu
+
+    assert gpu_sched.GpuScheduler is Gpu and gpu_sched.ReferenceScheduler is Ref
+    assert {"GpuScheduler", "ReferenceScheduler"} <= set(gpu_sched.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'Scheduler'"):
+        gpu_sched.Scheduler
+    code = "import sys, gpu_sched; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

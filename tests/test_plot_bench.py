@@ -57,3 +57,18 @@ def test_a_file_that_holds_no_rows_is_a_one_line_error(tmp_path, capsys, content
     with pytest.raises(SystemExit) as e:
         plot_bench.main([str(path)])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_markdown_to_stdout_is_the_table_alone(tmp_path, capsys):
+    """`--markdown -` prints only the table on stdout (the PNG's path goes to stderr), so it
+    can be redirected into a file; otherwise the written paths go to stdout."""
+    import json
+
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(_rows()))
+    plot_bench.main([str(path), "--out", str(tmp_path / "p.png"), "--markdown", "-"])
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == "| policy | stage | backend | 1,000 | 2^12 |"
+    assert str(tmp_path / "p.png") in err and "p.png" not in out
+    plot_bench.main([str(path), "--out", str(tmp_path / "q.png")])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "q.png")
