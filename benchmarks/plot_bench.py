@@ -93,7 +93,7 @@ def plot(rows, out, per_request=False, title=None):
                 ax.set_xlabel("waiting requests n")
             if j == 0:
                 ax.set_ylabel("us per request" if per_request else "seconds per call")
-    handles, labels = {}, {}
+    handles = {}
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)

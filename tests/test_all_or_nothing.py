@@ -275,3 +275,24 @@ def test_cost_model_built_in_code_is_checked(value):
     with pytest.raises(ValueError, match=r"CostModel prefill_token_s must be a number of seconds in \[0, 3600\]"):
         CostModel("m", "", fixed_s=0.0, prefill_token_s=value, decode_request_s=0.0, kv_token_s=0.0)
     assert CostModel("m", "", fixed_s=1, prefill_token_s=0, decode_request_s=0, kv_token_s=0).fixed_s == 1.0
+
+
+@pytest.mark.parametrize("page_size, disable", [(1, False), (4, False), (1, True)])
+def test_gpu_seed_cache_searches_once_and_seeds_as_the_reference(page_size, disable, monkeypatch):
+    """`GpuScheduler.seed_cache` finds the present length once (the reference's form searches
+    twice: for the slot check and inside the cache's insert) and leaves the same slots, cache
+    and results as the reference's, over prompts that share prefixes, split nodes, end inside
+    a page and use a second namespace."""
+    cfg = SchedulerConfig(page_size=page_size, disable_radix_cache=disable)
+    ref, dev = ReferenceScheduler(cfg, 400), GpuScheduler(cfg, 400)
+    calls = []
+    real = type(dev.cache).present_len
+    monkeypatch.setattr(type(dev.cache), "present_len", lambda c, *a: calls.append(1) or real(c, *a))
+    prompts = [([1, 2, 3, 4, 5, 6, 7, 8, 9], None), ([1, 2, 3, 4, 9, 9, 9, 9], None), ([1, 2, 3], None),
+               ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], None), ([1, 2, 3, 4, 5, 6], "ns"), ([5] * 10, None)]
+    for toks, ns in prompts:
+        assert dev.seed_cache(toks, extra_key=ns) == ref.seed_cache(toks, extra_key=ns)
+        assert (dev.available, dev.evictable) == (ref.available, ref.evictable)
+    assert len(calls) == (0 if disable else len(prompts))
+    assert triples(dev) == triples(ref)
+    dev.check_integrity()
