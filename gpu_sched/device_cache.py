@@ -76,6 +76,11 @@ class DeviceRadixCache:
         namespace never seen holds nothing)."""
         if self.disable or ns not in self._ns:
             return 0
+        if self.tree._host_form():
+            # a CPU tree: a walk down the tree on the key's tokens (a lookup and a token
+            # comparison per node on the matched path), not a hash of the whole key and a search
+            t = np.asarray(key, dtype=np.int32)
+            return self.tree._walk_scalar(t, t.size, self._ns[ns])[0]
         t = self._tokens(key)
         m, _ = self.tree._find(t[None], torch.tensor([t.numel()], device=self.device),
                                torch.tensor([self._ns[ns]], device=self.device))

@@ -1226,3 +1226,34 @@ def test_tombstone_runs_cleared_in_python_leave_the_torch_forms_table(monkeypatc
             tor._table_delete(torch.tensor([at[slot]]), "torch")
         assert torch.equal(host.hkeys, tor.hkeys) and host._h_used == tor._h_used
     assert host._h_used == 0 and (host.hkeys == radix_module.EMPTY).all()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_device_cache_present_len_walk_equals_the_hash_search(page_size):
+    """`DeviceRadixCache.present_len` on a CPU tree walks the tree on the key's tokens
+    (`_walk_scalar`); it gives the length the hash search (`_find`, the torch form) gives and
+    the reference cache's, for keys that share prefixes with cached paths, end inside a node,
+    inside a page, past every path, in another namespace or in one never seen."""
+    from gpu_sched.device_cache import DeviceRadixCache
+
+    rng = random.Random(page_size)
+    ref = RadixCache(KVPool(4000), page_size)
+    dev = DeviceRadixCache(KVPool(4000), page_size)
+    base = [rng.randrange(6) for _ in range(40)]
+    seqs = []
+    for _ in range(30):
+        s = base[: rng.randrange(len(base))] + [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
+        ns = rng.choice([None, None, "ns"])
+        seqs.append((s, ns))
+        n = len(s) // page_size * page_size
+        vals = np.arange(1000, 1000 + n, dtype=np.int64)
+        ref.insert(np.array(s, dtype=np.int32), vals, ns)
+        dev.insert(s, vals, ns)
+    keys = [(s[:k], ns) for s, ns in seqs for k in (0, 1, len(s) // 2, len(s))]
+    keys += [(s + [rng.randrange(6) for _ in range(7)], ns) for s, ns in seqs[:10]]
+    keys += [([rng.randrange(6) for _ in range(rng.randrange(60))], ns) for ns in (None, "ns", "never") for _ in range(20)]
+    for key, ns in keys:
+        walked = dev.present_len(key, ns)
+        with PM.torch_forms():
+            searched = dev.present_len(key, ns)
+        assert walked == searched == ref.present_len(np.array(key, dtype=np.int32), ns), (key, ns)
