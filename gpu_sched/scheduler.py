@@ -599,11 +599,11 @@ class GpuScheduler(ReferenceScheduler):
                 v.pin()
 
     def seed_cache(self, tokens, extra_key: Optional[str] = None) -> int:
-        """`ReferenceScheduler.seed_cache` (the same slots, cache and result), searching the
-        tree once: the reference's form searches for the present length twice, for the slot
-        check and again inside the cache's insert (each a hash of the whole prompt and a
-        search: about a fifth of a CPU tree's seeding). Raises MemoryError, nothing changed,
-        when the free pool cannot hold the new tokens."""
+        """`ReferenceScheduler.seed_cache` (the same slots, cache and result), asking the cache
+        for the present length once: the reference's form asks twice, for the slot check and
+        again inside the cache's insert (`DeviceRadixCache.present_len`: a walk of a CPU tree
+        on the prompt's tokens, elsewhere a hash of the whole prompt and a search). Raises
+        MemoryError, nothing changed, when the free pool cannot hold the new tokens."""
         if self.cache.disable:
             return 0
         from .request import as_token_array
