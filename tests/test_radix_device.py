@@ -1245,15 +1245,17 @@ def test_device_cache_present_len_walk_equals_the_hash_search(page_size):
         s = base[: rng.randrange(len(base))] + [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
         ns = rng.choice([None, None, "ns"])
         seqs.append((s, ns))
-        n = len(s) // page_size * page_size
-        vals = np.arange(1000, 1000 + n, dtype=np.int64)
-        ref.insert(np.array(s, dtype=np.int32), vals, ns)
-        dev.insert(s, vals, ns)
+        ref.insert(np.array(s, dtype=np.int32), ref.pool.alloc, ns)  # slots from each pool: evictions free them
+        dev.insert(s, dev.pool.alloc, ns)
     keys = [(s[:k], ns) for s, ns in seqs for k in (0, 1, len(s) // 2, len(s))]
     keys += [(s + [rng.randrange(6) for _ in range(7)], ns) for s, ns in seqs[:10]]
     keys += [([rng.randrange(6) for _ in range(rng.randrange(60))], ns) for ns in (None, "ns", "never") for _ in range(20)]
-    for key, ns in keys:
-        walked = dev.present_len(key, ns)
-        with PM.torch_forms():
-            searched = dev.present_len(key, ns)
-        assert walked == searched == ref.present_len(np.array(key, dtype=np.int32), ns), (key, ns)
+    for evict in (False, True):  # and again after LRU evictions (tombstones in the table, shorter paths)
+        if evict:
+            ref.evict(ref.evictable_size // 3)
+            dev.evict(dev.evictable_size // 3)
+        for key, ns in keys:
+            walked = dev.present_len(key, ns)
+            with PM.torch_forms():
+                searched = dev.present_len(key, ns)
+            assert walked == searched == ref.present_len(np.array(key, dtype=np.int32), ns), (key, ns, evict)
