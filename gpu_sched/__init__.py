@@ -1,9 +1,15 @@
 """gpu_sched: SGLang's request-scheduling policy with the queue, prefix tree and admission on the GPU."""
 
+from typing import TYPE_CHECKING
+
 from .config import SchedulerConfig
 from .plan import PrefillPlan
 from .ratio import NewTokenRatio
 from .request import Request
+
+if TYPE_CHECKING:  # what type checkers and IDEs see of the lazy names below
+    from .reference import ReferenceScheduler
+    from .scheduler import GpuScheduler
 
 __version__ = "0.1.0"
 __all__ = ["SchedulerConfig", "PrefillPlan", "NewTokenRatio", "Request", "GpuScheduler", "ReferenceScheduler",
