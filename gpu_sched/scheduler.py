@@ -598,24 +598,6 @@ class GpuScheduler(ReferenceScheduler):
             if rows is not None and len(rows) and np.isin(rows, f).any():
                 v.pin()
 
-    def seed_cache(self, tokens, extra_key: Optional[str] = None) -> int:
-        """`ReferenceScheduler.seed_cache` (the same slots, cache and result), asking the cache
-        for the present length once: the reference's form asks twice, for the slot check and
-        again inside the cache's insert (`DeviceRadixCache.present_len`: a walk of a CPU tree
-        on the prompt's tokens, elsewhere a hash of the whole prompt and a search). Raises
-        MemoryError, nothing changed, when the free pool cannot hold the new tokens."""
-        if self.cache.disable:
-            return 0
-        from .request import as_token_array
-
-        toks = as_token_array(tokens, "seed_cache tokens")
-        n = len(toks) // self.config.page_size * self.config.page_size
-        present = self.cache.present_len(toks[:n], extra_key)
-        self._check_seed_slots("seed_cache", n - present)
-        slots = np.zeros(n, dtype=np.int64)  # the present part's values are not read
-        slots[present:] = self.pool.alloc(n - present)
-        return n - self.cache.insert(toks[:n], slots, extra_key)
-
     # ---- the recorded step (gpu_sched.step) ------------------------------------------------------
     def capture(self, queue_capacity: int = 4096, running_capacity: int = 1024, max_len: Optional[int] = None,
                 admit_window: Optional[int] = None):

@@ -279,10 +279,10 @@ def test_cost_model_built_in_code_is_checked(value):
 
 @pytest.mark.parametrize("page_size, disable", [(1, False), (4, False), (1, True)])
 def test_gpu_seed_cache_searches_once_and_seeds_as_the_reference(page_size, disable, monkeypatch):
-    """`GpuScheduler.seed_cache` finds the present length once (the reference's form searches
-    twice: for the slot check and inside the cache's insert) and leaves the same slots, cache
-    and results as the reference's, over prompts that share prefixes, split nodes, end inside
-    a page and use a second namespace."""
+    """`seed_cache` asks a device cache for the present length once (given the slots as an
+    array, its insert does not search for that length again, as it does for a callable) and
+    leaves the same slots, cache and results as the reference's, over prompts that share
+    prefixes, split nodes, end inside a page and use a second namespace."""
     cfg = SchedulerConfig(page_size=page_size, disable_radix_cache=disable)
     ref, dev = ReferenceScheduler(cfg, 400), GpuScheduler(cfg, 400)
     calls = []

@@ -567,9 +567,13 @@ class ReferenceScheduler:
         from ..request import as_token_array
         toks = as_token_array(tokens, "seed_cache tokens")
         n = len(toks) // self.config.page_size * self.config.page_size
-        self._check_seed_slots("seed_cache", n - self.cache.present_len(toks[:n], extra_key))
-        present = self.cache.insert(toks[:n], self.pool.alloc, extra_key)
-        return n - present
+        present = self.cache.present_len(toks[:n], extra_key)
+        self._check_seed_slots("seed_cache", n - present)
+        # the new tail's slots from the length just found (the present part's values are not
+        # read): a callable would make a device cache search for that length again
+        slots = np.zeros(n, dtype=np.int64)
+        slots[present:] = self.pool.alloc(n - present)
+        return n - self.cache.insert(toks[:n], slots, extra_key)
 
     def _check_seed_slots(self, where: str, need: int) -> None:
         """MemoryError, before anything changes, when seeding needs more than the free KV
