@@ -222,6 +222,31 @@ def test_host_perm_narrow_keys_at_their_limits(n, descending):
                 assert got.tolist() == want, (dtype, span, base)
 
 
+@pytest.mark.parametrize("descending", [False, True])
+def test_host_perm_packed_offsets_at_type_ends(monkeypatch, descending):
+    """`host_perm`'s packed branch for a large queue (`_packs_narrow`: the offsets made in
+    uint32 from the key itself, wrapping modulo 2^32) is the stable order by the key for int64
+    and int32 keys at their type's ends, negative and positive, with and without column
+    bounds wider than the values (the offsets then start above 0)."""
+    monkeypatch.setattr(P, "SIMD_SORT", True)
+    n = P.PACKED_NARROW_MIN + 5
+    rng = np.random.default_rng(11 + descending)
+    for dtype in (np.int64, np.int32):
+        info = np.iinfo(dtype)
+        for span in (256, 4095, 2**16 - 1):
+            for base in (0, 3, -7, int(info.min), int(info.max) - span):
+                off = rng.integers(0, span, size=n, endpoint=True)
+                off[:40] = off[40]  # a run of ties
+                key = (np.asarray(base, dtype=object) + off).astype(dtype)
+                want = np.argsort(-off if descending else off, kind="stable")
+                assert P._packs_narrow(span, n)
+                got = P.host_perm(key, descending)
+                assert got.dtype == np.int64 and np.array_equal(got, want), (dtype, span, base)
+                if base > int(info.min):  # bounds one below the values' least (same order)
+                    got = P.host_perm(key, descending, bounds=(base - 1, base + span))
+                    assert np.array_equal(got, want), (dtype, span, base, "bounds")
+
+
 @pytest.mark.parametrize("simd", [False, True])
 def test_narrow_argsort_packed_uint32_path(monkeypatch, simd):
     """`_narrow_argsort`'s packed branch (a key over 8 bits on `PACKED_NARROW_MIN` rows or more,
