@@ -320,7 +320,8 @@ def _narrow_argsort(off: np.ndarray, span: int) -> np.ndarray:
     n = off.size
     if _packs_narrow(span, n):
         return _sort_with_index(off.astype(np.uint32), (n - 1).bit_length())
-    return off.astype(_narrow_dtype(span)[0]).argsort(kind="stable")  # the method: ~1 us less glue
+    # the method: ~1 us less glue; a key already of the narrow type is sorted as it is (no copy)
+    return off.astype(_narrow_dtype(span)[0], copy=False).argsort(kind="stable")
 
 
 def _pack_parts(parts, widths, ut):
@@ -756,6 +757,22 @@ def routing_table_host(key_rank: np.ndarray, running_key_ids: np.ndarray, empty_
         table = (c_max - counts) * (K + 2) + r
     table = np.searchsorted(np.sort(table), table)  # ranks: same order and ties, in [0, K + 1]
     return table, K + 1
+
+
+def routing_id_table(table: np.ndarray, span: int) -> Optional[np.ndarray]:
+    """`routing_table_host`'s slot table (int64 [K + 2], ranks in [0, span]) indexed by key id
+    instead of slot, in the narrow type of span (`_narrow_dtype`): [K + 1], entry i < K is id
+    i's key and entry K, which id -1 reaches as a negative index, the absent key's. For ids
+    known to lie in [-1, K) (the scheduler's interned ids): one gather, `table[key_id]`, gives
+    each request's narrow sort key without the `key_id + 1` and the int64 result (at 1M
+    requests 0.6 ms against 3 ms). None when span is not narrow (`_narrow`)."""
+    if not _narrow(span):
+        return None
+    K = table.size - 2
+    t = np.empty(K + 1, dtype=_narrow_dtype(span)[0])
+    t[:K] = table[1 : K + 1]
+    t[K] = table[0]
+    return t
 
 
 def routing_perm_from_table(key_id: np.ndarray, table: np.ndarray, span: int) -> np.ndarray:

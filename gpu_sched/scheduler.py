@@ -410,7 +410,7 @@ class GpuScheduler(ReferenceScheduler):
         self._rk_rank = (None, 0)  # (ranks of the interned keys' strings, len(_rk_names) then)
         self._rk_epoch = 0  # compactions of the interned keys so far (ids renumbered at each)
         self._row_epoch = 0  # rewrites of held rows' values so far (`RowQueue.epoch`)
-        self._rk_table = None  # ((running batch, epoch, K), R-ORD-7's slot table or None): `_routing_perm_host`
+        self._rk_table = None  # ((running batch, epoch, K), R-ORD-7's slot table or None, by id): `_routing_perm_host`
         self._hg_id: dict = {}  # (namespace, R-ORD-9 head hash) -> interned group id (RT_HEAD)
         self._stamp = 0  # the latest row stamp
         # [lo, hi] of every value ever written to the priority and max_new_tokens columns: a
@@ -1207,16 +1207,20 @@ class GpuScheduler(ReferenceScheduler):
         interned keys (`policy.routing_table_host`), kept while the running batch (the same
         request states in the same order) and the interned keys (no compaction, none added)
         stay: a serving loop's steps with no admission or finish since, the bench's repeated
-        orderings. Returns the permutation (int64 [n]), or None when no running key counts
-        (no reordering)."""
+        orderings. The table is also kept indexed by id (`policy.routing_id_table`), so that
+        a request's narrow sort key is one gather of its id. Returns the permutation (int64
+        [n]), or None when no running key counts (no reordering)."""
         run = tuple(self.running)  # holds the states: ids of finished ones cannot be reused
         c = self._rk_table
         if c is None or c[0] != (run, self._rk_epoch, len(self._rk_names)):
             run_ids = np.array(self._running_key_ids(), dtype=np.int64)  # may intern: before the ranks
             t = dpolicy.routing_table_host(self._rk_ranks(), run_ids, -1, dense=True) if (run_ids >= 0).any() else None
-            self._rk_table = c = ((run, self._rk_epoch, len(self._rk_names)), t)
+            by_id = None if t is None else dpolicy.routing_id_table(*t)
+            self._rk_table = c = ((run, self._rk_epoch, len(self._rk_names)), t, by_id)
         if c[1] is None:
             return None
+        if c[2] is not None:  # ids are interned (< K, the table's key count) or -1: one narrow gather
+            return dpolicy.rank_perm_host(c[2][qk], c[1][1])
         return dpolicy.routing_perm_from_table(qk, *c[1])
 
     def _head_groups(self, rows: np.ndarray, sel: "_RowCols", T: int):

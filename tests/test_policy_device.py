@@ -307,6 +307,26 @@ def test_routing_perm_host_dense_ranks():
             assert np.array_equal(got, tw.numpy()), (K, trial)
 
 
+def test_routing_id_table_gather_equals_the_slot_table():
+    """`routing_id_table` (the scheduler's table indexed by interned id, -1 reaching its last
+    entry) gives every id in [-1, K) the slot table's key, in the narrow type of the span, so
+    `rank_perm_host` of its gather is `routing_perm_from_table`'s order: at K around the
+    uint8 / uint16 limits and the packed sort's queue sizes; None past 16 bits."""
+    rng = np.random.default_rng(9)
+    for K in (1, 33, 254, 255, 256, 3000):
+        n = int(rng.integers(1, 600)) if K < 256 else P.PACKED_NARROW_MIN + 3
+        qk = rng.integers(-1, K, size=n)
+        qk[:3] = (-1, 0, K - 1)
+        run = rng.integers(-1, K, size=40)
+        t = P.routing_table_host(rng.permutation(K).astype(np.int64), run, -1, dense=True)
+        assert t is not None
+        by_id = P.routing_id_table(*t)
+        assert by_id.dtype == (np.uint8 if t[1] < 256 else np.uint16) and by_id.size == K + 1
+        assert np.array_equal(by_id[qk], np.take(t[0], qk + 1, mode="clip")), K
+        assert np.array_equal(P.rank_perm_host(by_id[qk], t[1]), P.routing_perm_from_table(qk, *t)), K
+    assert P.routing_id_table(np.zeros(65538, dtype=np.int64), 65536) is None
+
+
 def _packed_span(key: np.ndarray) -> int:
     """The span host_perm packs: max - min, after an int64 key's ends (-2^63, 2^63 - 1) move
     next to its other values when it spans 2^32 or more."""
