@@ -77,7 +77,7 @@ def case_head_hash(n: int, dev: torch.device, g: torch.Generator):
     tok = torch.randint(0, 2**31 - 1, (n * stride + 1,), generator=g, device=dev).to(torch.int32)
     toff = torch.arange(n, device=dev) * stride
     fill = torch.randint(0, 2048, (n,), generator=g, device=dev)
-    w = P._hash_weights(T, dev)
+    w = P._hash_weights(2 * T, dev)
     return {f"block{b}": (lambda b=b: SK.head_hashes_pool(tok, toff, fill, w, P._HASH_MOD, block=b))
             for b in (64, 128, 256, 1024)}
 

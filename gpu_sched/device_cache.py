@@ -25,10 +25,14 @@ class DeviceRadixCache:
         device: torch device of the tree.
         max_nodes, token_capacity: tree capacities; default sized from the pool (every cached
             token holds a KV slot, so the pool size bounds both).
+        hash_seed: draws the tree's prefix-hash bases (`FlatRadixTree`'s seed; default 0).
+            Matching trusts the hashes, so bases an outsider can know let prompts be crafted
+            to collide: `GpuScheduler` passes a secret one.
     """
 
     def __init__(self, pool: KVPool, page_size: int = 1, disable: bool = False, device="cpu",
-                 max_nodes: Optional[int] = None, token_capacity: Optional[int] = None, backend: str = "torch"):
+                 max_nodes: Optional[int] = None, token_capacity: Optional[int] = None, backend: str = "torch",
+                 hash_seed: int = 0):
         self.pool = pool
         self.page_size = page_size
         self.disable = disable
@@ -38,7 +42,8 @@ class DeviceRadixCache:
         if backend != "torch":
             kwargs["backend"] = backend
         self.tree = FlatRadixTree(page_size, max_nodes=max_nodes or cap // page_size + 2,
-                                  token_capacity=token_capacity or 2 * cap, device=self.device, **kwargs)
+                                  token_capacity=token_capacity or 2 * cap, device=self.device, seed=hash_seed,
+                                  **kwargs)
         self.root = ROOT
         self._ns: Dict[Optional[str], int] = {None: 0}
 

@@ -73,9 +73,11 @@ INT_DTYPES = (torch.int32, torch.int64)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # head hash: two polynomial hashes modulo the prime 2^31-1 with different bases, combined
-# into 62 bits; computed exactly (see head_hashes).
+# into 62 bits; computed exactly (see head_hashes). The bases are drawn per process from the
+# OS's entropy: group ids are only compared for equality, so no decision depends on them,
+# and inputs cannot be crafted in advance to collide.
 _HASH_MOD = 2**31 - 1
-_HASH_BASES = (1000003, 998244353)
+_HASH_BASES = tuple(int(b) for b in np.random.default_rng().integers(1 << 20, _HASH_MOD - 1, size=2))
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -913,10 +915,14 @@ def head_hashes(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     tokens int32 [n, T], ids in [0, 2^31-1] (row i: the first min(len_i, T) fill tokens,
     then any padding);
     lengths int [n]. Positions at or past `lengths[i]` do not count, so padding never matters.
-    With x_t = token_t + 1 (0 for a position past the length) and p = 2^31 - 1:
-    `h_b = sum_t x_t * b^t mod p` for the two bases b, and the hash is `h_1 * 2^31 + h_2`.
-    Equal prefixes give equal hashes; two different ones collide with probability about
-    (T/2^31)^2 over the bases.
+    Each token is two characters, its 16-bit limbs: a_t = (token_t & 0xFFFF) + 1 and
+    b_t = token_t >> 16 (both 0 for a position past the length), so distinct tokens are
+    distinct character pairs (token + 1 itself would not be: 2^31 = 1 mod p makes ids 0 and
+    2^31 - 1 equal). With p = 2^31 - 1: `h_k = sum_t (a_t * B_k^(2t) + b_t * B_k^(2t+1)) mod p`
+    for the two bases B_k, and the hash is `h_1 * 2^31 + h_2`. A row's hash does not depend on
+    T beyond its length (the weights of a position are the same at any width). Equal prefixes
+    give equal hashes; two different ones collide with probability about (2T/2^31)^2 over the
+    bases, which are drawn per process (`_HASH_BASES`).
     """
     where = "head_hashes"
     check_tensor(where, "tokens", tokens, INT_DTYPES, ndim=2, contiguous=False)
@@ -925,18 +931,17 @@ def head_hashes(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     dev = tokens.device
     M = _HASH_MOD
     pos = torch.arange(T, device=dev)
-    W = _hash_weights(T, dev)
-    # x_t = token + 1 split into 16-bit limbs: x = lo + hi * 2^16 with lo <= 2^16, hi < 2^15.
-    # A limb times a weight is < 2^47, so a float64 matmul over up to 64 positions sums
-    # integers below 2^53: exact in any summation order; then reduce mod p in int64.
+    W = _hash_weights(2 * T, dev)
+    Wa, Wb = W[0::2], W[1::2]  # the low and high limbs' weights, B^(2t) and B^(2t+1)
+    # a limb (<= 2^16) times a weight (< 2^31) is < 2^47, so a float64 matmul over up to 64
+    # positions sums integers below 2^53: exact in any summation order; then reduce mod p in int64
     acc = torch.zeros((n, len(_HASH_BASES)), dtype=torch.int64, device=dev)
     for c in range(0, T, 64):  # chunks of 64 positions bound the float64 sums and the memory
         tok = tokens[:, c:c + 64]
         live = pos[None, c:c + 64] < lengths.to(torch.int64)[:, None]
-        Wc = W[c:c + 64]
-        s_lo = (torch.where(live, (tok & 0xFFFF) + 1, 0).to(torch.float64) @ Wc).to(torch.int64) % M
-        s_hi = (torch.where(live, tok >> 16, 0).to(torch.float64) @ Wc).to(torch.int64) % M
-        acc = (acc + s_lo + (s_hi << 16)) % M  # each term < 2^47
+        s_lo = (torch.where(live, (tok & 0xFFFF) + 1, 0).to(torch.float64) @ Wa[c:c + 64]).to(torch.int64) % M
+        s_hi = (torch.where(live, tok >> 16, 0).to(torch.float64) @ Wb[c:c + 64]).to(torch.int64) % M
+        acc = (acc + s_lo + s_hi) % M
     return acc[:, 0] * 2**31 + acc[:, 1]
 
 
@@ -951,7 +956,7 @@ def head_hashes_pool(tok: torch.Tensor, toff: torch.Tensor, fill: torch.Tensor, 
     if backend == "triton":
         from .kernels.sort_keys import head_hashes_pool as kernel
 
-        return kernel(tok.contiguous(), toff.contiguous(), fill.contiguous(), _hash_weights(T, dev), _HASH_MOD)
+        return kernel(tok.contiguous(), toff.contiguous(), fill.contiguous(), _hash_weights(2 * T, dev), _HASH_MOD)
     cols = (toff[:, None] + torch.arange(T, device=dev)).clamp(0, max(tok.numel() - 1, 0))
     heads = tok[cols] if tok.numel() else torch.zeros((toff.numel(), T), dtype=torch.int32, device=dev)
     return head_hashes(heads, torch.minimum(fill, torch.full_like(fill, T)))
@@ -967,11 +972,13 @@ def head_hashes_host(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return np.zeros(n, dtype=np.int64)
     M = _HASH_MOD
     w = _WEIGHTS_HOST.get(T)
-    if w is None:
-        w = _WEIGHTS_HOST[T] = _hash_weights(T, torch.device("cpu")).numpy().astype(np.int64)  # [T, 2], < 2^31
-    x = np.where(np.arange(T)[None, :] < np.asarray(lengths, dtype=np.int64)[:, None],
-                 tokens.astype(np.int64) + 1, 0)
-    acc = (x[:, :, None] * w[None] % M).sum(axis=1) % M  # [n, 2]
+    if w is None:  # [2T, 2], < 2^31: rows 2t and 2t+1 weigh position t's low and high limbs
+        w = _WEIGHTS_HOST[T] = _hash_weights(2 * T, torch.device("cpu")).numpy().astype(np.int64)
+    live = np.arange(T)[None, :] < np.asarray(lengths, dtype=np.int64)[:, None]
+    t = tokens.astype(np.int64)
+    a = np.where(live, (t & 0xFFFF) + 1, 0)
+    b = np.where(live, t >> 16, 0)
+    acc = ((a[:, :, None] * w[None, 0::2] % M).sum(axis=1) + (b[:, :, None] * w[None, 1::2] % M).sum(axis=1)) % M
     return acc[:, 0] * 2**31 + acc[:, 1]
 
 

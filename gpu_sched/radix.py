@@ -26,7 +26,13 @@ Hash and collision bound
   namespace id, so namespaces never share entries (R-RC-2). For random bases, two different
   token strings of length <= L collide with probability <= (L / p1) * (L / p2) ~ L^2 / 2^62;
   over M table entries and Q query prefixes the chance of any wrong match is <= Q * M * L^2 / 2^62
-  (1e-5 for 1e5 queries against 1e6 entries with L = 32k). Hashes are not verified against tokens.
+  (1e-5 for 1e5 queries against 1e6 entries with L = 32k). One exception: ids 0 and 2^31 - 1
+  are equal mod p1 (and ids t, t + p2 for t < 19 mod p2), so strings that differ only by such
+  swaps are told apart by one component, with probability <= L / p2 of colliding. Hashes are
+  not verified against tokens, so the bases must be unknown to whoever writes the prompts:
+  with known bases a birthday search over such swaps finds colliding prompts in a second, and
+  a collision matches (and reuses the KV of) a prefix the request does not have. The seed
+  defaults to 0 here (tests, reproducible layouts); `GpuScheduler` draws a secret one.
 
 Sequential equivalence of a batched match (SPEC section 8)
   Splits never change which prefixes the tree holds, so every matched length is computed against

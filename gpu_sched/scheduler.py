@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 import operator
 import os
+import secrets
 import struct
 import weakref
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -302,6 +303,13 @@ class GpuScheduler(ReferenceScheduler):
             TRITON_INTERPRET=1 unless the environment sets it, which takes effect only if no
             kernel module was imported before; a test-speed path, not a fast one).
         device: torch device (default "cpu").
+        hash_seed: seed of the prefix-hash bases of the radix tree (int >= 0). Default None:
+            drawn from the OS's entropy (`secrets`), kept as `hash_seed`. Prefix matching
+            trusts 62-bit hashes of the token prefixes (`gpu_sched.radix`), so the bases are
+            kept secret by default: with known bases, prompts can be crafted whose hashes
+            collide, and a collision reuses another prompt's KV. No decision depends on the
+            bases otherwise; pass a seed to make the tree's internal layout reproducible.
+            Raises ValueError for a negative or non-int seed.
 
     Attributes:
         admit_window: ordered requests the admission scans first (256; with `adaptive_window`,
@@ -378,9 +386,14 @@ class GpuScheduler(ReferenceScheduler):
 
     def __init__(self, config: SchedulerConfig, kv_pool_size: int,
                  shuffle: Optional[Callable[[int], Sequence[int]]] = None,
-                 backend: str = "torch", device="cpu"):
+                 backend: str = "torch", device="cpu", hash_seed: Optional[int] = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if hash_seed is not None and (isinstance(hash_seed, bool) or not isinstance(hash_seed, int) or hash_seed < 0):
+            raise ValueError(f"hash_seed must be None or an int >= 0, got {hash_seed!r}")
+        # the prefix-hash bases' seed, drawn once: every tree this scheduler makes uses the
+        # same bases, so hashes kept in its rows stay valid
+        self.hash_seed = secrets.randbits(63) if hash_seed is None else hash_seed
         self.backend = backend
         try:
             self.device = torch.device(device)
@@ -716,7 +729,7 @@ class GpuScheduler(ReferenceScheduler):
 
     def _make_cache(self):
         return DeviceRadixCache(self.pool, self.config.page_size, disable=self.config.disable_radix_cache,
-                                device=self.device, backend=self.backend)
+                                device=self.device, backend=self.backend, hash_seed=self.hash_seed)
 
     # ---- ordering (R-ORD) on the device ------------------------------------------------------
     def _col(self, values, dtype) -> torch.Tensor:

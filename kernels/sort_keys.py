@@ -402,23 +402,28 @@ def _head_hash_kernel(tok_ptr, toff_ptr, fill_ptr, w_ptr, out_ptr, n, ntok, T, B
     for t in range(0, T):
         live = mask & (t < length)
         p = tl.minimum(tl.maximum(start + t, 0), top)
-        x = tl.where(live, tl.load(tok_ptr + p, mask=live, other=0).to(tl.int64) + 1, 0)
-        # x <= 2^31 and a weight < 2^31: each product < 2^62, each sum of two residues < 2^32
-        h1 = _mod_p31(h1 + _mod_p31(x * tl.load(w_ptr + 2 * t).to(tl.int64)))
-        h2 = _mod_p31(h2 + _mod_p31(x * tl.load(w_ptr + 2 * t + 1).to(tl.int64)))
+        x = tl.load(tok_ptr + p, mask=live, other=0).to(tl.int64)
+        a = tl.where(live, (x & 65535) + 1, 0)  # the token's two limbs (`head_hashes`)
+        b = tl.where(live, x >> 16, 0)
+        # a limb <= 2^16 and a weight < 2^31: each product < 2^47, each sum of residues < 2^33
+        h1 = _mod_p31(h1 + _mod_p31(a * tl.load(w_ptr + 4 * t).to(tl.int64))
+                      + _mod_p31(b * tl.load(w_ptr + 4 * t + 2).to(tl.int64)))
+        h2 = _mod_p31(h2 + _mod_p31(a * tl.load(w_ptr + 4 * t + 1).to(tl.int64))
+                      + _mod_p31(b * tl.load(w_ptr + 4 * t + 3).to(tl.int64)))
     tl.store(out_ptr + offs, h1 * 2147483648 + h2, mask=mask)
 
 
 def head_hashes_pool(tok: torch.Tensor, toff: torch.Tensor, fill: torch.Tensor, weights: torch.Tensor, modulus: int,
                      *, block: Optional[int] = None) -> torch.Tensor:
-    """int64 [n]: `gpu_sched.policy.head_hashes` of each request's first T = weights.shape[0]
+    """int64 [n]: `gpu_sched.policy.head_hashes` of each request's first T = weights.shape[0] / 2
     fill tokens read straight from the token pool (R-ORD-9's groups): request i's tokens at
     tok[toff[i] + t] (positions clamped into the pool; an empty pool reads token 0), the first
     min(fill[i], T) counting. tok int32 [K] (ids in [0, 2^31 - 1], as `head_hashes` takes them:
     Triton's `%` truncates where torch's floors, which only a negative id would show); toff,
-    fill int64 [n]; weights float64 [T, 2]
-    (base^t mod p, below 2^31: `policy._hash_weights`); modulus p. Each term is reduced mod p
-    before its sum (int64 exact); the same values as the torch form's float64 matmuls."""
+    fill int64 [n]; weights float64 [2T, 2]
+    (base^j mod p, below 2^31: `policy._hash_weights(2T)`; rows 2t and 2t+1 weigh token t's low
+    and high 16-bit limbs); modulus p. Each term is reduced mod p before its sum (int64
+    exact); the same values as the torch form's float64 matmuls."""
     where = "head_hashes_pool"
     check_tensor(where, "toff", toff, (torch.int64,))
     dev = check_launch_device(where, _head_hash_kernel, toff)
@@ -426,8 +431,8 @@ def head_hashes_pool(tok: torch.Tensor, toff: torch.Tensor, fill: torch.Tensor, 
     check_tensor(where, "tok", tok, (torch.int32,), device=dev)
     check_tensor(where, "fill", fill, (torch.int64,), numel=n, device=dev)
     check_tensor(where, "weights", weights, (torch.float64,), ndim=2, device=dev)
-    if weights.shape[1] != 2:
-        raise ValueError(f"{where}: weights must be [T, 2], got {tuple(weights.shape)}")
+    if weights.shape[1] != 2 or weights.shape[0] % 2:
+        raise ValueError(f"{where}: weights must be [2T, 2], got {tuple(weights.shape)}")
     if modulus != 2**31 - 1:  # the kernel reduces by folding, which needs this Mersenne prime
         raise ValueError(f"{where}: modulus must be 2^31 - 1, got {modulus}")
     # one request per lane by default: a request walks T tokens, so many small programs keep
@@ -436,7 +441,7 @@ def head_hashes_pool(tok: torch.Tensor, toff: torch.Tensor, fill: torch.Tensor, 
     if tok.numel() == 0:  # an empty pool reads as token 0
         tok = torch.zeros(1, dtype=torch.int32, device=dev)
     out = torch.empty(n, dtype=torch.int64, device=dev)
-    _head_hash_kernel[grid_1d(n, BLOCK)](tok, toff, fill, weights, out, n, tok.numel(), weights.shape[0],
+    _head_hash_kernel[grid_1d(n, BLOCK)](tok, toff, fill, weights, out, n, tok.numel(), weights.shape[0] // 2,
                                          BLOCK=BLOCK, num_warps=warps)
     return out
 

@@ -392,7 +392,7 @@ def test_head_hashes_pool_forms_agree(T, seed):
     for pool in (tok, tok[:0]):
         want = P.head_hashes_pool(pool, toff, fill, T)
         for block in (16, None):
-            got = SK.head_hashes_pool(pool, toff, fill, P._hash_weights(T, toff.device), P._HASH_MOD, block=block)
+            got = SK.head_hashes_pool(pool, toff, fill, P._hash_weights(2 * T, toff.device), P._HASH_MOD, block=block)
             assert_equal(got, want, f"T={T} pool={pool.numel()} block={block}")
         assert torch.equal(P.head_hashes_pool(pool, toff, fill, T, backend="triton"), want)
         if pool.numel():  # the host form on the same heads
@@ -400,7 +400,7 @@ def test_head_hashes_pool_forms_agree(T, seed):
             host = P.head_hashes_host(pool[cols].cpu().numpy(), fill.clamp(max=T).cpu().numpy())
             assert want.tolist() == host.tolist()
     with pytest.raises(ValueError, match="modulus must be 2\\^31 - 1, got 1000003"):  # folding needs p = 2^31 - 1
-        SK.head_hashes_pool(tok, toff, fill, P._hash_weights(T, toff.device), 1000003)
+        SK.head_hashes_pool(tok, toff, fill, P._hash_weights(2 * T, toff.device), 1000003)
 
 
 @pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)

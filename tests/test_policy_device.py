@@ -778,11 +778,12 @@ def test_head_hashes_ignore_padding_and_separate_prefixes():
     toks[:, 0] = 2**31 - 1  # the largest token id
     lens = torch.randint(0, 160, (40,), generator=g)
 
-    def model(row, k):
+    def model(row, k):  # each token two characters, its low limb + 1 and its high limb
         out = 0
-        for base in (1000003, 998244353):
+        for base in P._HASH_BASES:
             p = 2**31 - 1
-            out = out * 2**31 + sum((row[t] + 1) * pow(base, t, p) for t in range(min(k, len(row)))) % p
+            out = out * 2**31 + sum(((row[t] & 0xFFFF) + 1) * pow(base, 2 * t, p) + (row[t] >> 16) * pow(base, 2 * t + 1, p)
+                                    for t in range(min(k, len(row)))) % p
         return out
 
     for T in (1, 37, 64, 65, 150):  # the float64 sums run in chunks of 64 positions
@@ -794,6 +795,20 @@ def test_head_hashes_ignore_padding_and_separate_prefixes():
     assert P.head_hashes(torch.zeros((3, 0), dtype=torch.int32), torch.ones(3, dtype=torch.int64)).tolist() == [0, 0, 0]
     assert P.head_hashes_host(np.zeros((0, 4), dtype=np.int32), np.zeros(0, dtype=np.int64)).shape == (0,)
     assert P.head_hashes_host(np.zeros((3, 0), dtype=np.int32), np.ones(3, dtype=np.int64)).tolist() == [0, 0, 0]
+
+
+def test_head_hashes_separate_token_ids_equal_mod_p():
+    """Token ids 0 and 2^31 - 1 are equal modulo p = 2^31 - 1 (so id + 1 would hash them
+    alike and put two different heads in one R-ORD-9 group); as limb pairs they differ:
+    heads that differ only in such ids get different hashes in the torch and host forms,
+    as do ids that differ only in their high limb."""
+    M = 2**31 - 1
+    rows = [[M, 5, 5], [0, 5, 5], [5, M, 0], [5, 0, M], [65536, 7, 7], [0, 7, 7], [1, 7, 7], [65537, 7, 7]]
+    toks = torch.tensor(rows, dtype=torch.int64).to(torch.int32)
+    lens = torch.full((len(rows),), 3)
+    h = P.head_hashes(toks, lens).tolist()
+    assert len(set(h)) == len(rows), h
+    assert P.head_hashes_host(toks.numpy(), lens.numpy()).tolist() == h
 
 
 # ---- R-ORD-10 dfs-weight ----------------------------------------------------------------------------

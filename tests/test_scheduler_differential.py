@@ -734,7 +734,8 @@ def test_fill_hashing_host_form_equals_torch_form_and_copies_keep_their_own_pool
 
     rng = random.Random(11)
     bases = [[rng.randrange(50) for _ in range(rng.randrange(5, 300))] for _ in range(6)]
-    scheds = [GpuScheduler(SchedulerConfig(schedule_policy="lpm", page_size=4), 100_000) for _ in range(2)]
+    # one hash seed: the two schedulers' hashes are compared
+    scheds = [GpuScheduler(SchedulerConfig(schedule_policy="lpm", page_size=4), 100_000, hash_seed=3) for _ in range(2)]
     for s in scheds:
         s.POOL_MIN_TOKENS = 256  # rebuilds after a few fills
     for i in range(40):
@@ -951,7 +952,8 @@ def test_one_arrival_ordering_equals_the_array_path(policy, page_size):
         cfg = SchedulerConfig(schedule_policy=policy, page_size=page_size, max_prefill_tokens=64,
                               chunked_prefill_size=None, in_batch_prefix_caching_deprioritize_threshold=T,
                               in_batch_prefix_caching_check_threshold=check)
-        ref, fast, slow = ReferenceScheduler(cfg, 3000), GpuScheduler(cfg, 3000), GpuScheduler(cfg, 3000)
+        # one hash seed: the rows' kept hashes are compared
+        ref, fast, slow = ReferenceScheduler(cfg, 3000), GpuScheduler(cfg, 3000, hash_seed=5), GpuScheduler(cfg, 3000, hash_seed=5)
         slow._order_one = lambda policy, rows: None  # the array path throughout
         calls = []
         one = fast._order_one
@@ -1089,3 +1091,85 @@ def test_one_chunk_a_step_on_the_ignore_eos_path(form):
     for x in (ref, s):
         x.complete_prefill({})
         x.check_integrity()
+
+
+@pytest.mark.parametrize("forms", ["host", "torch-forms"])
+def test_head_groups_separate_token_ids_equal_mod_p(forms):
+    """R-ORD-9 groups by the first T fill tokens: heads that differ only in token ids 0 and
+    2^31 - 1 (equal modulo the head hash's prime) are different groups, as the reference's
+    token comparison says (before the limb hash, GpuScheduler put them in one group and
+    deprioritized one; `prefill_max_requests=2` makes the order visible in the admitted ids).
+    On the host paths and on the torch forms the recorded step runs."""
+    from gpu_sched import policy as P
+
+    M = 2**31 - 1
+    cfg = SchedulerConfig(schedule_policy="lpm", prefill_max_requests=2)
+    prompts = {"a": [M] + [5] * 40, "b": [0] + [5] * 40, "c": [7] * 41}
+    plans = []
+    for S in (ReferenceScheduler, GpuScheduler):
+        s = S(cfg, 10_000) if S is ReferenceScheduler else S(cfg, 10_000, backend="torch", device="cpu")
+        s.submit([Request(rid=k, prompt_ids=p, max_new_tokens=4) for k, p in prompts.items()], now=0.0)
+        if S is GpuScheduler and forms == "torch-forms":
+            with P.torch_forms():
+                plans.append(plan_fields(s.step(1.0)))
+        else:
+            plans.append(plan_fields(s.step(1.0)))
+    assert plans[0] == plans[1]
+    assert list(plans[0]["deprioritized"]) == []
+
+
+def _colliding_prompts(B2: int, n: int = 128, lo: int = 64, seed: int = 1):
+    """Two prompts that differ from position `lo` on, only by token ids 0 and 2^31 - 1 (equal
+    modulo the first hash's prime p1, so its component cannot tell them apart), chosen by a
+    birthday search over the second component with base B2 so that their prefix hashes at
+    depth n are equal."""
+    from gpu_sched.radix import P2
+
+    M = 2**31 - 1
+    w = [pow(B2, n - 1 - k, P2) for k in range(n)]
+    pos = list(range(lo, n))[:48]
+    rng, seen = np.random.default_rng(seed), {}
+    while True:  # two subsets of positions whose weights sum alike mod p2
+        mask = int(rng.integers(1, 1 << len(pos)))
+        s = sum(w[pos[j]] for j in range(len(pos)) if mask >> j & 1) % P2
+        if seen.get(s, mask) != mask:
+            other = seen[s]
+            break
+        seen[s] = mask
+    a, b = [5] * n, [5] * n
+    for j, k in enumerate(pos):
+        d = (mask >> j & 1) - (other >> j & 1)
+        if d:
+            a[k], b[k] = (M, 0) if d > 0 else (0, M)
+    return a, b
+
+
+def test_prefix_hash_bases_are_secret_by_default():
+    """Prefix matching trusts the tree's 62-bit prefix hashes. With bases anyone can know (the
+    tree's default seed 0), two prompts can be crafted in under a second whose hashes collide
+    at depth 128 while they differ from token 64 on, and the second would reuse the first's
+    KV for tokens 64..127. GpuScheduler draws its seed from the OS's entropy by default, so
+    the pair crafted for seed 0 matches as the reference matches it (64 tokens); an explicit
+    `hash_seed` makes the bases reproducible; bad seeds are refused."""
+    from gpu_sched.radix import FlatRadixTree
+
+    known = FlatRadixTree(page_size=1, max_nodes=4, token_capacity=4)  # seed 0's bases
+    a, b = _colliding_prompts(known.B2)
+    cfg = SchedulerConfig(schedule_policy="lpm", page_size=64)
+    plans = []
+    for s in (ReferenceScheduler(cfg, 100_000), GpuScheduler(cfg, 100_000)):
+        s.submit([Request(rid="a", prompt_ids=a, max_new_tokens=1)], now=0.0)
+        s.step(1.0)
+        s.complete_prefill({"a": 9})
+        s.finish(["a"])  # a's 128 tokens enter the cache
+        # ten of them: the array search (one or two take the scalar walk, which compares tokens)
+        s.submit([Request(rid=f"b{i}", prompt_ids=b + [9, i], max_new_tokens=1) for i in range(10)], now=1.0)
+        plans.append(plan_fields(s.step(1.0)))
+    assert plans[0] == plans[1] and plans[0]["admitted"][0] == ("b0", 64, 130)
+    seeds = {GpuScheduler(cfg, 100).hash_seed for _ in range(3)}
+    assert len(seeds) == 3 and all(isinstance(x, int) and x >= 0 for x in seeds)
+    t1, t2 = (GpuScheduler(cfg, 100, hash_seed=7).cache.tree for _ in range(2))
+    assert (t1.B1, t1.B2) == (t2.B1, t2.B2) != (known.B1, known.B2)
+    for bad in (-1, 1.5, True, "7"):
+        with pytest.raises(ValueError, match="hash_seed must be None or an int >= 0"):
+            GpuScheduler(cfg, 100, hash_seed=bad)
