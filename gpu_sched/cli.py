@@ -573,7 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--enable-priority-scheduling (default 0: none)")
     r.add_argument("--seeds", default=None, metavar="S1,S2,...",
                    help="replay once per seed (each policy with --compare-policies) and print each "
-                        "metric's mean +- std over the seeds; --out writes seeds.json")
+                        "metric's mean +- std over the seeds (population std, ddof=0: with a few seeds "
+                        "it reads ~0.8x the sample std); --out writes seeds.json")
     r.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic workload and of the --routing-keys / --priority-levels "
                         "draws (default %(default)s)")

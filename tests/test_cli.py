@@ -140,7 +140,7 @@ def test_seeds_replay_each_seed_and_report_the_spread(tmp_path, capsys):
     base = ["replay", "--synthetic-requests", "40", "--rate-scale", "4", "--no-progress"]
     assert main(base + ["--seeds", "3,5", "--compare-policies", "fcfs,lpm", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "mean +- std over seeds 3, 5" in out and re.search(r"Mean TTFT \(ms\) +[0-9.]+ \+- [0-9.]+", out)
+    assert "mean +- std (population, ddof=0) over seeds 3, 5" in out and re.search(r"Mean TTFT \(ms\) +[0-9.]+ \+- [0-9.]+", out)
     doc = json.loads((tmp_path / "seeds.json").read_text())
     assert doc["seeds"] == [3, 5] and doc["runs"] == ["fcfs", "lpm"]
     for sd in (3, 5):

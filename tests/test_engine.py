@@ -285,3 +285,55 @@ def test_new_token_ratio_public_and_checked():
     for bad in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="conservativeness must be a finite number > 0"):
             NewTokenRatio(bad)
+
+
+# ---- what the step records say (hand-computed; cost constants are powers of two: exact sums) ----
+_HAND = CostModel(name="hand", description="hand", fixed_s=0.5, prefill_token_s=0.25, decode_request_s=0.125,
+                  kv_token_s=0.0)
+
+
+def _hand_req(i, arrival, n_in, n_out, segments):
+    return TraceRequest(index=i, arrival_s=arrival, input_len=n_in, output_len=n_out, output_key=i,
+                        segments=tuple(segments))
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_step_records_count_the_tokens_prefilled_not_pages(backend):
+    """At page size 4, r0 (10 tokens: 8 shared with r1, 2 its own) prefills 10 tokens and r1
+    (the same 8, then 4 of its own), arriving once r0 is done, hits 8 and prefills 4. The
+    step records hold 10 and 4 (the scheduler's input counter would say 12: it rounds each
+    extend up to pages, R-ADM-2), so step_cache_hit_rate is 8 / 22, as prefix_cache_hit_rate;
+    each prefill step costs 0.5 s + 0.25 s a token; `waiting` is 0 after both steps."""
+    from gpu_sched import GpuScheduler
+
+    make = ((lambda c, kv: ReferenceScheduler(c, kv)) if backend == "reference"
+            else (lambda c, kv: GpuScheduler(c, kv, backend="torch", device="cpu")))
+    trace = Trace(name="hand", requests=[_hand_req(0, 0.0, 10, 2, [(999, 0, 8), (1, 0, 2)]),
+                                         _hand_req(1, 10.0, 12, 2, [(999, 0, 8), (2, 0, 4)])])
+    s, reqs, steps = replay(trace, SchedulerConfig(page_size=4), kv_tokens=10_000, make_scheduler=make,
+                            cost_model=_HAND)
+    pre = [(t.prefill_tokens, t.hit_tokens, t.duration_s, t.waiting) for t in steps if t.kind == "prefill"]
+    assert pre == [(10, 0, 3.0, 0), (4, 8, 1.5, 0)]
+    assert s["step_cache_hit_rate"] == pytest.approx(8 / 22) and s["prefix_cache_hit_rate"] == pytest.approx(8 / 22)
+
+
+def test_waiting_after_a_step_leaves_out_the_admitted():
+    """`queue_len` counts the requests waiting when the scheduler ran; `waiting` those still
+    waiting after the step: with max_running_requests 1 and three requests arriving at once,
+    the first step sees 3 and leaves 2, and a later prefill step sees 2 and leaves 1."""
+    trace = Trace(name="hand", requests=[_hand_req(i, 0.0, 4, 2, [(i, 0, 4)]) for i in range(3)])
+    _, _, steps = replay(trace, SchedulerConfig(max_running_requests=1), kv_tokens=10_000,
+                         make_scheduler=lambda c, kv: ReferenceScheduler(c, kv), cost_model=_HAND)
+    pre = [(t.queue_len, t.waiting) for t in steps if t.kind == "prefill"]
+    assert pre == [(3, 2), (2, 1), (1, 0)]
+
+
+@pytest.mark.parametrize("arrivals,match", [((5.0, 0.0), "arrival_s 0.0 is before request 0's"),
+                                            ((-10.0, 1.0), "must be >= 0")])
+def test_replay_refuses_unsorted_or_negative_arrivals(arrivals, match):
+    """Requests are submitted in trace order from simulated time 0, so a trace built in code
+    with an early request listed late (it would wait for the one before it) or a negative
+    arrival (its wait would count from before the start) is refused, naming the request."""
+    trace = Trace(name="hand", requests=[_hand_req(i, a, 4, 2, [(i, 0, 4)]) for i, a in enumerate(arrivals)])
+    with pytest.raises(ValueError, match=match):
+        replay(trace, SchedulerConfig(), kv_tokens=10_000, make_scheduler=lambda c, kv: ReferenceScheduler(c, kv))

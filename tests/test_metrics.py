@@ -1,5 +1,6 @@
 """Tests for gpu_sched.sim.metrics and gpu_sched.sim.plots on hand-computed records."""
 
+import dataclasses
 import json
 import math
 
@@ -109,7 +110,12 @@ def test_write_results_round_trip(tmp_path):
     assert doc["summary"] == json.loads(json.dumps(s))
     assert doc["config"] == {"policy": "lpm", "bad": None}
     assert doc["steps"]["queue_len"] == [0, 1, 3, 2, 0, 5, 4] and len(doc["steps"]["sched_wall_s"]) == 7
-    assert set(doc["steps"]) == {"t_s", "queue_len", "running", "kv_used_tokens", "sched_wall_s"}
+    assert set(doc["steps"]) == {f.name for f in dataclasses.fields(StepRecord)}
+    # every summary metric recomputed from the file alone
+    back_steps = [StepRecord(**{k: doc["steps"][k][i] for k in doc["steps"]}) for i in range(len(steps))]
+    back_reqs = [RequestRecord(**{k: r[k] for k in (f.name for f in dataclasses.fields(RequestRecord))})
+                 for r in doc["requests"]]
+    assert json.loads(json.dumps(summarize(back_reqs, back_steps))) == doc["summary"]
     rows = {r["rid"]: r for r in doc["requests"]}
     assert rows["a"]["ttft_s"] == approx(0.1) and rows["c"]["e2el_s"] == approx(0.4)
     assert rows["d"]["ttft_s"] is None and rows["d"]["e2el_s"] is None and rows["a"]["cached_tokens"] == 50

@@ -462,9 +462,11 @@ class _Replay:
                     except AssertionError as e:
                         raise self._fail(f"integrity check failed after a {kind} step: {e}") from None
                     self.check_wall += perf() - t1
+                # the extend tokens themselves (the plan's input counter rounds each to pages)
+                extend = sum(e - b for _, b, e in plan.admitted)
                 self.steps.append(StepRecord(self.t, kind, duration, len(plan.queue_order), len(self.running),
-                                             sched.kv_used, self.kv_tokens, plan.log_input_tokens,
-                                             plan.log_hit_tokens, wall))
+                                             sched.kv_used, self.kv_tokens, extend, plan.log_hit_tokens, wall,
+                                             len(sched.queue)))
                 if not self.running and self.outstanding == 0:
                     self.ratio.reset()
                 if bar is not None and len(self.steps) - shown_steps >= 200:
@@ -482,12 +484,22 @@ class _Replay:
 def _check_requests(trace: Trace) -> None:
     """ValueError/TypeError naming the first trace request the replay cannot run: an arrival
     that is not a finite number (a NaN one would never arrive: the replay would idle forever),
-    or lengths outside [1, MAX_TRACE_TOKENS] (prompt) and [0, MAX_TRACE_TOKENS] (output).
-    The trace readers check their rows; this checks traces built in code."""
+    is negative (the simulated clock starts at 0: its wait would count from before the start)
+    or comes before the previous request's (requests are submitted in trace order, so an
+    early one listed late would wait for the one before it), or lengths outside
+    [1, MAX_TRACE_TOKENS] (prompt) and [0, MAX_TRACE_TOKENS] (output). The trace readers
+    check and sort their rows; this checks traces built in code."""
+    prev = 0.0
     for i, r in enumerate(trace.requests):
         a = r.arrival_s
         if isinstance(a, bool) or not isinstance(a, numbers.Real) or not math.isfinite(a):
             raise ValueError(f"trace request {i}: arrival_s must be a finite number of seconds, got {a!r}")
+        if a < 0:
+            raise ValueError(f"trace request {i}: arrival_s must be >= 0 (the replay starts at 0 s), got {a!r}")
+        if a < prev:
+            raise ValueError(f"trace request {i}: arrival_s {a!r} is before request {i - 1}'s ({prev!r}); "
+                             f"sort the requests by arrival (sorted(trace.requests, key=lambda r: r.arrival_s))")
+        prev = a
         for name, lo in (("input_len", 1), ("output_len", 0)):
             v = getattr(r, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -47,13 +47,14 @@ class StepRecord:
     t_s: float              # simulated time at the end of the step
     kind: str               # "prefill", "decode" or "idle"
     duration_s: float       # simulated step duration
-    queue_len: int          # waiting requests when the scheduler ran
+    queue_len: int          # waiting requests when the scheduler ran (at the step's start)
     running: int            # running requests after the step
     kv_used_tokens: int     # KV pool slots in use (private + cached)
     kv_pool_tokens: int
-    prefill_tokens: int     # extend tokens prefilled in this step
+    prefill_tokens: int     # extend tokens prefilled in this step (sum of extend_end - extend_start)
     hit_tokens: int         # prefix-cache hit tokens of requests admitted this step
     sched_wall_s: float     # wall-clock seconds of the scheduler's own step()
+    waiting: int = 0        # waiting requests after the step (not admitted, or preempted back)
 
 
 def _num(x) -> Optional[float]:
@@ -114,7 +115,10 @@ def summarize(requests, steps, *, duration_s: Optional[float] = None) -> dict:
     per simulated second (None if the duration is 0). Token totals count completed requests.
     `prefix_cache_hit_rate` = sum cached_tokens / sum input_len over prefilled requests (those
     with a first token); `step_cache_hit_rate` = sum hit_tokens / (hit + prefill tokens) over
-    steps. Queue/KV stats are per-step means/maxima (KV as a fraction of the pool). Scheduler
+    steps. Queue/KV stats are per-step means/maxima, not averages over time (an idle gap
+    counts as one step): `mean_queue_len` / `max_queue_len` over each step's `queue_len`, the
+    requests waiting when the scheduler ran (a request admitted at once still counts once);
+    KV as a fraction of the pool, the prefix cache's reusable tokens included. Scheduler
     time (`*_sched_us`, microseconds of real time) is over non-idle steps, also broken down
     by power-of-two queue-length bucket in `sched_us_by_queue_len` ({"4-7": {lo, hi, count,
     mean_us, p99_us}}, ordered by lower bound).
@@ -301,24 +305,29 @@ def format_seed_spread(spread: dict, seeds) -> str:
     cells = [[("n/a" if spread[n][key] is None else
                f"{_fmt(spread[n][key]['mean'])} +- {_fmt(spread[n][key]['std'])}") for n in names] for _, key in rows]
     return _table([label for label, _ in rows], names, cells, 16,
-                  title=f"mean +- std over seeds {', '.join(str(sd) for sd in seeds)}")
+                  title=f"mean +- std (population, ddof=0) over seeds {', '.join(str(sd) for sd in seeds)}")
 
 
 def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict] = None) -> Path:
     """Write `out_dir/results.json` (strict JSON, no NaN) and return its path.
 
-    Layout: {"summary", "config": extra or {}, "steps": per-step arrays t_s (simulated s),
-    queue_len, running, kv_used_tokens, sched_wall_s (real s), "requests": rows rid,
-    arrival_s, ttft_s, e2el_s (simulated s, None if absent), input_len, output_len, cached_tokens}.
+    Layout: {"summary", "config": extra or {}, "steps": per-step arrays t_s (simulated s, the
+    step's end), kind, duration_s (simulated s), queue_len, running, kv_used_tokens,
+    kv_pool_tokens, prefill_tokens, hit_tokens, sched_wall_s (real s), waiting (every
+    `StepRecord` field), "requests": rows
+    rid, arrival_s, first_token_s, finish_s, ttft_s, e2el_s (simulated s, None if absent),
+    input_len, output_len, cached_tokens, retractions, token_times (simulated s)}: enough to
+    recompute every summary metric.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     steps = list(steps)
-    cols = ("t_s", "queue_len", "running", "kv_used_tokens", "sched_wall_s")
-    rows = [{"rid": r.rid, "arrival_s": r.arrival_s,
+    cols = tuple(f.name for f in fields(StepRecord))
+    rows = [{"rid": r.rid, "arrival_s": r.arrival_s, "first_token_s": r.first_token_s, "finish_s": r.finish_s,
              "ttft_s": None if r.first_token_s is None else r.first_token_s - r.arrival_s,
              "e2el_s": None if r.finish_s is None else r.finish_s - r.arrival_s,
-             "input_len": r.input_len, "output_len": r.output_len, "cached_tokens": r.cached_tokens}
+             "input_len": r.input_len, "output_len": r.output_len, "cached_tokens": r.cached_tokens,
+             "retractions": r.retractions, "token_times": list(r.token_times)}
             for r in requests]
     doc = {"summary": summary, "config": extra or {},
            "steps": {c: [getattr(t, c) for t in steps] for c in cols}, "requests": rows}

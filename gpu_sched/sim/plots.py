@@ -45,7 +45,8 @@ def plot_run(out_dir, requests, steps, title: str = "") -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     if steps:
-        ax.step(t, [s.queue_len for s in steps], where="post", lw=1, label="waiting")
+        # both counts as each step leaves them (a request admitted by a step is not waiting)
+        ax.step(t, [s.waiting for s in steps], where="post", lw=1, label="waiting")
         ax.step(t, [s.running for s in steps], where="post", lw=1, label="running")
         ax.legend(loc="upper right")
     else:
