@@ -316,8 +316,9 @@ def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict]
     kv_pool_tokens, prefill_tokens, hit_tokens, sched_wall_s (real s), waiting (every
     `StepRecord` field), "requests": rows
     rid, arrival_s, first_token_s, finish_s, ttft_s, e2el_s (simulated s, None if absent),
-    input_len, output_len, cached_tokens, retractions, token_times (simulated s)}: enough to
-    recompute every summary metric.
+    input_len, output_len, cached_tokens, retractions}: enough to recompute every summary
+    metric but ITL, whose per-token times (4M numbers for the Mooncake trace) stay in the
+    `RequestRecord`s that `replay()` returns.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -327,7 +328,7 @@ def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict]
              "ttft_s": None if r.first_token_s is None else r.first_token_s - r.arrival_s,
              "e2el_s": None if r.finish_s is None else r.finish_s - r.arrival_s,
              "input_len": r.input_len, "output_len": r.output_len, "cached_tokens": r.cached_tokens,
-             "retractions": r.retractions, "token_times": list(r.token_times)}
+             "retractions": r.retractions}
             for r in requests]
     doc = {"summary": summary, "config": extra or {},
            "steps": {c: [getattr(t, c) for t in steps] for c in cols}, "requests": rows}
