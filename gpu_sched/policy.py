@@ -73,11 +73,11 @@ INT_DTYPES = (torch.int32, torch.int64)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # head hash: two polynomial hashes modulo the prime 2^31-1 with different bases, combined
-# into 62 bits; computed exactly (see head_hashes). The bases are drawn per process from the
-# OS's entropy: group ids are only compared for equality, so no decision depends on them,
-# and inputs cannot be crafted in advance to collide.
+# into 62 bits; computed exactly (see head_hashes). Fixed bases: a scheduler keeps the group
+# ids of its rows' heads, and a pickled one must find the same hashes in another process
+# (a crafted collision could only merge two R-ORD-9 groups, an ordering, never a KV, matter).
 _HASH_MOD = 2**31 - 1
-_HASH_BASES = tuple(int(b) for b in np.random.default_rng().integers(1 << 20, _HASH_MOD - 1, size=2))
+_HASH_BASES = (1000003, 998244353)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -921,8 +921,8 @@ def head_hashes(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     2^31 - 1 equal). With p = 2^31 - 1: `h_k = sum_t (a_t * B_k^(2t) + b_t * B_k^(2t+1)) mod p`
     for the two bases B_k, and the hash is `h_1 * 2^31 + h_2`. A row's hash does not depend on
     T beyond its length (the weights of a position are the same at any width). Equal prefixes
-    give equal hashes; two different ones collide with probability about (2T/2^31)^2 over the
-    bases, which are drawn per process (`_HASH_BASES`).
+    give equal hashes; two different ones collide with probability about (2T/2^31)^2 over
+    random bases (`_HASH_BASES` are fixed: see there).
     """
     where = "head_hashes"
     check_tensor(where, "tokens", tokens, INT_DTYPES, ndim=2, contiguous=False)
