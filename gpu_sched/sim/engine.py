@@ -329,7 +329,9 @@ class _Replay:
             self._emit(i, t)
         self.kv_running += len(self.running)
 
-    def _prefill(self, plan) -> float:
+    def _prefill(self, plan) -> Tuple[float, int]:
+        """Run the plan's prefill (and a mixed decode); (its duration [s], the extend tokens it
+        prefilled: the plan's ranges, not its page-rounded input counter)."""
         extend = cached = 0
         first_tokens: Dict[str, int] = {}
         completing: List[str] = []
@@ -359,7 +361,7 @@ class _Replay:
             self.running[rid] = i
             self.kv_running += self.prompt_len[i] + self.gen[i]
         self._finish_done(decoded + completing)
-        return duration
+        return duration, extend
 
     def _decode(self) -> float:
         if self.sched.decode_fits():
@@ -448,8 +450,9 @@ class _Replay:
                 for rid in plan.preempted:
                     self._leave_running(rid)
                     self.records[self.index[rid]].retractions += 1
+                extend = 0  # tokens prefilled by this step
                 if plan.admitted:
-                    kind, duration = "prefill", self._prefill(plan)
+                    kind, (duration, extend) = "prefill", self._prefill(plan)
                 elif self.running:
                     kind, duration = "decode", self._decode()
                 else:
@@ -462,8 +465,6 @@ class _Replay:
                     except AssertionError as e:
                         raise self._fail(f"integrity check failed after a {kind} step: {e}") from None
                     self.check_wall += perf() - t1
-                # the extend tokens themselves (the plan's input counter rounds each to pages)
-                extend = sum(e - b for _, b, e in plan.admitted)
                 self.steps.append(StepRecord(self.t, kind, duration, len(plan.queue_order), len(self.running),
                                              sched.kv_used, self.kv_tokens, extend, plan.log_hit_tokens, wall,
                                              len(sched.queue)))
