@@ -18,13 +18,10 @@ How it works (read this first)
   the chunks of earlier rounds), finds the first index where anything but "admit whole, budget
   still CONTINUE" happens (a masked min, no host read), and applies that event with
   `torch.where`. Only a chunk that leaves the budget at CONTINUE lets the next round go on.
-  Three rounds always suffice. Prefix lengths are multiples of P, so a chunk cut from rem_chunk
-  `rc` leaves `floorP(rc') = ceilP(floorP(rc) mod a)` (a = truncation_align_size; without it
-  `rc' < P` and no second chunk fits), and whole admissions only lower it. A second chunk thus
-  needs `ceilP(m) >= a > m` and leaves `floorP(rc'') <= P`, too little for a third (with
-  `a <= P` the second one already truncates to nothing: OTHER); an ignore-EOS chunk spends all
-  of rem_chunk. So at most two chunks let the loop go on. `decided` reports the end was reached
-  (tests also show two rounds are not enough with an align size).
+  Two rounds always suffice: one chunk a step (`PrefillAdder.add_one_req`; `chunk_idx` set
+  turns a later chunk into OTHER), so the only event that lets the loop go on (a chunk leaving the
+  budget at CONTINUE) happens at most once; the next round's event ends the loop. `decided`
+  reports the end was reached (a RuntimeError on the host, never a silent cut).
 
   Ignore-EOS requests with the cache disabled (R-ADM-6) use `ignore_eos_fail`: every candidate
   j against the states of the held requests and the queue entries up to j, all sorted once by
@@ -84,8 +81,8 @@ class StepConfig:
     page_size, clip: P and CLIP. chunking: chunked_prefill_size is set. align:
     truncation_align_size or None. max_running / prefill_max: caps or None. ignore_eos_path:
     the cache is disabled, so ignore-EOS requests take R-ADM-6. preemption: priority preemption
-    is on (a full batch becomes `STOP_PREEMPT`). rounds: see the module doc (3 is always exact,
-    2 without truncation_align_size; `from_config` picks the smaller).
+    is on (a full batch becomes `STOP_PREEMPT`). rounds: see the module doc (2 is always exact; more
+    only cost time).
     grid_rows: candidate rows per block of the ignore-EOS grid (memory bound only).
     """
 
@@ -97,7 +94,7 @@ class StepConfig:
     prefill_max: Optional[int] = None
     ignore_eos_path: bool = False
     preemption: bool = False
-    rounds: int = 3
+    rounds: int = 2
     grid_rows: int = 512
 
     @classmethod
@@ -106,7 +103,7 @@ class StepConfig:
                   chunking=cfg.chunked_prefill_size is not None, align=cfg.truncation_align_size,
                   max_running=cfg.max_running_requests, prefill_max=cfg.prefill_max_requests,
                   ignore_eos_path=cfg.disable_radix_cache, preemption=cfg.enable_priority_preemption,
-                  rounds=2 if cfg.truncation_align_size is None else 3)
+                  rounds=2)
         kw.update(over)
         return cls(**kw)
 
@@ -501,7 +498,9 @@ def _lock_drops_host(parent: np.ndarray, key_len: np.ndarray, lock_ref: np.ndarr
 
 # ---- R-ADM-6: the ignore-EOS reservation scan as a grid ---------------------------------------------
 def eos_states(max_new, out_len, prompt_len, ignore_eos, ratio):
-    """(left float64, occupied int64) of R-ADM-6 / D7: `float64(max_new * ratio') - len(out)`."""
+    """(left float64 [n], occupied int64 [n]) of R-ADM-6 / D7: `float64(max_new * ratio') -
+    len(out)`, `occupied = prompt_len + out_len` [tokens]. max_new, out_len, prompt_len int
+    [n], ignore_eos bool [n]; `ratio` a float64 tensor (0-d), not a Python float."""
     r = torch.where(ignore_eos, torch.ones_like(ratio), ratio)
     left = max_new.to(torch.float64) * r - out_len.to(torch.float64)
     return left, prompt_len + out_len

@@ -76,7 +76,8 @@ class SchedulerConfig:
         enable_priority_scheduling: order fcfs/lof by priority first (R-ORD-4/5).
         schedule_low_priority_values_first: `sign = +1` when true, else -1.
         priority_scheduling_preemption_threshold: priority gap a victim must exceed (R-ADM-7).
-        enable_priority_preemption: try R-ADM-7 when the batch is full.
+        enable_priority_preemption: try R-ADM-7 when the batch is full; needs
+            `enable_priority_scheduling=True` (ValueError otherwise).
         clip_max_new_tokens: CLIP [tokens], cap on the max-new-tokens estimate (SPEC section 0).
         in_batch_prefix_caching_check_threshold: R-ORD-9 check threshold [tokens]; -1 disables.
         in_batch_prefix_caching_deprioritize_threshold: R-ORD-9 threshold T [tokens].

@@ -23,8 +23,8 @@ FIXED_IN_BATCH = 32
 
 def read_scenarios(path) -> Iterator[dict]:
     """Yield scenario dicts from a JSON-lines file, gzipped or not (FORMAT.md: one object per
-    line with "input" and "expected" objects). Raises FileNotFoundError, or ValueError naming
-    the file and line for a file that is not (gzipped) UTF-8 text, a line that is not JSON,
+    line with "input" and "expected" objects). A generator: it raises on iteration, not at
+    the call: FileNotFoundError, or ValueError naming the file and line for a file that is not (gzipped) UTF-8 text, a line that is not JSON,
     or a line that is not a scenario object."""
     path = Path(path)
     if not path.exists():

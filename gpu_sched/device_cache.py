@@ -25,6 +25,7 @@ class DeviceRadixCache:
         device: torch device of the tree.
         max_nodes, token_capacity: tree capacities; default sized from the pool (every cached
             token holds a KV slot, so the pool size bounds both).
+        backend: "torch" or "triton" (the tree's kernels, `FlatRadixTree`'s backend).
         hash_seed: draws the tree's prefix-hash bases (`FlatRadixTree`'s seed; default 0).
             Matching trusts the hashes, so bases an outsider can know let prompts be crafted
             to collide: `GpuScheduler` passes a secret one.
@@ -94,7 +95,9 @@ class DeviceRadixCache:
     def insert(self, key, value, ns=None, known: int = 0, known_node=None) -> int:
         """R-RC-5; `value` is an int64 slot array or a callable `alloc(n)` for the new tail.
         `known`, `known_node`: the first `known` tokens are cached as the path to
-        `known_node` (`FlatRadixTree.insert`'s hint)."""
+        `known_node` (`FlatRadixTree.insert`'s hint). Only floorP(len(key)) tokens are
+        inserted (R-RC-3). Returns the length already present [tokens] (the caller frees
+        that duplicate KV; 0 with the cache disabled)."""
         if self.disable:
             return 0
         n = len(key) // self.page_size * self.page_size

@@ -991,7 +991,9 @@ def in_batch_deprioritize(prefix_len: torch.Tensor, fill_len: torch.Tensor, name
     Checked: `prefix_len <= check_threshold` (nobody when check_threshold == -1). Among
     checked requests with `fill_len >= T` grouped by (namespace, first T tokens), the first in
     queue order keeps its place and every later one is deprioritized; T == 0 deprioritizes
-    every checked request.
+    every checked request, the first included (SGLang's check: a match of 0 tokens in the
+    empty scratch tree already reaches T; SPEC R-ORD-9's closed form, which keeps the first,
+    does not cover T == 0; the reference does the same).
 
     Args:
         prefix_len, fill_len: int [n] (match length from R-ORD-8, len(fill)).
@@ -1003,6 +1005,10 @@ def in_batch_deprioritize(prefix_len: torch.Tensor, fill_len: torch.Tensor, name
             deprioritized, never a group's first), as a recorded step's padding.
     On backend "triton" with T >= 1 the groups are found in a device hash table
     (`kernels.sort_keys.deprio_by_hash`: three launches, no sort).
+
+    Raises:
+        ValueError: check_threshold < -1 or threshold < 0 (or not ints); TypeError/ValueError
+            from the tensor checks (dtype, length, device).
     """
     where = "in_batch_deprioritize"
     check_tensor(where, "prefix_len", prefix_len, INT_DTYPES, contiguous=False)
@@ -1045,8 +1051,9 @@ def in_batch_deprioritize_groups(prefix_len: torch.Tensor, fill_len: torch.Tenso
     (namespace, first T fill tokens) given as an interned group id instead of (namespace id,
     head hash): the first eligible request of each group is found by a scatter-min of queue
     indices (an `atomic_min` kernel on backend "triton"), no sort. On CPU tensors
-    (`_host`) by `np.unique(..., return_index=True)` over the eligible rows only (with a warm
-    cache few have a match within check_threshold).
+    (`_host`) by `deprioritize_groups_host`: a stable argsort of the eligible rows' ids only
+    (with a warm cache few have a match within check_threshold). T == 0 deprioritizes every
+    checked request, as `in_batch_deprioritize` says.
 
     Args:
         prefix_len, fill_len: int [n] (match length from R-ORD-8, len(fill)).

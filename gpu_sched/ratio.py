@@ -26,12 +26,19 @@ class NewTokenRatio:
 
     Starts at `init = min(0.7 * conservativeness, 1)`; each decode step without retraction
     lowers it by `(init - min_ratio) / 600` down to `min_ratio = 0.14 * init`; a retraction
-    raises it to `min(1, (sum out + 20 * n) / (sum max_new + 1))` over the n requests still
+    sets it (up or down) to `min(1, (sum out + 20 * n) / (sum max_new + 1))` over the n requests still
     running; an idle iteration puts it back to `init`.
 
     Args:
         conservativeness: `SchedulerConfig.schedule_conservativeness` (> 0; above 1/0.7 the
             initial ratio is capped at 1).
+
+    Attributes:
+        value: the ratio (float) to pass to `step(new_token_ratio=...)`.
+
+    Raises:
+        TypeError: a conservativeness that is not a real number (bools and strings too).
+        ValueError: one that is not finite and > 0.
     """
 
     def __init__(self, conservativeness: float = 1.0):

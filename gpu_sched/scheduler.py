@@ -311,6 +311,12 @@ class GpuScheduler(ReferenceScheduler):
             bases otherwise; pass a seed to make the tree's internal layout reproducible.
             Raises ValueError for a negative or non-int seed.
 
+    Raises:
+        ValueError: an unknown backend, a string torch cannot parse as a device, a CUDA
+            device when `torch.cuda.is_available()` is False, a bad hash_seed, a negative
+            kv_pool_size.
+        TypeError: a config that is not a `SchedulerConfig`, a kv_pool_size that is not an int.
+
     Attributes:
         admit_window: ordered requests the admission scans first (256; with `adaptive_window`,
             an eighth more than the previous loop admitted, when it admitted any, and on the

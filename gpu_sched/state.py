@@ -1,15 +1,17 @@
 """Device state: the request table as structure-of-arrays tensors (DESIGN.md "Device state").
 
-`RequestTable` holds every request the scheduler knows (waiting, running, chunked) in fixed
+`RequestTable` holds every request given to it (waiting, running, chunked) in fixed
 capacity columns, one tensor each, plus one int32 token pool holding each request's `fill`
-(SPEC section 0). Capacities are fixed at construction and no tensor is ever reallocated, so a
+(SPEC section 0). `GpuScheduler` does not use it: it keeps its own numpy row table
+(mirrored on the device by `gpu_sched.step` after `capture()`); `tests/test_state.py` tests this one.
+Capacities are fixed at construction and no tensor is ever reallocated, so a
 CUDA graph captured over these tensors stays valid.
 
 Who owns what:
   * The table's methods are the only writers of `valid`, `rid`, `prompt_len`, `output_len`,
     `tok_off`, `tok_cap` and `routing_key_id`; those are mirrored in host numpy arrays so
     that validation (live slot? room left?) never reads the device.
-  * Device code (ordering, admission, radix match) may write `state`, `prefix_len`,
+  * Code that computes on the table's columns may write `state`, `prefix_len`,
     `last_node`, `retracted` in place; the table never trusts a host copy of those.
 
 Host/device split. Every mutating call validates completely on the host first and raises
@@ -474,7 +476,7 @@ class RequestTable:
         caps = prompt + np.maximum(mnt, out)
         need = int(caps.sum())
         if need > self.free_tokens:
-            raise CapacityError(f"tokens: the batch reserves {need} tokens (prompt + max_new_tokens) but only "
+            raise CapacityError(f"tokens: the batch reserves {need} tokens (prompt + max(max_new_tokens, output)) but only "
                                 f"{self.free_tokens} of token_capacity {self.token_capacity} are free")
         # ---- validated: from here on nothing raises -----------------------------------------
         tok_plan = self._plan_tokens(caps)

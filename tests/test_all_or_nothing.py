@@ -150,6 +150,23 @@ def test_seeding_short_of_free_slots_names_no_new_namespace(call):
     s.check_integrity()
 
 
+@pytest.mark.parametrize("cls", SCHEDULERS)
+@pytest.mark.parametrize("done", [2.0, "2", None, True])
+def test_seed_chunked_done_not_an_int_changes_nothing(cls, done):
+    """A `done` that is not an int is a TypeError naming the call and the field, raised before
+    anything is matched or locked (a float once failed inside the slicing, unnamed); a numpy
+    integer is taken as an int (it once reached the KV pool's free counter as a numpy int)."""
+    s = _seeded(cls)
+    before = state(s)
+    with pytest.raises(TypeError, match=r"seed_chunked: done must be an int, got"):
+        s.seed_chunked(Request("c", [1, 2, 3, 4, 50, 51], 4), done)
+    assert state(s) == before
+    s.check_integrity()
+    s.seed_chunked(Request("c", [1, 2, 3, 4, 50, 51], 4), np.int64(2))
+    assert s.chunked.rid == "c" and type(s.available) is int  # a numpy int once leaked into the pool's counter
+    s.step(0.5).to_dict()  # and then broke every plan's to_dict
+
+
 TOKEN_KNOBS = ["max_prefill_tokens", "chunked_prefill_size", "clip_max_new_tokens",
                "truncation_align_size"]
 INT64_KNOBS = ["max_running_requests", "prefill_max_requests", "lpm_fallback_queue_len",

@@ -23,7 +23,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..config import RETRACT_DECODE_STEPS, SchedulerConfig
+from ..config import RETRACT_DECODE_STEPS, SchedulerConfig, _check_int
 from ..plan import PrefillPlan
 from ..request import INT32_MAX, Request, check_real, check_time, check_token_id
 from .adder import AddResult, PrefillAdder
@@ -607,14 +607,16 @@ class ReferenceScheduler:
     def seed_chunked(self, req: Request, done: int) -> None:
         """Set the in-flight chunked request with `done` tokens prefilled (FORMAT.md 3.4).
         Raises MemoryError, nothing changed, when the free pool cannot hold the uncached ones;
-        ValueError when a chunked request is in flight already, for `done` outside
-        [0, len(fill)), and when chunking is off (`chunked_prefill_size` None: R-ADM-5 budgets
+        TypeError for a `done` that is not an int; ValueError when a chunked request is in
+        flight already, for `done` outside [0, len(fill)), and when chunking is off (`chunked_prefill_size` None: R-ADM-5 budgets
         the in-flight chunk by `rem_chunk`, which chunking off leaves unset)."""
         if self.config.chunked_prefill_size is None:
             raise ValueError(f"seed_chunked: chunking is off (chunked_prefill_size is None), so no request "
                              f"can be in flight as the chunked request; got {req.rid!r}")
         if self.chunked is not None:
             raise ValueError("a chunked request is already in flight")
+        _check_int("seed_chunked: done", done)  # a float would fail deep in the slicing, unnamed
+        done = int(done)
         if not 0 <= done < req.fill_len:
             raise ValueError(f"seed_chunked: done must be in [0, {req.fill_len}), got {done}")
         st = self._seed_holder(req, done, done, "seed_chunked")
