@@ -22,12 +22,10 @@ import os
 import sys
 from typing import List, Optional
 
+from .config import CAPTURE_CAPACITY_MAX as MAX_CAPTURE  # --capture's largest queue capacity
+
 BACKENDS = ("reference", "torch", "triton")  # the one list of scheduler backends
 
-
-#: --capture's largest queue capacity (the benchmarks' largest queue is 2^20; the recorded
-#: step's buffers grow with it)
-MAX_CAPTURE = 2**24
 #: --threads' largest (torch.set_num_threads itself crashes on some huge counts)
 MAX_THREADS = 4096
 
@@ -203,8 +201,10 @@ def load_trace(args):
         raise ValueError(f"--rate-scale must be a finite number > 0, got {args.rate_scale}")
     keys, levels = getattr(args, "routing_keys", 0), getattr(args, "priority_levels", 0)  # replay's options
     for flag, v in (("--routing-keys", keys), ("--priority-levels", levels)):
-        if v < 0:
-            raise ValueError(f"{flag} must be >= 0, got {v}")
+        if not 0 <= v <= 2**62:  # numpy draws them as int64
+            raise ValueError(f"{flag} must be in [0, 2^62], got {v}")
+    if getattr(args, "seed", 0) < 0:  # numpy's generators take seeds >= 0
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if getattr(args, "trace", None):
         tr = read_trace(args.trace, limit=args.limit, rate_scale=args.rate_scale, skip_bad_rows=args.skip_bad_rows)
     else:
@@ -421,8 +421,8 @@ def cmd_replay(args) -> int:
     from .sim.metrics import format_comparison, format_summary, write_results
 
     try:
-        if args.kv_tokens < 1:
-            raise ValueError(f"--kv-tokens must be >= 1, got {args.kv_tokens}")
+        if not 1 <= args.kv_tokens <= 2**40:
+            raise ValueError(f"--kv-tokens must be in [1, 2^40], got {args.kv_tokens}")
         cost = get_cost_model(args.cost_model)
         base = config_from_args(args)
         policies = [p.strip() for p in args.compare_policies.split(",")] if args.compare_policies else None

@@ -33,6 +33,9 @@ INT64_MIN = -(2**63)
 #: reservation of at most CLIP and a page) cannot overflow where the reference's Python ints
 #: do not
 TOKEN_KNOB_MAX = 2**40
+#: largest queue / running capacity of a recorded step (`GpuScheduler.capture`, the CLI's
+#: --capture): the benchmarks' largest queue is 2^20; the step's buffers grow with it
+CAPTURE_CAPACITY_MAX = 2**24
 _TOKEN_BOUND = dict(hi=TOKEN_KNOB_MAX, hi_is="2^40")  # `_check_int`'s bound of a token knob
 #: the largest page size [tokens]: the radix kernels' bound (a page past it is far beyond any
 #: KV cache's pages, 1 to a few hundred tokens)
@@ -154,9 +157,16 @@ class SchedulerConfig:
                    none_means="off")
         _check_int("random_seed", self.random_seed, lo=0, hi=2**64 - 1, hi_is="the generators' largest seed")
         c = self.schedule_conservativeness
-        if isinstance(c, bool) or not isinstance(c, (int, float)):
+        if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, float, np.integer, np.floating)):
             raise TypeError(f"schedule_conservativeness must be a number, got {c!r}")
-        if not (c > 0 and c == c and c != float("inf")):
+        if isinstance(c, (np.integer, np.floating)):  # numpy numbers stored as Python ones, as the int knobs
+            c = c.item()
+            object.__setattr__(self, "schedule_conservativeness", c)
+        try:
+            f = float(c)  # an int past float's range would fail later as a bare OverflowError
+        except OverflowError:
+            f = float("inf")
+        if not (f > 0 and f != float("inf")):
             raise ValueError(f"schedule_conservativeness must be a finite number > 0, got {c}")
         if self.enable_priority_preemption and not self.enable_priority_scheduling:
             raise ValueError(

@@ -6,6 +6,8 @@ import hashlib
 from dataclasses import dataclass, field, fields
 from typing import List, Optional, Tuple
 
+from .config import POLICIES
+
 STOP_REASONS = (
     "no_prefill_full",  # R-STEP-1: nothing to do, the batch is marked full
     "no_prefill_empty",  # R-STEP-1: nothing to do, empty queue
@@ -30,12 +32,12 @@ _LISTS = {"admitted": (lambda a: isinstance(a, (list, tuple)) and len(a) == 3 an
           "preempted": (lambda x: isinstance(x, str), "a rid"),
           "queue_order": (lambda x: isinstance(x, str), "a rid"),
           "deprioritized": (lambda x: isinstance(x, str), "a rid"),
-          "num_matched": (_int, "an int")}
+          "num_matched": (lambda x: _int(x) and x >= 0, "an int >= 0 (a match length)")}
 _OPTIONAL_LISTS = ("num_matched", "deprioritized")
 #: the other fields' checks, and what they name
 _SCALARS = {"new_chunked_rid": (lambda x: x is None or isinstance(x, str), "a rid or None"),
             "chunked_rid_after": (lambda x: x is None or isinstance(x, str), "a rid or None"),
-            "active_policy": (lambda x: x is None or isinstance(x, str), "a policy name or None"),
+            "active_policy": (lambda x: x is None or x in POLICIES, f"one of {POLICIES} or None"),
             "ordered": (lambda x: isinstance(x, bool), "a bool"),
             "batch_is_full": (lambda x: isinstance(x, bool), "a bool"),
             "stop": (lambda x: x in STOP_REASONS, f"one of {STOP_REASONS}"),
@@ -122,7 +124,7 @@ class PrefillPlan:
         extend_start, extend_end) tuples again, lists and dicts are copied; missing fields
         take their defaults. Raises TypeError for a `d` that is not a dict, ValueError naming
         the field for a key that is not a field or a value of another type than `to_dict`
-        writes there (rids: str or None; admitted: (str, int, int) with 0 <= start <= end;
+        writes there (rids: str or None; active_policy: one of `config.POLICIES` or None; admitted: (str, int, int) with 0 <= start <= end;
         num_matched, counters and sizes: ints, >= 0 where counts; flags: bools; stop: one of
         `STOP_REASONS`; budgets: a dict or None). Checks types and ranges, not a plan's
         consistency (an admitted rid twice, a chunked rid not admitted)."""

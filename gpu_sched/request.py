@@ -27,11 +27,16 @@ def as_token_array(tokens, what: str) -> np.ndarray:
             raise TypeError(f"{what} must be a 1-D integer array, got dtype {tokens.dtype} ndim {tokens.ndim}")
         arr = tokens  # compared as it is: a cast to int64 first would wrap uint64 ids
     else:
-        if isinstance(tokens, (str, bytes, Mapping)):  # a dict would read as its keys
+        if isinstance(tokens, (str, bytes, bytearray, memoryview, Mapping)):  # a dict would read as its keys,
+            # a byte buffer as its bytes
             raise TypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__}")
         if not hasattr(tokens, "__len__") or not hasattr(tokens, "__getitem__"):  # None, an int, a generator
             raise TypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__} {tokens!r}")
-        arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype=np.int64)
+        try:
+            n = len(tokens)
+        except TypeError:  # a 0-d tensor or array-like: one number, not a sequence
+            raise TypeError(f"{what} must be a sequence of ints, got {type(tokens).__name__} {tokens!r}") from None
+        arr = np.asarray(tokens) if n else np.zeros(0, dtype=np.int64)
         # numpy silently turns True into 1 inside an int list: look for bools explicitly
         has_bool = arr.dtype.kind == "b" or (arr.dtype.kind in "iu" and any(type(t) in _BOOLS for t in tokens))
         if arr.ndim != 1 or arr.dtype.kind not in "iu" or has_bool:

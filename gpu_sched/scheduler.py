@@ -27,6 +27,7 @@ The engine-facing bookkeeping (KV slots of running requests) stays on the host.
 
 from __future__ import annotations
 
+import collections.abc
 import gc
 import operator
 import os
@@ -395,8 +396,11 @@ class GpuScheduler(ReferenceScheduler):
                  backend: str = "torch", device="cpu", hash_seed: Optional[int] = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if hash_seed is not None and (isinstance(hash_seed, bool) or not isinstance(hash_seed, int) or hash_seed < 0):
+        if hash_seed is not None and (isinstance(hash_seed, (bool, np.bool_)) or not isinstance(hash_seed, (int, np.integer))
+                                      or hash_seed < 0):
             raise ValueError(f"hash_seed must be None or an int >= 0, got {hash_seed!r}")
+        if hash_seed is not None:
+            hash_seed = int(hash_seed)  # numpy integers taken as ints, as the config's knobs
         # the prefix-hash bases' seed, drawn once: every tree this scheduler makes uses the
         # same bases, so hashes kept in its rows stay valid
         self.hash_seed = secrets.randbits(63) if hash_seed is None else hash_seed
@@ -458,7 +462,7 @@ class GpuScheduler(ReferenceScheduler):
         if isinstance(value, RowQueue) and value._s is self:
             self._queue = value
             return
-        if isinstance(value, (str, bytes)):
+        if isinstance(value, (str, bytes)) or not isinstance(value, collections.abc.Iterable):
             raise TypeError(f"queue: expected a sequence of request states, got {type(value).__name__}")
         items = list(value)
         cur = getattr(self, "_queue", None)  # unset only in __init__
@@ -648,7 +652,7 @@ class GpuScheduler(ReferenceScheduler):
             path), `captures` the CUDA graphs recorded (0 on a CPU).
         Raises:
             TypeError: a capacity, max_len or admit_window that is not an int (bools refused).
-            ValueError: one below 1.
+            ValueError: one below 1, a capacity above 2^24, a max_len above 2^40.
         """
         from .step import StepGraph
 

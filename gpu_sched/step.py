@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from . import policy as dpolicy
-from .config import _check_int
+from .config import CAPTURE_CAPACITY_MAX, TOKEN_KNOB_MAX, _check_int
 from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, match_lock_drops
 from .scheduler import (RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
                         RT_RKEY, RT_STAMP, RT_TIME, RT_TOFF, _rt_get, _RowCols)
@@ -100,7 +100,7 @@ class StepGraph:
             on a GPU costs far more than the replay.
     Raises:
         TypeError: a capacity, max_len or admit_window that is not an int (bools refused).
-        ValueError: one below 1.
+        ValueError: one below 1, a capacity above 2^24, a max_len above 2^40.
     """
 
     #: fewest slots of the row store (twice the queue capacity and the row table's rows at least)
@@ -108,9 +108,9 @@ class StepGraph:
 
     def __init__(self, sched, queue_capacity: int, running_capacity: int, max_len: Optional[int] = None,
                  admit_window: Optional[int] = None):
-        _check_int("queue_capacity", queue_capacity, lo=1)
-        _check_int("running_capacity", running_capacity, lo=1)
-        _check_int("max_len", max_len, lo=1, none_means="the tree's token capacity")
+        _check_int("queue_capacity", queue_capacity, lo=1, hi=CAPTURE_CAPACITY_MAX, hi_is="2^24")
+        _check_int("running_capacity", running_capacity, lo=1, hi=CAPTURE_CAPACITY_MAX, hi_is="2^24")
+        _check_int("max_len", max_len, lo=1, hi=TOKEN_KNOB_MAX, hi_is="2^40", none_means="the tree's token capacity")
         _check_int("admit_window", admit_window, lo=1, none_means="max(GpuScheduler.admit_window, max_prefill_tokens)")
         self.s = sched
         self.Q, self.R = int(queue_capacity), int(running_capacity)

@@ -3,6 +3,8 @@ changes anything), on both schedulers (they share these calls): complete_prefill
 slots, seeding short of free slots, an out-of-range token for the chunked request; config knobs
 past int64 or 2^40; request inputs the caller may reuse or that read as something else."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,8 @@ import torch
 from _scenarios import dev_triples, ref_triples
 from gpu_sched import Request, SchedulerConfig
 from gpu_sched.config import INT64_MAX, INT64_MIN, PAGE_SIZE_MAX, TOKEN_KNOB_MAX
+from gpu_sched.plan import PrefillPlan
+from gpu_sched.ratio import NewTokenRatio
 from gpu_sched.reference import ReferenceScheduler
 from gpu_sched.reference.state import KV_DECODE_HEADROOM
 from gpu_sched.scheduler import GpuScheduler
@@ -316,3 +320,128 @@ def test_gpu_seed_cache_searches_once_and_seeds_as_the_reference(page_size, disa
     assert len(calls) == (0 if disable else len(prompts))
     assert triples(dev) == triples(ref)
     dev.check_integrity()
+
+
+class _Shuffle:
+    """A `shuffle=` that returns a non-permutation while `bad` is set."""
+    bad = False
+
+    def __call__(self, n):
+        return [0] * n if self.bad else list(range(n))
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+def test_step_refused_by_its_shuffle_changes_nothing(cls):
+    """A step whose custom shuffle (R-ORD-6) is refused leaves the clock and the batch-full
+    flag as they were: a request submitted later without `now` is stamped as on a twin that
+    never saw the call (the failed step's `now` once stuck)."""
+    s = cls(SchedulerConfig(schedule_policy="random"), 200, shuffle=_Shuffle())
+    s.submit([Request("a", [1, 2, 3], 3), Request("b", [4, 5, 6], 3)], now=0.0)
+    s.step(0.5, now=1.0)
+    s.complete_prefill({"a": 1, "b": 2})
+    s.submit([Request("c", [7, 8], 2), Request("d", [9, 9], 2)], now=1.0)
+    twin = copy.deepcopy(s)
+    before = (s.now, s.batch_is_full, state(s))
+    s.shuffle.bad = True
+    with pytest.raises(ValueError, match="not a permutation"):
+        s.step(0.5, now=1000.0)
+    assert (s.now, s.batch_is_full, state(s)) == before
+    for x in (s, twin):
+        x.shuffle.bad = False
+        x.submit([Request("late", [3, 3], 1)])
+    assert s.reqs["late"].enqueue_time == twin.reqs["late"].enqueue_time == 1.0
+    assert s.step(0.5).to_dict() == twin.step(0.5).to_dict()
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+@pytest.mark.parametrize("disable", [False, True])
+def test_seed_cache_checks_its_arguments_with_the_cache_on_or_off(cls, disable):
+    """seed_cache checks tokens and extra_key whether or not the cache is disabled (with it
+    off, anything was once taken and 0 returned); an int extra_key once became a namespace."""
+    s = cls(SchedulerConfig(disable_radix_cache=disable), 100)
+    before = state(s)
+    for args, kw, err, match in (
+            (([1, -1, 2**40],), {}, ValueError, r"seed_cache tokens\[1\] = -1 is outside"),
+            (("abc",), {}, TypeError, "seed_cache tokens must be a sequence of ints"),
+            ((None,), {}, TypeError, "seed_cache tokens must be a sequence of ints"),
+            (([1, 2, 3, 4],), {"extra_key": 5}, TypeError, "seed_cache: extra_key must be a str or None, got 5"),
+            (([1, 2, 3, 4],), {"extra_key": ["x"]}, TypeError, "seed_cache: extra_key must be a str or None")):
+        with pytest.raises(err, match=match):
+            s.seed_cache(*args, **kw)
+        assert state(s) == before
+    assert s.seed_cache([1, 2, 3, 4], extra_key="ns") == (0 if disable else 4)
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+def test_wrong_kinds_of_arguments_name_the_call(cls):
+    """Unhashable rids, a seed of something other than a Request and decode_fits of
+    something other than request states: a TypeError naming the call, nothing changed (bare
+    'unhashable type' and AttributeErrors once; decode_fits(['a']) was taken at page size 1)."""
+    for P in (1, 4):
+        s = cls(SchedulerConfig(page_size=P), 100)
+        s.submit([Request("a", [1, 2, 3], 3)])
+        s.step(0.5)
+        s.complete_prefill({"a": 1})
+        before = state(s)
+        for call, match in ((lambda: s.finish(["a", ["b"]]), r"finish: a rid must be hashable \(a str\), got list"),
+                            (lambda: s.abort([{"x": 1}]), r"abort: a rid must be hashable \(a str\), got dict"),
+                            (lambda: s.seed_running({"rid": "q"}), "seed_running takes one Request object, got dict"),
+                            (lambda: s.seed_chunked("q", 1), "seed_chunked takes one Request object, got str"),
+                            (lambda: s.decode_fits(["a"]), "decode_fits: reqs must hold request states")):
+            with pytest.raises(TypeError, match=match):
+                call()
+            assert state(s) == before
+        assert s.decode_fits(list(s.running))
+    if cls is GpuScheduler:
+        with pytest.raises(TypeError, match="queue: expected a sequence of request states, got NoneType"):
+            s.queue = None
+
+
+@pytest.mark.parametrize("cls", SCHEDULERS)
+def test_kv_pool_size_past_the_token_bound_names_it(cls):
+    """kv_pool_size above 2^40 tokens is a ValueError naming it (numpy's 'array is too big'
+    or 'Maximum allowed size exceeded' once)."""
+    for kv in (2**40 + 1, 2**62, 10**20):
+        with pytest.raises(ValueError, match=rf"kv_pool_size must be <= 2\^40 tokens, got {kv}"):
+            cls(SchedulerConfig(), kv)
+
+
+def test_capture_capacities_have_an_upper_bound():
+    """Capacities above 2^24 and a max_len above 2^40 are ValueErrors naming the argument
+    (torch's 'Storage size calculation overflowed' once), the previous recording kept."""
+    s = GpuScheduler(SchedulerConfig(), 100)
+    for kw, match in ((dict(queue_capacity=2**24 + 1), r"queue_capacity must be <= 16777216 \(2\^24\)"),
+                      (dict(running_capacity=2**62), r"running_capacity must be <= 16777216 \(2\^24\)"),
+                      (dict(max_len=2**40 + 1), r"max_len must be <= 1099511627776 \(2\^40\)")):
+        with pytest.raises(ValueError, match=match):
+            s.capture(**kw)
+        assert s._graph is None
+
+
+@pytest.mark.parametrize("tokens", [bytearray(b"ab"), memoryview(b"ab"), torch.tensor(3), np.int64(3)])
+def test_prompts_that_are_not_token_sequences_are_refused(tokens):
+    """Byte buffers (bytes were refused, bytearray and memoryview read as byte values) and a
+    single number (a 0-d tensor failed in torch's len()) are TypeErrors naming the field."""
+    with pytest.raises(TypeError, match="prompt_ids must be a sequence of ints"):
+        Request("x", tokens, 1)
+
+
+def test_conservativeness_numpy_and_past_float_range():
+    """numpy floats are taken (np.float32 was refused while np.float64 passed), stored as
+    Python numbers; an int past float's range is a ValueError naming the knob (it passed, and
+    the new-token ratio then raised a bare OverflowError)."""
+    for v in (np.float32(1.5), np.float64(1.5), np.int64(2)):
+        c = SchedulerConfig(schedule_conservativeness=v)
+        assert c.schedule_conservativeness == v and type(c.schedule_conservativeness) in (int, float)
+    with pytest.raises(ValueError, match="schedule_conservativeness must be a finite number > 0"):
+        SchedulerConfig(schedule_conservativeness=10**400)
+    assert NewTokenRatio.from_config(SchedulerConfig(schedule_conservativeness=2**1000)).value == 1.0
+
+
+def test_plan_from_dict_checks_match_lengths_and_policy_names():
+    d = PrefillPlan().to_dict()
+    with pytest.raises(ValueError, match="num_matched entry -1 is not an int >= 0"):
+        PrefillPlan.from_dict({**d, "num_matched": [-1]})
+    with pytest.raises(ValueError, match="active_policy must be one of"):
+        PrefillPlan.from_dict({**d, "active_policy": "lpm2"})
+    assert PrefillPlan.from_dict({**d, "active_policy": "lpm", "num_matched": [0, 3]}).num_matched == [0, 3]

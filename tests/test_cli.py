@@ -274,7 +274,6 @@ def _bad_rows(tmp_path):
     (["replay", "--backend", "torch", "--threads", "-1"], "--threads must be in [0, 4096], got -1"),
     (["replay", "--backend", "torch", "--threads", "100000"], "--threads must be in [0, 4096], got 100000"),
     # values a reader or flag takes but no run can hold: one line each, not a traceback
-    (["replay", "--kv-tokens", str(10**13)], "MemoryError: kv_pool_size 10000000000000 slots"),
     (["trace-stats", "HUGE"], "huge.jsonl line 1: output_length must be <= 16777216, got 100000000000000000000"),
     (["replay", "--trace", "HUGE"], "huge.jsonl line 1: output_length must be <= 16777216"),
     (["trace-stats", "LATE"], "late.jsonl line 1: timestamp must be <= 9007199254740992"),
@@ -296,8 +295,8 @@ def _bad_rows(tmp_path):
     (["replay", "--backend", "torch", "--device", "gpu"], "--device 'gpu' is not a torch device"),
     (["conformance", "BAD", "--backend", "torch", "--device", "cuda:x"], "--device 'cuda:x' is not a torch device"),
     (["replay", "--rate-scale", "0"], "rate-scale"),
-    (["replay", "--routing-keys", "-1"], "--routing-keys must be >= 0, got -1"),
-    (["replay", "--priority-levels", "-2"], "--priority-levels must be >= 0, got -2"),
+    (["replay", "--routing-keys", "-1"], "--routing-keys must be in [0, 2^62], got -1"),
+    (["replay", "--priority-levels", "-2"], "--priority-levels must be in [0, 2^62], got -2"),
     (["replay", "--trace", "BAD", "--no-progress"], "line 2"),
     (["trace-stats", "BAD"], "line 2"),
     (["trace-stats", "/no/such/file.csv"], "not found"),
@@ -456,3 +455,36 @@ def test_argparse_errors_exit_2():
     with pytest.raises(SystemExit) as e:
         main(["replay", "--kv-tokens", "many"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kv-tokens", str(10**20)], "--kv-tokens must be in [1, 2^40], got 100000000000000000000"),
+    (["--routing-keys", str(2**64)], "--routing-keys must be in [0, 2^62]"),
+    (["--priority-levels", str(2**64)], "--priority-levels must be in [0, 2^62]"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1")])
+def test_out_of_range_flags_are_one_error_naming_the_flag(argv, message, capsys):
+    """Flags past what the run can take: one `gpu-sched: error` line naming the flag (a huge
+    --kv-tokens once printed numpy's traceback, the others numpy's own words)."""
+    assert main(["replay", "--synthetic-requests", "2", "--no-progress"] + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_kv_tokens_past_host_memory_is_one_error(monkeypatch, capsys):
+    """--kv-tokens the host cannot hold the free list of: one line naming it, not a traceback
+    (the allocation fails by a stand-in: a real one of 2^40 slots could be granted lazily)."""
+    import numpy as np
+    from gpu_sched.reference import radix_cache
+
+    class NoMemory:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def arange(*args, **kwargs):
+            raise MemoryError("Unable to allocate")
+
+    monkeypatch.setattr(radix_cache, "np", NoMemory())
+    assert main(["replay", "--synthetic-requests", "2", "--no-progress", "--kv-tokens", str(2**40)]) == 2
+    err = capsys.readouterr().err
+    assert "MemoryError: kv_pool_size 1099511627776 slots" in err and err.count("\n") == 1, err

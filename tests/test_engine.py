@@ -337,3 +337,27 @@ def test_replay_refuses_unsorted_or_negative_arrivals(arrivals, match):
     trace = Trace(name="hand", requests=[_hand_req(i, a, 4, 2, [(i, 0, 4)]) for i, a in enumerate(arrivals)])
     with pytest.raises(ValueError, match=match):
         replay(trace, SchedulerConfig(), kv_tokens=10_000, make_scheduler=lambda c, kv: ReferenceScheduler(c, kv))
+
+
+@pytest.mark.parametrize("field,value,error,match", [
+    ("segments", ((1, 0, 5),), ValueError, "its segments hold 5 tokens, input_len is 10"),
+    ("segments", ((1, -3, 10),), ValueError, "segment start must be in"),
+    ("segments", ((1, 0),), TypeError, "a segment must be a"),
+    ("hash_ids", (-1,), ValueError, "hash_ids item must be in"),
+    ("hash_ids", (1, 2, 3), ValueError, "hash_ids has 3 ids, input_len 10 needs"),
+    ("hash_ids", (1.5,), TypeError, "hash_ids item must be an int"),
+    ("hash_ids", "ab", TypeError, "hash_ids must be a tuple"),
+    ("output_key", -1, ValueError, "output_key must be in"),
+    ("output_key", 1.5, TypeError, "output_key must be an int"),
+    ("index", "a", TypeError, "index must be an int"),
+    ("routing_key", 3, TypeError, "routing_key must be a str or None"),
+    ("priority", 2.0, TypeError, "priority must be an int")])
+def test_replay_checks_code_built_trace_fields_first(field, value, error, match):
+    """A code-built trace's prompt fields are checked before the replay starts, naming the
+    request and the field (segments that did not add up to input_len once failed mid-run in
+    complete_prefill, blaming the scheduler; a wrong hash-id count ran silently)."""
+    base = dict(index=1, arrival_s=0.5, input_len=10, output_len=2, output_key=1)
+    trace = Trace("t", [TraceRequest(index=0, arrival_s=0.0, input_len=5, output_len=1),
+                        TraceRequest(**{**base, field: value})])
+    with pytest.raises(error, match=rf"trace request 1: {match}"):
+        replay(trace, SchedulerConfig(), kv_tokens=1000, make_scheduler=lambda c, kv: ReferenceScheduler(c, kv))

@@ -1170,6 +1170,7 @@ def test_prefix_hash_bases_are_secret_by_default():
     assert len(seeds) == 3 and all(isinstance(x, int) and x >= 0 for x in seeds)
     t1, t2 = (GpuScheduler(cfg, 100, hash_seed=7).cache.tree for _ in range(2))
     assert (t1.B1, t1.B2) == (t2.B1, t2.B2) != (known.B1, known.B2)
-    for bad in (-1, 1.5, True, "7"):
+    for bad in (-1, 1.5, True, "7", np.int64(-1)):
         with pytest.raises(ValueError, match="hash_seed must be None or an int >= 0"):
             GpuScheduler(cfg, 100, hash_seed=bad)
+    assert type(GpuScheduler(cfg, 100, hash_seed=np.int64(7)).hash_seed) is int

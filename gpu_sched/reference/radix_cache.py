@@ -12,6 +12,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from ..config import TOKEN_KNOB_MAX
+
 
 class KVPool:
     """Token-granular KV slot allocator of `size` slots.
@@ -25,6 +27,8 @@ class KVPool:
             raise TypeError(f"kv_pool_size must be an int >= 0, got {type(size).__name__} {size!r}")
         if size < 0:
             raise ValueError(f"kv_pool_size must be an int >= 0, got {size!r}")
+        if size > TOKEN_KNOB_MAX:  # the token knobs' bound (2^40 tokens), before numpy's own size errors
+            raise ValueError(f"kv_pool_size must be <= 2^40 tokens, got {size!r}")
         self.size = int(size)
         # free slots form a stack; the top is at the end
         try:

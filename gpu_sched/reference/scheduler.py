@@ -43,6 +43,9 @@ def _distinct(what: str, rids: Iterable[str]) -> List[str]:
     if not isinstance(rids, collections.abc.Iterable):
         raise TypeError(f"{what} takes an iterable of rids, got {type(rids).__name__} {rids!r}")
     rids = list(rids)
+    for r in rids:
+        if not isinstance(r, collections.abc.Hashable):  # a rid is a dict key
+            raise TypeError(f"{what}: a rid must be hashable (a str), got {type(r).__name__} {r!r}")
     if len(set(rids)) != len(rids):
         dup = next(r for r, c in collections.Counter(rids).items() if c > 1)
         raise ValueError(f"{what}: request {dup!r} is given twice")
@@ -63,12 +66,19 @@ class _SeededShuffle:
         return self.rng.permutation(n)
 
 
+def _check_seed_request(where: str, req) -> None:
+    """TypeError naming the call unless req is one `Request` (as `submit` checks its items)."""
+    if not isinstance(req, Request):
+        raise TypeError(f"{where} takes one Request object, got {type(req).__name__}")
+
+
 class ReferenceScheduler:
     """Sequential oracle of SPEC.md.
 
     Args:
         config: a `SchedulerConfig`.
-        kv_pool_size: KV pool size [tokens].
+        kv_pool_size: KV pool size [tokens], an int in [0, 2^40] (TypeError / ValueError
+            naming it otherwise; MemoryError when the host cannot hold its free list).
         shuffle: `shuffle(n) -> permutation of range(n)` for the `random` policy (R-ORD-6);
             default a `numpy` generator seeded with `config.random_seed`. The device
             scheduler's default is a torch generator, so with `random` the two agree only when
@@ -81,7 +91,7 @@ class ReferenceScheduler:
         running: the decoding batch, in batch order.
         prefilling: the last plan's admitted requests, until `complete_prefill`.
         chunked: the request whose prefill is split across steps (R-ADM-5), or None.
-        reqs: every held request by rid (queued, prefilling or running).
+        reqs: every held request by rid (queued, prefilling, running or the in-flight chunk).
         A `ReqState` holds the `Request` (`.req`, whose `output_ids` are the tokens decoded so
         far) and the scheduler's view of it (prefix_len, extend range, KV slots).
     """
@@ -187,6 +197,7 @@ class ReferenceScheduler:
         ratio = check_real("new_token_ratio", new_token_ratio, "a number in (0, 1]")
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"new_token_ratio must be in (0, 1], got {new_token_ratio}")
+        now_before, full_before = self.now, self.batch_is_full
         if now is not None:
             self.now = max(self.now, check_time("step: now", now))
         cfg = self.config
@@ -206,7 +217,11 @@ class ReferenceScheduler:
             plan.queue_order = self._rid_list(self.queue)
             return self._close(plan)
         # R-STEP-2
-        order = self._order()
+        try:
+            order = self._order()
+        except BaseException:  # a custom shuffle (R-ORD-6) refused: the step changed nothing
+            self.now, self.batch_is_full = now_before, full_before
+            raise
         plan.ordered = True
         plan.active_policy = order.active_policy
         plan.queue_order = self._rid_list(order.queue)
@@ -420,8 +435,15 @@ class ReferenceScheduler:
     # ---- decode side (R-DEC) ---------------------------------------------------------------
     def decode_tokens_needed(self, reqs: Optional[Sequence[ReqState]] = None) -> int:
         """Slots the next decode step needs: one per request, and at least one page for each
-        request whose length is a multiple of P (R-DEC-2)."""
-        reqs = self.running if reqs is None else reqs
+        request whose length is a multiple of P (R-DEC-2). `reqs`: request states of this
+        scheduler (`running` items); TypeError for anything else (a rid, say)."""
+        if reqs is None:
+            reqs = self.running
+        else:
+            bad = next((r for r in reqs if not isinstance(r, ReqState)), None)
+            if bad is not None:
+                raise TypeError(f"decode_tokens_needed / decode_fits: reqs must hold request states (items of "
+                                f"`running`), got {type(bad).__name__} {bad!r}")
         P = self.config.page_size
         pages = len(reqs) if P == 1 else sum(1 for r in reqs if r.fill_len % P == 0)
         return max(len(reqs), pages * P)
@@ -560,12 +582,16 @@ class ReferenceScheduler:
     # ---- state seeding (tests, conformance, engines restoring state) -----------------------
     def seed_cache(self, tokens, extra_key: Optional[str] = None) -> int:
         """Insert `tokens` into the cache with freshly allocated slots (only floorP(len) tokens;
-        tokens already present take none). Returns the newly cached token count. Raises
-        MemoryError, nothing changed, when the free pool cannot hold the new ones."""
+        tokens already present take none). Returns the newly cached token count (0 with the
+        cache disabled). Raises MemoryError, nothing changed, when the free pool cannot hold the
+        new ones; TypeError/ValueError naming the field for tokens that are not token ids in
+        [0, 2^31 - 1] or an extra_key that is not a str or None (the cache disabled or not)."""
+        from ..request import as_token_array
+        toks = as_token_array(tokens, "seed_cache tokens")  # checked with the cache off too
+        if extra_key is not None and not isinstance(extra_key, str):
+            raise TypeError(f"seed_cache: extra_key must be a str or None, got {extra_key!r}")
         if self.cache.disable:
             return 0
-        from ..request import as_token_array
-        toks = as_token_array(tokens, "seed_cache tokens")
         n = len(toks) // self.config.page_size * self.config.page_size
         present = self.cache.present_len(toks[:n], extra_key)
         self._check_seed_slots("seed_cache", n - present)
@@ -600,6 +626,7 @@ class ReferenceScheduler:
         """Add a request that is already decoding: its prompt is matched (full length) and
         locked; it holds private slots for the rest of prompt + output (FORMAT.md 3.3).
         Raises MemoryError, nothing changed, when the free pool cannot hold those slots."""
+        _check_seed_request("seed_running", req)
         st = self._seed_holder(req, len(req.prompt_ids), req.fill_len, "seed_running")
         st.prefix_len = st.kv_len
         self.running.append(st)
@@ -610,6 +637,7 @@ class ReferenceScheduler:
         TypeError for a `done` that is not an int; ValueError when a chunked request is in
         flight already, for `done` outside [0, len(fill)), and when chunking is off (`chunked_prefill_size` None: R-ADM-5 budgets
         the in-flight chunk by `rem_chunk`, which chunking off leaves unset)."""
+        _check_seed_request("seed_chunked", req)
         if self.config.chunked_prefill_size is None:
             raise ValueError(f"seed_chunked: chunking is off (chunked_prefill_size is None), so no request "
                              f"can be in flight as the chunked request; got {req.rid!r}")

@@ -44,7 +44,7 @@ from ..plan import DecisionDigest
 from ..ratio import NewTokenRatio
 from ..request import Request
 from .metrics import RequestRecord, StepRecord, summarize
-from .traces import MAX_TRACE_TOKENS, Trace, output_token_ids
+from .traces import BLOCK_TOKENS, MAX_TRACE_TOKENS, Trace, output_token_ids
 
 __all__ = ["CostModel", "COST_MODELS", "DEFAULT_COST_MODEL", "get_cost_model", "NewTokenRatio",
            "SimulationError", "replay"]
@@ -488,8 +488,12 @@ def _check_requests(trace: Trace) -> None:
     is negative (the simulated clock starts at 0: its wait would count from before the start)
     or comes before the previous request's (requests are submitted in trace order, so an
     early one listed late would wait for the one before it), or lengths outside
-    [1, MAX_TRACE_TOKENS] (prompt) and [0, MAX_TRACE_TOKENS] (output). The trace readers
-    check and sort their rows; this checks traces built in code."""
+    [1, MAX_TRACE_TOKENS] (prompt) and [0, MAX_TRACE_TOKENS] (output); an index or
+    output_key that is not an int in [0, 2^63); hash_ids that are not ceil(input_len / 512)
+    ints in [0, 2^63); segments (used without hash_ids) that are not (key in [0, 2^64),
+    start >= 0, n >= 0) int triples whose lengths add up to input_len; a routing_key that is
+    not a str or None, a priority that is not an int or None. The trace readers check and sort
+    their rows; this checks traces built in code, before the replay starts."""
     prev = 0.0
     for i, r in enumerate(trace.requests):
         a = r.arrival_s
@@ -507,6 +511,42 @@ def _check_requests(trace: Trace) -> None:
                 raise TypeError(f"trace request {i}: {name} must be an int, got {v!r}")
             if not lo <= v <= MAX_TRACE_TOKENS:
                 raise ValueError(f"trace request {i}: {name} must be in [{lo}, {MAX_TRACE_TOKENS}], got {v}")
+        for name in ("index", "output_key"):
+            _check_trace_int(i, name, getattr(r, name), 2**63)
+        if r.hash_ids is not None:
+            ids = r.hash_ids
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, (tuple, list)):
+                raise TypeError(f"trace request {i}: hash_ids must be a tuple of ints or None, got {ids!r}")
+            plain = all(type(h) is int for h in ids)  # the readers' form: checked in C-level passes
+            if not plain or (ids and (min(ids) < 0 or max(ids) >= 2**63)):
+                for h in ids:
+                    _check_trace_int(i, "hash_ids item", h, 2**63)
+            want = -(-r.input_len // BLOCK_TOKENS)
+            if len(ids) != want:
+                raise ValueError(f"trace request {i}: hash_ids has {len(ids)} ids, input_len {r.input_len} "
+                                 f"needs ceil({r.input_len}/{BLOCK_TOKENS}) = {want}")
+        elif r.segments:
+            total = 0
+            for seg in r.segments:
+                if not isinstance(seg, (tuple, list)) or len(seg) != 3:
+                    raise TypeError(f"trace request {i}: a segment must be a (key, start, n) triple, got {seg!r}")
+                for name, v, hi in zip(("segment key", "segment start", "segment n"), seg, (2**64, 2**63, 2**63)):
+                    _check_trace_int(i, name, v, hi)
+                total += seg[2]
+            if total != r.input_len:
+                raise ValueError(f"trace request {i}: its segments hold {total} tokens, input_len is {r.input_len}")
+        if r.routing_key is not None and not isinstance(r.routing_key, str):
+            raise TypeError(f"trace request {i}: routing_key must be a str or None, got {r.routing_key!r}")
+        if r.priority is not None:
+            _check_trace_int(i, "priority", r.priority, 2**63, lo=-(2**63))
+
+
+def _check_trace_int(i: int, name: str, v, hi: int, lo: int = 0) -> None:
+    """TypeError / ValueError naming trace request i and the field unless v is an int in [lo, hi)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"trace request {i}: {name} must be an int, got {v!r}")
+    if not lo <= v < hi:
+        raise ValueError(f"trace request {i}: {name} must be in [{lo}, {hi}), got {v}")
 
 
 def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
