@@ -588,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--check", action="store_true", help="check scheduler integrity after every step")
     r.add_argument("--out", default=None, metavar="DIR",
                    help="write results.json and PNG plots here (with --compare-policies: DIR/<policy>/ "
-                        "for each run and DIR/comparison.png; default: print the summary only)")
+                        "for each run and DIR/comparison.{json,png}; default: print the summary only)")
     r.add_argument("--compare-policies", default=None, metavar="P1,P2,...",
                    help="run each policy and print one comparison table (default: one run, of --policy; "
                         "not with --policy)")

@@ -361,3 +361,12 @@ def test_replay_checks_code_built_trace_fields_first(field, value, error, match)
                         TraceRequest(**{**base, field: value})])
     with pytest.raises(error, match=rf"trace request 1: {match}"):
         replay(trace, SchedulerConfig(), kv_tokens=1000, make_scheduler=lambda c, kv: ReferenceScheduler(c, kv))
+
+
+def test_cost_model_from_its_costs_alone():
+    """README's cost fields alone make a CostModel (name and description were required, so
+    the JSON file's fields as keywords raised TypeError); labels must be strings."""
+    m = CostModel(fixed_s=0.005, prefill_token_s=3e-5, decode_request_s=2e-5, kv_token_s=1e-8)
+    assert (m.name, m.description, m.prefill_s(10, 0)) == ("custom", "", 0.005 + 10 * 3e-5)
+    with pytest.raises(TypeError, match="CostModel name must be a str"):
+        CostModel(name=3, fixed_s=0.0, prefill_token_s=0.0, decode_request_s=0.0, kv_token_s=0.0)

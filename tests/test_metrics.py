@@ -128,6 +128,8 @@ def test_format_summary_and_comparison():
     s = summarize(_requests(), _steps())
     text = format_summary(s)
     assert "Serving Benchmark Result" in text.splitlines()[0] and text.splitlines()[-1] == "=" * 50
+    long = "Replay: conversation_trace, routing-key (16 routing keys), torch"  # past the width: still a rule
+    assert format_summary(s, title=long).splitlines()[0] == f"== {long} =="
     for needle in ("233.33", "396.00", "75.00", "333.33", "37.50", "27.50", "2.14", "Successful requests:"):
         assert needle in text, needle
     line = next(l for l in text.splitlines() if l.startswith("Mean TTFT (ms):"))

@@ -36,7 +36,7 @@ import math
 import numbers
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from ..config import SchedulerConfig
@@ -71,16 +71,23 @@ class CostModel:
     decode step  = fixed_s + decode_request_s * batch size + kv_token_s * KV tokens of the
                    running requests (their fill lengths: what decode attention reads)
     mixed step   = the prefill step + decode_request_s * batch + kv_token_s * their KV tokens.
+
+    The four costs are keyword arguments (seconds, in [0, 3600]; ValueError otherwise); `name`
+    and `description` label the run's summary and default to "custom" and "".
     """
 
-    name: str
-    description: str
+    name: str = "custom"
+    description: str = ""
+    _: KW_ONLY
     fixed_s: float
     prefill_token_s: float
     decode_request_s: float
     kv_token_s: float
 
     def __post_init__(self) -> None:
+        for k in ("name", "description"):
+            if not isinstance(getattr(self, k), str):
+                raise TypeError(f"CostModel {k} must be a str, got {getattr(self, k)!r}")
         for k in COST_FIELDS:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v <= MAX_COST_S):

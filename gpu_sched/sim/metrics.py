@@ -192,7 +192,7 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result", width
     """Fixed-width text table in the style of `vllm bench serve` (name left, value right)."""
     g = summary.get
     pct = lambda k: None if g(k) is None else 100.0 * g(k)  # noqa: E731
-    lines = [f" {title} ".center(width, "=")]
+    lines = [f" {title} ".center(width, "=") if len(title) + 6 <= width else f"== {title} =="]  # a long title keeps its rule
     def row(name: str, v) -> None:  # the value right-aligned at `width`, however long the name
         text = _fmt(v)
         lines.append(f"{name}{text:>{max(width - len(name), len(text) + 1)}}")
