@@ -314,8 +314,8 @@ class GpuScheduler(ReferenceScheduler):
 
     Raises:
         ValueError: an unknown backend, a string torch cannot parse as a device, a CUDA
-            device when `torch.cuda.is_available()` is False, a bad hash_seed, a negative
-            kv_pool_size.
+            device when `torch.cuda.is_available()` is False, a bad hash_seed, a kv_pool_size
+            outside [0, 2^40].
         TypeError: a config that is not a `SchedulerConfig`, a kv_pool_size that is not an int.
 
     Attributes:
