@@ -108,6 +108,7 @@ class ReferenceScheduler:
         self.running: List[ReqState] = []
         self.chunked: Optional[ReqState] = None
         self.prefilling: List[ReqState] = []
+        self._prefill_ready = False  # the prefill being run holds its extend slots (`prepare_prefill`)
         self.batch_is_full = False
         self.reqs: Dict[str, ReqState] = {}
         self.now = 0.0
@@ -256,6 +257,7 @@ class ReferenceScheduler:
         plan.log_input_tokens = adder.log_input_tokens
         plan.preempt_evicted_tokens = adder.preempt_evicted_tokens
         self.prefilling = list(adder.can_run)
+        self._prefill_ready = False
         return self._close(plan)
 
     def _remove_queued(self, r: ReqState) -> None:
@@ -359,11 +361,53 @@ class ReferenceScheduler:
             self.cache.evict(n - self.pool.available)
         return self.pool.alloc(n)
 
+    def prepare_prefill(self) -> Dict[str, np.ndarray]:
+        """Give the prefill being run (the last plan's admitted requests) the KV slots of its
+        extend ranges, before the engine's forward pass writes them, as SGLang allocates a
+        batch's extend KV before running it. Returns rid -> the request's KV slots over its
+        fill so far: int64 [extend_end], the cached prefix's slots (positions below
+        extend_start, reused) then the new ones (extend_start .. extend_end - 1, where the
+        forward writes). Calling it again returns the same slots; `complete_prefill` calls it
+        when the engine did not. The chunked request's prefilled part enters the cache only
+        in `complete_prefill` (R-DEC-3), after the forward, so these slots stay the request's
+        own until then.
+
+        Returns {} when no prefill is being run (a step that admitted nothing). Raises (before
+        changing anything) MemoryError when the extend ranges need more KV slots than are free
+        and evictable (`complete_prefill` says what to do)."""
+        if self.prefilling and not getattr(self, "_prefill_ready", False):
+            # every extend range's slots at once, or nothing
+            need = sum(r.extend_end - r.extend_start for r in self.prefilling)
+            evictable = self.cache.evictable_size if need > self.pool.available else 0  # a device read: only when needed
+            if need > self.pool.available + evictable:
+                raise MemoryError(f"prepare_prefill / complete_prefill: the prefill needs {need} KV slots, "
+                                  f"{self.pool.available} free and {evictable} evictable; finish() or abort() "
+                                  f"running requests and call again, or abort() requests of this prefill "
+                                  f"(retract_decode() frees slots only while the next decode step does not fit)")
+            for r in self.prefilling:
+                if r.kv_len == 0 and r.extend_start > 0 or r.lock_node is not None and r.cached_len == 0 and r.kv_len == 0:
+                    # fresh admission: its cached prefix is the locked path
+                    vals = self.cache.path_values(r.lock_node)
+                    r.reserve_kv(r.fill_len)
+                    r.kv[: len(vals)] = vals
+                    r.kv_len = r.cached_len = len(vals)
+                if r.kv_len != r.extend_start:
+                    raise RuntimeError(f"request {r.rid!r}: KV covers {r.kv_len} tokens, extend starts at {r.extend_start}")
+                n = r.extend_end - r.extend_start
+                r.reserve_kv(r.extend_end)
+                r.kv[r.kv_len : r.kv_len + n] = self._alloc(n)
+                r.kv_len += n
+            self._prefill_ready = True
+        return {r.rid: r.kv[: r.kv_len].copy() for r in self.prefilling}
+
     def complete_prefill(self, first_tokens: Mapping[str, int]) -> None:
-        """The engine ran the last plan's prefill: allocate KV for the extend ranges, cache the
-        chunked request's prefilled part (R-DEC-3) and move finished prefills into the running
-        batch with their first output token from `first_tokens[rid]` (a token given for the
-        chunked request, whose prefill is not done, is ignored).
+        """The engine ran the last plan's prefill: allocate KV for the extend ranges (unless
+        `prepare_prefill` did), cache the chunked request's prefilled part (R-DEC-3) and move
+        finished prefills into the running batch with their first output token from
+        `first_tokens[rid]` (a token given for the chunked request, whose prefill is not
+        done, is ignored). After it, `reqs[rid].kv[:kv_len]` are a request's KV slots; for
+        the chunked request a prefix another request cached meanwhile replaces its own slots
+        there (the same tokens' KV: its own are freed).
 
         Raises (before changing anything) ValueError for a request that finished its prefill
         without a token, for rids that are not in the plan being run, or for a token id outside
@@ -371,7 +415,8 @@ class ReferenceScheduler:
         MemoryError when the extend ranges need more KV slots than are free and evictable
         (decode() between step() and here, or R-ADM-5's in-flight chunk, which is admitted
         whatever the budget, may have used them): free some (finish() or abort() running
-        requests, retract_decode()) and call again, or abort() requests of this prefill."""
+        requests; retract_decode() frees slots only while the next decode step does not fit)
+        and call again, or abort() requests of this prefill."""
         if not isinstance(first_tokens, Mapping):
             raise TypeError(f"complete_prefill takes a mapping rid -> first token, got {type(first_tokens).__name__}")
         in_prefill = {r.rid for r in self.prefilling}
@@ -386,29 +431,9 @@ class ReferenceScheduler:
                 raise ValueError(f"complete_prefill: first_tokens has no token for request {r.rid!r}")
         for rid, t in first_tokens.items():
             check_token_id(f"first_tokens[{rid!r}]", t)
-        # every extend range's slots at once, or nothing: the loop below allocates request by
-        # request (the chunked request's cache insert between them only frees or keeps slots)
-        # (conservative by the duplicate slots a chunk's insert may free between allocations)
-        need = sum(r.extend_end - r.extend_start for r in self.prefilling)
-        evictable = self.cache.evictable_size if need > self.pool.available else 0  # a device read: only when needed
-        if need > self.pool.available + evictable:
-            raise MemoryError(f"complete_prefill: the prefill needs {need} KV slots, {self.pool.available} free "
-                              f"and {evictable} evictable; finish() or abort() running requests (or "
-                              f"retract_decode()) and call complete_prefill again, or abort() requests of "
-                              f"this prefill")
+        if self.prefilling:
+            self.prepare_prefill()  # the slots first (MemoryError: nothing changed), as SGLang's batch
         for r in self.prefilling:
-            if r.kv_len == 0 and r.extend_start > 0 or r.lock_node is not None and r.cached_len == 0 and r.kv_len == 0:
-                # fresh admission: its cached prefix is the locked path
-                vals = self.cache.path_values(r.lock_node)
-                r.reserve_kv(r.fill_len)
-                r.kv[: len(vals)] = vals
-                r.kv_len = r.cached_len = len(vals)
-            if r.kv_len != r.extend_start:
-                raise RuntimeError(f"request {r.rid!r}: KV covers {r.kv_len} tokens, extend starts at {r.extend_start}")
-            n = r.extend_end - r.extend_start
-            r.reserve_kv(r.extend_end)
-            r.kv[r.kv_len : r.kv_len + n] = self._alloc(n)
-            r.kv_len += n
             if r is self.chunked:
                 self._cache_unfinished(r)
             else:
@@ -416,6 +441,7 @@ class ReferenceScheduler:
                 r.req.output_ids.append(int(first_tokens[r.rid]))
                 self.running.append(r)
         self.prefilling = []
+        self._prefill_ready = False
 
     def _cache_unfinished(self, r: ReqState) -> None:
         """R-DEC-3 for a chunk: insert the prefilled part, move the lock to the new last node."""
