@@ -1,6 +1,7 @@
-"""`prepare_prefill()`: the prefill's KV slots before the engine's forward pass (README, "KV
-slots"). Calling it or not changes no decision and no slot; the slots it returns are the ones
-the requests keep; it allocates all or nothing; aborts after it free what it gave."""
+"""`prepare_prefill()` and `prepare_decode()`: a forward pass's KV slots before it runs
+(README, "KV slots"). Calling them or not changes no decision and no slot; the slots they
+return are the ones the requests keep; they allocate all or nothing; aborts, retractions and
+finishes after them give back what they gave."""
 
 import random
 
@@ -68,9 +69,17 @@ def test_prepared_prefill_decides_and_allocates_as_the_unprepared(seed):
                 assert out == prep.retract_decode() == dev.retract_decode()
             else:
                 assert prep.decode_fits() and dev.decode_fits()
+            if rng.random() < 0.8:  # the decode's slots before its forward
+                ds = [s.prepare_decode() for s in (prep, dev)]
+                assert ds[0] == ds[1] == prep.prepare_decode() and set(ds[0]) == {r.rid for r in plain.running}
+                assert not prep.decode_fits() or prep.decode_tokens_needed() == 0
+            else:
+                ds = None
             toks = {r.rid: rng.randrange(vocab) for r in plain.running}
             for s in (plain, prep, dev):
                 s.decode(toks)
+            if ds is not None:
+                assert {r.rid: int(r.kv[r.kv_len - 1]) for r in prep.running} == ds[0]
         done = [r.rid for r in plain.running if len(r.req.output_ids) >= goal[r.rid]]
         if done:
             for s in (plain, prep, dev):
@@ -119,3 +128,33 @@ def test_prepare_prefill_errors_and_aborts(cls):
     t.abort(["R"])
     assert set(t.prepare_prefill()) == {"C"}
     t.complete_prefill({})
+
+
+@pytest.mark.parametrize("cls", [ReferenceScheduler, GpuScheduler])
+def test_prepare_decode_then_finish_abort_or_retract(cls):
+    """A prepared decode slot whose forward never ran: finish() frees it and caches only the
+    computed tokens, abort() and retract_decode() free it with the rest; requests joining
+    the batch after prepare_decode get theirs in decode(). The pool comes back whole."""
+    s = cls(SchedulerConfig(page_size=1), 64)
+    s.submit([Request("a", [1, 2, 3], 8), Request("b", [4, 5, 6], 8), Request("c", [7, 8, 9], 8)], now=0.0)
+    s.step(0.7)
+    s.complete_prefill({"a": 10, "b": 11, "c": 12})
+    free = s.available
+    slots = s.prepare_decode()
+    assert sorted(slots) == ["a", "b", "c"] and s.available == free - 3
+    assert s.prepare_decode() == slots and s.decode_tokens_needed() == 0 and s.decode_fits()
+    s.finish(["a"])  # its prompt (3 tokens) cached, the prepared slot and the unaligned rest freed
+    s.abort(["b"])
+    s.check_integrity()
+    s.submit([Request("d", [1, 2, 3, 4], 8)], now=1.0)
+    s.step(0.7)
+    s.complete_prefill({"d": 13})
+    assert s.decode_tokens_needed() == 1  # d has no slot yet; c has its own
+    s.decode({"c": 20, "d": 21})
+    assert int(s.reqs["c"].kv[s.reqs["c"].kv_len - 1]) == slots["c"]
+    s.prepare_decode()
+    assert s.retract_decode() == [] and s.decode_fits()
+    s.finish(["c", "d"])
+    s.check_integrity()
+    s.cache.evict(10**6)
+    assert s.available == 64

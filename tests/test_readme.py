@@ -24,5 +24,6 @@ def test_engine_snippet_runs(capsys):
     assert sched.evictable == 0  # 4 tokens < one 16-token page: nothing cached, all freed
     assert sched.available == 1_000_000
     assert {k: v.tolist() for k, v in env["slots"].items()} == {"a": [0, 1, 2]}  # one KV slot per prefilled prompt token, before the forward
+    assert env["decode_slots"] == {"a": 3}  # the first output token's slot, before its decode forward
     ratio = env["ratio"]
     assert ratio.init == 0.7 and ratio.value == 0.7 - ratio.decay_step  # one decode step fitted: one decay

@@ -339,6 +339,7 @@ class ReferenceScheduler:
             self.cache.dec_lock_ref(r.lock_node)
         r.lock_node = r.last_node = None
         r.kv_len = r.cached_len = r.prefix_len = 0
+        r.decode_ready = False
 
     def _evict_shortfall(self, remaining: int) -> int:
         need = remaining * RETRACT_DECODE_STEPS - self.pool.available
@@ -470,6 +471,8 @@ class ReferenceScheduler:
             if bad is not None:
                 raise TypeError(f"decode_tokens_needed / decode_fits: reqs must hold request states (items of "
                                 f"`running`), got {type(bad).__name__} {bad!r}")
+        if any(getattr(r, "decode_ready", False) for r in reqs):  # `prepare_decode` gave these their slot
+            reqs = [r for r in reqs if not getattr(r, "decode_ready", False)]
         P = self.config.page_size
         pages = len(reqs) if P == 1 else sum(1 for r in reqs if r.fill_len % P == 0)
         return max(len(reqs), pages * P)
@@ -526,21 +529,46 @@ class ReferenceScheduler:
         # names the first bad request
         if not (all(type(t) is int for t in ids) and min(ids, default=0) >= 0 and max(ids, default=0) <= INT32_MAX):
             tokens = {rid: check_token_id(f"decode tokens[{rid!r}]", t) for rid, t in tokens.items()}
-        n = len(self.running)
+        self._decode_slots("decode")
+        for r in self.running:
+            r.decode_ready = False
+            r.req.output_ids.append(tokens[r.rid])
+
+    def prepare_decode(self) -> Dict[str, int]:
+        """Give each running request the KV slot of its last token (fill position `kv_len`,
+        the token the next decode forward feeds and whose KV it writes) before that forward, as
+        SGLang allocates a decode batch's slots before running it; `decode(tokens)` then only
+        appends the tokens (and allocates for requests that joined the batch since). Returns
+        rid -> that slot (an int) for every running request. Calling it again returns the same
+        slots; calling it or not changes no decision. `decode_fits()` counts only requests
+        without their slot. `finish()` gives back a prepared slot whose decode never ran;
+        `abort()`, `retract_decode()` and preemption free it with the rest.
+
+        Raises (before changing anything) MemoryError as `decode()` does."""
+        self._decode_slots("prepare_decode")
+        return {r.rid: int(r.kv[r.kv_len - 1]) for r in self.running}
+
+    def _decode_slots(self, where: str) -> None:
+        """The next decode step's slots for the running requests that have none yet, in batch
+        order, evicting first when the free pool is short (all or nothing)."""
+        todo = [r for r in self.running if not getattr(r, "decode_ready", False)]
+        n = len(todo)
+        if not n:
+            return
         evictable = self.cache.evictable_size  # a device read on a device cache: once
         if n > self.pool.available + evictable:  # evicting would not be enough: say so first
-            raise MemoryError(f"decode: the step needs {n} KV slots, {self.pool.available} free and "
+            raise MemoryError(f"{where}: the step needs {n} KV slots, {self.pool.available} free and "
                               f"{evictable} evictable; call retract_decode() first (decode_fits), and if "
                               f"decode_fits() is still False after it (it keeps one request), finish() or "
                               f"abort() a running request")
         if n > self.pool.available:
             self.cache.evict(n - self.pool.available)
         slots = self.pool.alloc(n)
-        for r, s in zip(self.running, slots):
+        for r, s in zip(todo, slots):
             r.ensure_kv_capacity(r.kv_len + 1)
             r.kv[r.kv_len] = s
             r.kv_len += 1
-            r.req.output_ids.append(tokens[r.rid])
+            r.decode_ready = True
 
     def finish(self, rids: Iterable[str]) -> None:
         """R-DEC-3: cache each finished request's computed sequence (page-aligned), free the
@@ -561,6 +589,10 @@ class ReferenceScheduler:
                 raise ValueError(f"finish: request {rid!r} {where}")
         for rid in rids:
             r = index[rid]
+            if getattr(r, "decode_ready", False):  # its last token's slot, whose decode never ran: not cached
+                r.kv_len -= 1
+                self.pool.free(r.kv[r.kv_len : r.kv_len + 1].copy())
+                r.decode_ready = False
             if self.cache.disable:
                 self.pool.free(r.kv[: r.kv_len].copy())
             else:

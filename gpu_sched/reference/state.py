@@ -26,7 +26,7 @@ class ReqState:
     __slots__ = (
         "req", "rid", "priority", "enqueue_time", "prefix_len", "last_node", "lock_node",
         "kv", "kv_len", "cached_len", "extend_start", "extend_end", "retracted", "num_matched",
-        "_fill", "_fill_n", "dev_row",
+        "_fill", "_fill_n", "dev_row", "decode_ready",
     )
 
     def __init__(self, req: Request, priority: int, enqueue_time: float):
@@ -47,6 +47,7 @@ class ReqState:
         self._fill = None
         self._fill_n = -1
         self.dev_row = -1  # a device scheduler's row of this request (-1: none); unused here
+        self.decode_ready = False  # holds the KV slot of its last token for the next decode (`prepare_decode`)
 
     # ---- token views -----------------------------------------------------------------------
     @property
