@@ -6,6 +6,7 @@ import pytest
 from gpu_sched import PrefillPlan, Request, SchedulerConfig
 from gpu_sched.plan import STOP_REASONS, DecisionDigest
 from gpu_sched.reference import ReferenceScheduler
+from gpu_sched.scheduler import GpuScheduler
 
 
 def R(rid, prompt, max_new=4, **kw):
@@ -577,3 +578,18 @@ def _random_flow(seed, steps=40):
 def test_random_flows_keep_integrity(seed):
     admitted, finished = _random_flow(seed)
     assert admitted > 0 and finished > 0
+
+
+@pytest.mark.parametrize("cls", [ReferenceScheduler, GpuScheduler])
+def test_flush_cache_keeps_locked_prefixes(cls):
+    """flush_cache evicts every unlocked cached token and keeps a prefix an admitted request
+    locked; it returns the tokens freed."""
+    s = cls(SchedulerConfig(page_size=1), 100)
+    s.seed_cache([1, 2, 3, 4, 5])
+    s.seed_cache([9, 8, 7])
+    s.submit([Request("a", [1, 2, 3, 9], 4)], now=0.0)
+    s.step(0.7)  # locks [1, 2, 3] for a's prefill
+    assert (s.evictable, s.protected) == (5, 3)
+    assert s.flush_cache() == 5 and (s.evictable, s.protected, s.available) == (0, 3, 97)
+    s.complete_prefill({"a": 6})
+    s.check_integrity()

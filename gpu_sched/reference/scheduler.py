@@ -129,6 +129,15 @@ class ReferenceScheduler:
     def protected(self) -> int:
         return self.cache.protected_size
 
+    def flush_cache(self) -> int:
+        """Evict every unlocked cached token (R-RC-7's order), as an engine's cache flush
+        (SGLang's `flush_cache`); prefixes locked by waiting-for-prefill, chunked or running
+        requests stay. Returns the tokens whose slots went back to the free pool."""
+        n = self.cache.evictable_size
+        if n > 0:
+            self.cache.evict(n)
+        return n
+
     @property
     def kv_used(self) -> int:
         return self.pool.size - self.pool.available
