@@ -378,9 +378,12 @@ class ReferenceScheduler:
         fill so far: int64 [extend_end], the cached prefix's slots (positions below
         extend_start, reused) then the new ones (extend_start .. extend_end - 1, where the
         forward writes). Calling it again returns the same slots; `complete_prefill` calls it
-        when the engine did not. The chunked request's prefilled part enters the cache only
-        in `complete_prefill` (R-DEC-3), after the forward, so these slots stay the request's
-        own until then.
+        when the engine did not, so calling it right before `complete_prefill` (no scheduler
+        call between) changes no decision and no slot. Calls between the two see the slots
+        taken, as SGLang's scheduler does once a batch is prepared: a short pool is evicted
+        here rather than there, seeding finds fewer free slots. The chunked request's prefilled
+        part enters the cache only in `complete_prefill` (R-DEC-3), after the forward, so these
+        slots stay the request's own until then.
 
         Returns {} when no prefill is being run (a step that admitted nothing). Raises (before
         changing anything) MemoryError when the extend ranges need more KV slots than are free
@@ -549,9 +552,13 @@ class ReferenceScheduler:
         SGLang allocates a decode batch's slots before running it; `decode(tokens)` then only
         appends the tokens (and allocates for requests that joined the batch since). Returns
         rid -> that slot (an int) for every running request. Calling it again returns the same
-        slots; calling it or not changes no decision. `decode_fits()` counts only requests
-        without their slot. `finish()` gives back a prepared slot whose decode never ran;
-        `abort()`, `retract_decode()` and preemption free it with the rest.
+        slots. Called after `decode_fits()` / `retract_decode()` and right before `decode()`
+        (no scheduler call between), it changes no decision and no slot. Calls between the two
+        see the slots taken, as SGLang's scheduler does once a decode batch is prepared: a
+        `step()` there budgets with fewer free slots, and `decode_fits()` counts only requests
+        without their slot (a prepared one needs none, not a page). `finish()` gives back a
+        prepared slot whose decode never ran; `abort()`, `retract_decode()` and preemption free
+        it with the rest.
 
         Raises (before changing anything) MemoryError as `decode()` does."""
         self._decode_slots("prepare_decode")
