@@ -388,6 +388,11 @@ class ReferenceScheduler:
         Returns {} when no prefill is being run (a step that admitted nothing). Raises (before
         changing anything) MemoryError when the extend ranges need more KV slots than are free
         and evictable (`complete_prefill` says what to do)."""
+        self._prefill_slots()
+        return {r.rid: r.kv[: r.kv_len].copy() for r in self.prefilling}
+
+    def _prefill_slots(self) -> None:
+        """`prepare_prefill`'s allocation (once per plan), without its copies of the slots."""
         if self.prefilling and not getattr(self, "_prefill_ready", False):
             # every extend range's slots at once, or nothing
             need = sum(r.extend_end - r.extend_start for r in self.prefilling)
@@ -411,7 +416,6 @@ class ReferenceScheduler:
                 r.kv[r.kv_len : r.kv_len + n] = self._alloc(n)
                 r.kv_len += n
             self._prefill_ready = True
-        return {r.rid: r.kv[: r.kv_len].copy() for r in self.prefilling}
 
     def complete_prefill(self, first_tokens: Mapping[str, int]) -> None:
         """The engine ran the last plan's prefill: allocate KV for the extend ranges (unless
@@ -444,8 +448,7 @@ class ReferenceScheduler:
                 raise ValueError(f"complete_prefill: first_tokens has no token for request {r.rid!r}")
         for rid, t in first_tokens.items():
             check_token_id(f"first_tokens[{rid!r}]", t)
-        if self.prefilling:
-            self.prepare_prefill()  # the slots first (MemoryError: nothing changed), as SGLang's batch
+        self._prefill_slots()  # the slots first (MemoryError: nothing changed), as SGLang's batch
         for r in self.prefilling:
             if r is self.chunked:
                 self._cache_unfinished(r)
