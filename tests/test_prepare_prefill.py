@@ -159,3 +159,25 @@ def test_prepare_decode_then_finish_abort_or_retract(cls):
     cached = s.evictable
     assert cached > 0 and s.flush_cache() == cached  # the finished prompts' cached tokens
     assert s.evictable == 0 and s.available == 64 and s.flush_cache() == 0
+
+
+@pytest.mark.parametrize("cls", [ReferenceScheduler, GpuScheduler])
+def test_calls_between_prepare_and_commit_see_the_slots_taken(cls):
+    """A step placed between prepare_decode and decode (an overlap engine scheduling the next
+    prefill while the decode runs) budgets with the prepared slot taken, as SGLang's
+    scheduler once its decode batch is prepared: here b no longer fits. Both schedulers
+    alike; without the prepare, b is admitted."""
+    def run(prep):
+        s = cls(SchedulerConfig(schedule_policy="fcfs", page_size=1), 60)
+        s.submit([Request("a", list(range(3, 18)), 4)], now=0.0)
+        s.step(1.0)
+        s.complete_prefill({"a": 7})
+        s.submit([Request("b", list(range(100, 136)), 4)], now=1.0)
+        assert s.decode_fits()
+        if prep:
+            s.prepare_decode()
+        plan = s.step(1.0)
+        return [x[0] for x in plan.admitted], plan.stop, plan.available
+
+    assert run(False) == (["b"], "queue_end", 45)
+    assert run(True) == ([], "add_no_token", 44)
