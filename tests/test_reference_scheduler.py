@@ -593,3 +593,20 @@ def test_flush_cache_keeps_locked_prefixes(cls):
     assert s.flush_cache() == 5 and (s.evictable, s.protected, s.available) == (0, 3, 97)
     s.complete_prefill({"a": 6})
     s.check_integrity()
+
+
+@pytest.mark.parametrize("cls", [ReferenceScheduler, GpuScheduler])
+@pytest.mark.parametrize("chunk", [None, 8])
+@pytest.mark.parametrize("P", [1, 4])
+def test_pool_size_bound_of_admission(cls, chunk, P):
+    """submit()'s documented bound: len(fill) + min(max_new, CLIP) + P >= kv_pool_size is
+    never admitted (an exact fit included, chunking or not, the pool idle and empty); one
+    token less is admitted (whole or as a first chunk) by an idle scheduler."""
+    pool, max_new = 64, 10
+    for fill, admitted in ((pool - max_new - P, False), (pool - max_new - P - 1, True)):
+        s = cls(SchedulerConfig(page_size=P, chunked_prefill_size=chunk, clip_max_new_tokens=4096), pool)
+        s.submit([Request("r", list(range(1, fill + 1)), max_new)], now=0.0)
+        plan = s.step(1.0)
+        assert bool(plan.admitted) == admitted, (fill, plan.stop)
+        if not admitted:
+            assert plan.stop == "add_no_token"

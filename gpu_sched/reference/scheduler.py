@@ -174,7 +174,11 @@ class ReferenceScheduler:
         Sizes are not checked against the KV pool: as in SGLang, a request whose prompt plus
         reservation never fits is never admitted (steps stop at it with `add_no_token`), and
         under fcfs it holds back the requests behind it; the engine rejects such prompts up
-        front (SGLang's max_req_input_len).
+        front (SGLang's max_req_input_len). Outside R-ADM-6's path (ignore_eos with the cache
+        disabled) that is every request with `len(fill) + min(max(max_new_tokens - len(output),
+        0), clip_max_new_tokens) + page_size >= kv_pool_size` [tokens]: R-ADM-3 step 4 refuses
+        `total >= rem_total`, an exact fit included, and rem_total never exceeds the pool
+        (chunking does not help: the check counts the whole extend).
 
         Raises TypeError/ValueError naming the field (bad record, duplicate rid)."""
         requests = self._check_new(requests)
