@@ -157,10 +157,10 @@ class SchedulerConfig:
                    none_means="off")
         _check_int("random_seed", self.random_seed, lo=0, hi=2**64 - 1, hi_is="the generators' largest seed")
         c = self.schedule_conservativeness
-        if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, float, np.integer, np.floating)):
+        if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, float, np.floating)):  # numpy ints: ints above
             raise TypeError(f"schedule_conservativeness must be a number, got {c!r}")
-        if isinstance(c, (np.integer, np.floating)):  # numpy numbers stored as Python ones, as the int knobs
-            c = c.item()
+        if isinstance(c, np.floating):  # stored as a Python float, as numpy ints as ints
+            c = float(c)
             object.__setattr__(self, "schedule_conservativeness", c)
         try:
             f = float(c)  # an int past float's range would fail later as a bare OverflowError

@@ -53,3 +53,24 @@ def cpu_default_device(cuda_default_device):
     yield
     # None, not "cpu", where nothing was set before: no default-device hook left behind
     torch.set_default_device(None if prev.type == "cpu" else prev)
+
+
+class _NoMemoryNumpy:
+    """numpy, except that `arange` fails as an allocation past the host's memory does."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def arange(*args, **kwargs):
+        raise MemoryError("Unable to allocate")
+
+
+@pytest.fixture
+def kv_pool_out_of_memory(monkeypatch):
+    """The KV pool's free list cannot be allocated: a stand-in for a host out of memory (a real
+    allocation of 2^40 slots could be granted lazily where the kernel overcommits, then fill
+    RAM)."""
+    from gpu_sched.reference import radix_cache
+
+    monkeypatch.setattr(radix_cache, "np", _NoMemoryNumpy())

@@ -156,23 +156,9 @@ def test_scheduler_rejects_non_config():
         ReferenceScheduler(SchedulerConfig(), 2**40 + 1)
 
 
-class _NoMemoryNumpy:
-    """numpy, except that `arange` fails as an allocation past the host's memory does (a real
-    one of 2^40 slots could be granted lazily where the kernel overcommits, and then fill RAM)."""
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-    @staticmethod
-    def arange(*args, **kwargs):
-        raise MemoryError("Unable to allocate 8.00 TiB")
-
-
-def test_kv_pool_past_host_memory_is_named(monkeypatch):
+def test_kv_pool_past_host_memory_is_named(kv_pool_out_of_memory):
     """A pool the host cannot hold the free list of is a MemoryError naming kv_pool_size and its
     size, not numpy's bare allocation error."""
-    from gpu_sched.reference import radix_cache
-    monkeypatch.setattr(radix_cache, "np", _NoMemoryNumpy())
     with pytest.raises(MemoryError, match=r"kv_pool_size 1099511627776 slots: no memory for its free list \(8192.0 GiB\)"):
         ReferenceScheduler(SchedulerConfig(), 2**40)
 
