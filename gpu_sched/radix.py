@@ -53,6 +53,18 @@ Hash table
   when the table passes 3/4. A CPU tree also keeps the slot of each page end's entry at its
   pool position (`hslot`), so its deletions find their slots without probing.
 
+Deferred entries (CPU trees, host forms)
+  A host insert enters only the new leaf's first page end (its head) and keeps the other
+  page ends pending (`hslot` = PENDING at their pool positions, listed in `_pend`); a split
+  enters its tail's head at once. Every node's head is then in the table, which is all the
+  token walks (`_walk_scalar`: one lookup per node, then a token comparison) need, so a
+  serving loop whose searches are walks (fcfs, lof, routing-key admission; the inserts
+  themselves) never enters most page ends, and an eviction drops a pending one with one
+  write instead of a tombstone. Any other reader of the table (`hkeys`, `hvals`: the hash
+  searches, probes, kernels, the recorded step, `check_integrity`) enters every pending
+  entry first (`_flush_pending`), so it sees the whole table. Results are the same with or
+  without it (`DEFER_ENTRIES`); only the table's layout differs.
+
 Queries in CSR form
   `match_csr` takes the queries as one flat token pool with per-request offsets (as the request
   table stores them) and their chunk hashes likewise, so a large queue needs no [B, max L]
@@ -83,6 +95,8 @@ from .policy import HostViews, _host, host_ok
 
 P1, P2 = 2**31 - 1, 2147483629
 EMPTY, TOMB = -1, -2
+#: `hslot` at a page end whose entry is deferred (not in the table yet: `_flush_pending`)
+PENDING = -2
 ROOT = 0
 BACKENDS = ("torch", "triton")
 #: 2^64 / golden ratio as a signed int64: a key's home slot is bits 32.. of key * MIX (wrapping),
@@ -209,8 +223,10 @@ class FlatRadixTree:
         H = 1
         while H < 2 * max(T // self.P, 16):
             H *= 2
-        self.hkeys = torch.full((H,), EMPTY, dtype=torch.int64, device=dev)
-        self.hvals = torch.full((H,), -1, dtype=torch.int64, device=dev)
+        self._hk = torch.full((H,), EMPTY, dtype=torch.int64, device=dev)  # `hkeys`, `hvals`
+        self._hv = torch.full((H,), -1, dtype=torch.int64, device=dev)
+        self._pend: List[np.ndarray] = []  # pool positions of deferred entries (stale ones too)
+        self._pend_n = 0
         self._h_used = 0  # live entries + tombstones
         # CPU trees: the table slot of each page end's entry, by pool position (int32: slots <
         # H <= 2^31), so a host deletion writes its tombstones without probing; valid while every
@@ -241,6 +257,94 @@ class FlatRadixTree:
         self._free_nodes: List[int] = list(range(N - 1, 0, -1))
         self._hwm = 1  # node_bound()
         self._host_arrays = HostViews()  # `_np`'s views
+
+    @property
+    def hkeys(self) -> torch.Tensor:
+        """The hash table's keys (int64 [H]; EMPTY, TOMB or a page end's prefix hash), every
+        deferred entry entered first (`_flush_pending`). The table's own operations and the
+        token walks read `_hk` as it is."""
+        if self._pend:
+            self._flush_pending()
+        return self._hk
+
+    @hkeys.setter
+    def hkeys(self, t: torch.Tensor) -> None:
+        self._hk = t
+
+    @property
+    def hvals(self) -> torch.Tensor:
+        """The hash table's values (int64 [H]: each entry's pool position), every deferred
+        entry entered first, as `hkeys`."""
+        if self._pend:
+            self._flush_pending()
+        return self._hv
+
+    @hvals.setter
+    def hvals(self, t: torch.Tensor) -> None:
+        self._hv = t
+
+    #: defer all but each new leaf's first page-end entry on a CPU tree's host inserts (see
+    #: the module doc); False enters every entry at once (the table's layout then equals the
+    #: torch and triton forms', which the layout tests compare)
+    DEFER_ENTRIES = True
+
+    def _defers(self) -> bool:
+        """Whether a host insert may defer entries now: a CPU tree whose deletions trust `hslot`."""
+        return self.DEFER_ENTRIES and self.hslot is not None and self._hslot_ok
+
+    def _flush_pending(self) -> None:
+        """Enter every deferred entry still pending (its pool position's `hslot` is PENDING;
+        the list also holds positions evicted or entered since), keyed by the hash at that
+        position (`hsh`)."""
+        hs, parts = self._np("hslot"), []
+        for a in self._pend:  # a position listed twice (evicted, then deferred again) is taken once
+            a = a[hs[a] == PENDING]
+            hs[a] = -1
+            parts.append(a)
+        self._pend, self._pend_n = [], 0
+        pos = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        if pos.size:
+            self._table_insert(torch.from_numpy(self._np("hsh")[pos]), torch.from_numpy(pos), positions=True)
+
+    def _defer(self, pe: np.ndarray) -> None:
+        """Mark the page ends at pool positions pe (int64 [k], not in the table) pending. The
+        list is cut back to the positions still pending when it outgrows the pool's pages."""
+        if pe.size == 0:
+            return
+        self._np("hslot")[pe] = PENDING
+        self._pend.append(pe)
+        self._pend_n += pe.size
+        if self._pend_n > 2 * (self.token_capacity // self.P) + 4096:  # mostly stale: the live ones
+            pos = np.unique(np.concatenate(self._pend))
+            pos = pos[self._np("hslot")[pos] == PENDING]
+            self._pend, self._pend_n = ([pos] if pos.size else []), pos.size
+
+    def entries(self) -> np.ndarray:
+        """The table's entries as it stands for lookups, the deferred ones included (nothing is
+        entered): int64 [k, 2] (key, value) rows sorted by key. Two trees that hold the same
+        entries give equal arrays whatever their layouts (deferred or not, slots apart)."""
+        keys, vals = self._hk.cpu().numpy(), self._hv.cpu().numpy()
+        live = keys >= 0
+        k, v = keys[live], vals[live]
+        if self._pend:
+            pos = np.flatnonzero(self._np("hslot") == PENDING)
+            k, v = np.concatenate([k, self._np("hsh")[pos]]), np.concatenate([v, pos])
+        o = np.argsort(k, kind="stable")
+        return np.stack([k[o], v[o]], axis=1)
+
+    def _enter_heads(self, nodes: List[int]) -> None:
+        """Enter the first page-end entry of each of these nodes (split tails) where it is
+        deferred, so that every node's head stays in the table."""
+        if not self._pend:
+            return
+        hs, off, P = self._mv("hslot"), self._mv("key_off"), self.P
+        pos = [off[x] + P - 1 for x in nodes]
+        pos = [p for p in pos if hs[p] == PENDING]
+        if pos:
+            for p in pos:
+                hs[p] = -1
+            pa = np.array(pos, dtype=np.int64)
+            self._table_insert(torch.from_numpy(self._np("hsh")[pa]), torch.from_numpy(pa), positions=True)
 
     def host_int(self, name: str) -> int:
         """The 0-d array `name` (`evictable_size` or `protected_size`) as an int [tokens]: on
@@ -627,11 +731,13 @@ class FlatRadixTree:
         n = h.numel()
         if n == 0:
             return
-        H = self.hkeys.numel()
+        record = positions and self.hslot is not None and _host(h) and be != "triton"
+        if not record and self._pend:  # deletions will probe: every deferred entry in first
+            self._flush_pending()
+        H = self._hk.numel()
         if (self._h_used + n) * 4 > H * 3:
             self._rehash(extra=n, be=be)
-            H = self.hkeys.numel()
-        record = positions and self.hslot is not None and _host(h) and be != "triton"
+            H = self._hk.numel()
         if not record:
             self._hslot_ok = False
         if be == "triton":
@@ -675,7 +781,7 @@ class FlatRadixTree:
         the same claims and winners (so the same table), in numpy calls of 1-3 us instead of
         torch CPU ops of 5-15 us. `record`: also write each entry's slot at its value (a pool
         position) in `hslot`. Raises RuntimeError at the probe limit."""
-        keys, vals = self._np("hkeys"), self._np("hvals")
+        keys, vals = self._np("_hk"), self._np("_hv")  # as they are: deferred entries stay so
         hs = self._np("hslot") if record else None
         H, n = keys.size, h.size
         idx = np.arange(n, dtype=np.int64)
@@ -710,7 +816,7 @@ class FlatRadixTree:
         a slot wins, the others move one slot on. `rounds` rounds at most, then RuntimeError
         at the probe limit. A round of numpy calls costs ~25 calls whatever the count (a
         replay at the table's working load spends most rounds on under 30 keys)."""
-        keys, vals = self._mv("hkeys"), self._mv("hvals")
+        keys, vals = self._mv("_hk"), self._mv("_hv")
         hs = self._mv("hslot") if record else None
         mask = len(keys) - 1
         pend = list(zip(pos, h, v))
@@ -736,13 +842,22 @@ class FlatRadixTree:
         the slots of (`hslot`) instead of probing, when every insert since the last rehash
         recorded them. RuntimeError for an absent entry."""
         if self._host_form(be):  # the slots and the tombstones on the table's views
-            keys = self._np("hkeys")
             hn = h.numpy()
             if pos is not None and self._hslot_ok:
-                slot = self._np("hslot")[pos].astype(np.int64)
+                hs = self._np("hslot")
+                slot = hs[pos].astype(np.int64)
+                if self._pend:  # a deferred entry leaves with its pending mark alone
+                    pend = slot == PENDING
+                    if pend.any():
+                        hs[pos[pend]] = -1
+                        slot, hn = slot[~pend], hn[~pend]
+                keys = self._np("_hk")
                 if not np.array_equal(keys[slot], hn):
                     raise RuntimeError("prefix hash table: deleting an absent entry")
             else:
+                if self._pend:
+                    self._flush_pending()
+                keys = self._np("_hk")
                 slot = self._probe_host(hn)
                 if (slot < 0).any():
                     raise RuntimeError("prefix hash table: deleting an absent entry")
@@ -767,15 +882,15 @@ class FlatRadixTree:
         return len(c) + _clear_runs_before(keys, c, mask)
 
     def _rehash(self, extra: int = 0, be: str = "torch") -> None:
-        live = self.hkeys >= 0
-        keys, vals = self.hkeys[live], self.hvals[live]
-        H = self.hkeys.numel()
+        live = self._hk >= 0  # deferred entries stay pending (their `hslot` marks are kept)
+        keys, vals = self._hk[live], self._hv[live]
+        H = self._hk.numel()
         while (keys.numel() + extra) * 2 > H:
             H *= 2
         self.hkeys = torch.full((H,), EMPTY, dtype=torch.int64, device=self.device)
         self.hvals = torch.full((H,), -1, dtype=torch.int64, device=self.device)
-        self._host_arrays.drop("hkeys")  # `_np` would re-make them; this frees the old table now
-        self._host_arrays.drop("hvals")
+        for name in ("hkeys", "hvals", "_hk", "_hv"):  # `_np` would re-make them; this frees the old table now
+            self._host_arrays.drop(name)
         self._h_used = 0
         self._hslot_ok = self.hslot is not None  # every live entry is entered again: the host form records all
         T = self.token_capacity
@@ -898,6 +1013,13 @@ class FlatRadixTree:
         else:
             self._compact_torch()
 
+    def _repend(self) -> None:
+        """After a compaction: the deferred entries' list anew from their pending marks, which
+        moved with their positions (`hslot` is a pool array)."""
+        if self._pend:
+            pos = np.flatnonzero(self._np("hslot")[: self.top] == PENDING)
+            self._pend, self._pend_n = ([pos] if pos.size else []), pos.size
+
     def _pool_arrays(self):
         """(name, value of a free position) of every array indexed by pool position."""
         return [("tok", 0), ("val", 0), ("hsh", 0), ("owner", -1)] + ([("hslot", -1)] if self.hslot is not None else [])
@@ -919,10 +1041,11 @@ class FlatRadixTree:
             arr[:total] = moved
             arr[total:] = fill
         self.key_off[ids] = new_off
-        live = self.hkeys >= 0
-        self.hvals[live] = remap[self.hvals[live]]
+        live = self._hk >= 0  # the entries in the table (deferred ones are by position: `compact`)
+        self._hv[live] = remap[self._hv[live]]
         self.top = total
         self._reuse = 0
+        self._repend()
 
     def _compact_host(self) -> None:
         """`compact` on a CPU tree's numpy views, the same arrays after it: about half the
@@ -942,13 +1065,14 @@ class FlatRadixTree:
             arr[:total] = arr[src]  # the fancy-index gather is a copy: overlapping ranges are safe
             arr[total:] = fill
         key_off[ids] = new_off
-        keys, vals = v("hkeys"), v("hvals")
+        keys, vals = v("_hk"), v("_hv")  # the entries in the table (deferred ones: `compact`)
         live = np.flatnonzero(keys >= 0)
         remap = np.full(self.token_capacity, -1, dtype=np.int64)
         remap[src] = np.arange(total, dtype=np.int64)
         vals[live] = remap[vals[live]]
         self.top = total
         self._reuse = 0
+        self._repend()
 
     # ---- match (R-RC-4) --------------------------------------------------------------------
     def _find(self, tokens, lengths, ns, chunk_hashes=None, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
@@ -1120,7 +1244,8 @@ class FlatRadixTree:
         elsewhere."""
         P = self.P
         Lq = length // P * P
-        keys, vals, owner, key_off, key_len, hsh = map(self._mv, ("hkeys", "hvals", "owner", "key_off", "key_len", "hsh"))
+        # the table as it is: every node's first page end is in it (deferred entries are not needed)
+        keys, vals, owner, key_off, key_len, hsh = map(self._mv, ("_hk", "_hv", "owner", "key_off", "key_len", "hsh"))
         ptok = self._np("tok")
         M = (1 << 31) - 1
 
@@ -1653,6 +1778,7 @@ class FlatRadixTree:
         v("parent")[piece] = head
         la = v("last_access")
         la[piece] = max(la[piece], stamp)
+        self._enter_heads([piece])
         return head
 
     def _apply_list(self, m: List[int], pos: List[int]) -> List[int]:
@@ -1702,6 +1828,8 @@ class FlatRadixTree:
             return
         head = self._alloc_nodes(n)
         self._split_writes(piece, cover, stamp, cid, head, be)
+        if self._pend:  # the tails' first page ends (deferred on a CPU tree) entered
+            self._enter_heads(piece.tolist())
 
     def _node_arrays(self) -> List[torch.Tensor]:
         return [self.parent, self.key_off, self.key_len, self.start, self.lock_ref, self.last_access, self.cid,
@@ -1986,8 +2114,12 @@ class FlatRadixTree:
         MemoryError (before changing anything but the version) as the wave does."""
         self.version = next(_VERSIONS)
         P, L = self.P, tok.size
-        k, kpos = self._search_scalar(h[P - 1 :: P], L // P, known // P, known_pos)
-        m = k * P
+        defer = self._defers()
+        if defer:  # deferred entries: a walk on the tokens (heads only) instead of the hash search
+            m, kpos = self._walk_scalar(tok, L, ns)[:2]
+        else:
+            k, kpos = self._search_scalar(h[P - 1 :: P], L // P, known // P, known_pos)
+            m = k * P
         n_new = L - m
         if n_new:
             if len(self._free_nodes) < 2:
@@ -2016,7 +2148,11 @@ class FlatRadixTree:
         self._np("nchild")[par] += 1
         pe = np.arange(off + P - 1, off + n_new, P, dtype=np.int64)  # m is page-aligned: every P-th new token
         hp = torch.from_numpy(np.ascontiguousarray(h[m + P - 1 :: P]))
-        self._table_insert(hp, torch.from_numpy(pe), positions=True)  # its host form, after the fill check
+        if defer:  # the leaf's head entered, the rest deferred
+            self._table_insert(hp[:1], torch.from_numpy(pe[:1]), positions=True)
+            self._defer(pe[1:])
+        else:
+            self._table_insert(hp, torch.from_numpy(pe), positions=True)  # its host form, after the fill check
         self._log_change(hp)
         self._np("evictable_size")[()] += n_new
         return m, off + n_new - 1
@@ -2319,6 +2455,15 @@ class FlatRadixTree:
     def check_integrity(self) -> None:
         """Structure, counters and hash table against each other (AssertionError on failure)."""
         b = self._hwm  # no live id at or above it (ids are handed out lowest first)
+        if self.hslot is not None and self._pend:
+            # every live node's first page end in the table (the walks rely on it); then the
+            # deferred entries entered, and no pending mark left
+            ids = np.flatnonzero(self._np("alive")[:b])
+            ids = ids[ids != ROOT]
+            heads = self._np("key_off")[ids] + self.P - 1
+            assert not (self._np("hslot")[heads] == PENDING).any(), "a node's first page-end entry is deferred"
+            self._flush_pending()
+            assert not (self._np("hslot") == PENDING).any(), "a pending mark after the flush"
         # the passes over the whole node, pool and table arrays: numpy on a CPU (2-3x torch's
         # one-thread passes there; a replay's --check runs this after every step)
         if self._on_cpu:

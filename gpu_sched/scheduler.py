@@ -139,9 +139,10 @@ class _ScalarMatcher:
         self.ps: List[int] = []
         # views made once per window (each costs a lookup or an allocation per call): the row
         # table flat (`_rt_mv`; a search may write a row's kept columns through it) and the
-        # prefix hash table (searches only read the tree while the loop runs)
+        # prefix hash table when first read (searches only read the tree while the loop runs;
+        # reading it enters the tree's deferred entries, which walks do not need)
         self._view_rows()
-        self.hkeys, self.hvals = tree._mv("hkeys"), tree._mv("hvals")
+        self.hkeys = self.hvals = None
 
     def _view_rows(self) -> None:
         self.rt_arr = self.s._rt
@@ -154,6 +155,8 @@ class _ScalarMatcher:
         present (or 0) and depth mlen + P absent (or past Lq); and the pool position found
         for depth mlen (-1 if absent)."""
         P = self.P
+        if self.hkeys is None:
+            self.hkeys, self.hvals = self.tree._mv("hkeys"), self.tree._mv("hvals")
         s1, s2 = self.tree._probe_scalar(self.hkeys, (h1, h2))
         pos, pos2 = (self.hvals[s1] if s1 >= 0 else -1), s2
         return not (mlen > Lq or mlen % P or mlen > 0 and pos < 0 or mlen + P <= Lq and pos2 >= 0), pos
@@ -181,9 +184,12 @@ class _ScalarMatcher:
                 node, cover = X, m - start
                 pos = key_off[X] + cover - 1
         else:
-            ok, pos = self.holds(mlen, Lq, h1, h2) if mver != -1 else (False, -1)
+            # a tree with deferred entries: the walk, which finds what the two lookups would
+            # check (reading the table would enter them all)
+            walk = s.LAZY_FIND_TOKENS > 0 and self.tree._pend and self.hkeys is None
+            ok, pos = self.holds(mlen, Lq, h1, h2) if mver != -1 and not walk else (False, -1)
             if not ok:
-                if toff < 0 and s.LAZY_FIND_TOKENS > 0:  # not hashed: the walk (`_find_rows_scalar`'s choice)
+                if (toff < 0 or walk) and s.LAZY_FIND_TOKENS > 0:  # not hashed: the walk (`_find_rows_scalar`'s choice)
                     kept = s._find_lazy(r)
                 else:
                     kept = s._find_rows_scalar(self.rows[j : j + 1], capped=True)[:, 0].tolist()

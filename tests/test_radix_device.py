@@ -365,12 +365,16 @@ def test_insert_finds_every_present_length(page_size, walks, monkeypatch):
         tree.check_integrity()
 
 
-def assert_same_tree(a: FlatRadixTree, b: FlatRadixTree, step) -> None:
+def assert_same_tree(a: FlatRadixTree, b: FlatRadixTree, step, layout: bool = True) -> None:
     """Every array of two trees (token pool, node fields, hash table, sizes), their counters,
-    free lists and change logs' hashes are equal."""
-    for x, y in zip(a._node_arrays() + [a.alive, a.tok, a.val, a.hsh, a.owner, a.hkeys, a.hvals,
+    free lists and change logs' hashes are equal. `layout=False`: the hash tables hold the
+    same entries (`FlatRadixTree.entries`, deferred ones included, nothing entered), in any
+    slots: a CPU tree's host inserts defer entries (`DEFER_ENTRIES`) where the array forms
+    enter them all."""
+    table = (lambda t: [t.hkeys, t.hvals]) if layout else (lambda t: [torch.from_numpy(t.entries())])
+    for x, y in zip(a._node_arrays() + [a.alive, a.tok, a.val, a.hsh, a.owner, *table(a),
                                         a.evictable_size, a.protected_size],
-                    b._node_arrays() + [b.alive, b.tok, b.val, b.hsh, b.owner, b.hkeys, b.hvals,
+                    b._node_arrays() + [b.alive, b.tok, b.val, b.hsh, b.owner, *table(b),
                                         b.evictable_size, b.protected_size]):
         assert torch.equal(x, y), step
     assert (a.top, a.clock, a.next_cid, a.next_order, a._free_nodes) == \
@@ -378,17 +382,22 @@ def assert_same_tree(a: FlatRadixTree, b: FlatRadixTree, step) -> None:
     assert [h.tolist() for _, h in a._log] == [h.tolist() for _, h in b._log], step
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["entered", "deferred"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_single_insert_walk_writes_what_the_array_form_writes(page_size, monkeypatch):
+def test_single_insert_walk_writes_what_the_array_form_writes(page_size, defer, monkeypatch):
     """A single insert's host path (scalar search, leaf written through numpy views) leaves
     every array of the tree (token pool, node fields, hash table, sizes) and its change log
     exactly as the array path does, over inserts that extend, split and repeat cached
     sequences, interleaved with matches (stamps) and evictions, through a compaction of the
-    small token pool."""
+    small token pool. With its entries deferred (`DEFER_ENTRIES`: the walk instead of the
+    hash search, one entry per new leaf) the table holds the same entries, and every node's
+    first page end is in it (`check_integrity`)."""
+    monkeypatch.setattr(FlatRadixTree, "DEFER_ENTRIES", defer)
     P = page_size
     rng = np.random.default_rng(7 + P)
     trees = [FlatRadixTree(P, max_nodes=512, token_capacity=160 * P, seed=3) for _ in range(2)]
     bases = [rng.integers(0, 6, int(rng.integers(1, 16)) * P).astype(np.int32) for _ in range(6)]
+    deferred = 0  # steps after which the host tree held deferred entries
     for step in range(120):
         b = bases[int(rng.integers(len(bases)))]
         seq = np.concatenate([b[: int(rng.integers(len(b) + 1))], rng.integers(0, 6, int(rng.integers(0, 3 * P)))])
@@ -407,16 +416,23 @@ def test_single_insert_walk_writes_what_the_array_form_writes(page_size, monkeyp
                     outs.append(tree.insert(torch.from_numpy(seq.astype(np.int32)), torch.arange(len(seq)) + step * 100,
                                             int(step % 2)))
         assert outs[0] == outs[1], (step, outs)
-        assert_same_tree(*trees, step)
+        deferred += trees[0]._pend_n > 0
+        assert_same_tree(*trees, step, layout=not defer)
+        if defer and step % 10 == 0:  # heads entered, then every entry (a flush)
+            trees[0].check_integrity()
     trees[0].check_integrity()
+    assert (deferred > 20) == defer, deferred
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["entered", "deferred"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_host_compaction_moves_what_the_torch_form_moves(page_size):
+def test_host_compaction_moves_what_the_torch_form_moves(page_size, defer, monkeypatch):
     """A CPU tree's compaction runs on numpy views (`_compact_host`); its torch form
     (`_compact_torch`, the one a GPU tree runs) leaves every array the same (token pool, node
     offsets, the table's values, `hslot`), on a fragmented pool with live, evicted and split
-    ranges; the compacted tree still matches every cached sequence."""
+    ranges; the compacted tree still matches every cached sequence. Deferred entries move
+    with their pending marks (`hslot`) and stay deferred."""
+    monkeypatch.setattr(FlatRadixTree, "DEFER_ENTRIES", defer)
     P = page_size
     rng = np.random.default_rng(11 + P)
     tree = FlatRadixTree(P, max_nodes=256, token_capacity=400 * P, seed=5)
@@ -429,9 +445,12 @@ def test_host_compaction_moves_what_the_torch_form_moves(page_size):
         if k % 7 == 6:
             tree.evict(int(tree.evictable_size) // 3)
     assert tree.top > sum(int(n) for n in tree.key_len[tree.alive])  # holes to close
+    assert bool(tree._pend) == defer
     a, b, c, d = (copy.deepcopy(tree) for _ in range(4))
     a._compact_host()
     b._compact_torch()
+    assert bool(a._pend) == defer and a._pend_n == b._pend_n
+    assert np.array_equal(a.entries(), b.entries())  # before either table is read (a flush)
     assert_same_tree(a, b, "compact")
     d.compact()  # the host form, the change log started anew
     c._compact_host = None  # under `torch_forms()` compact() runs the torch form, CPU tree or not
@@ -935,16 +954,19 @@ def _trees_and_sequences(P: int, seed: int, n_trees: int, steps: int = 150):
     return trees, rng, seqs()
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["entered", "deferred"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_host_match_and_eviction_equal_torch_forms(page_size):
+def test_host_match_and_eviction_equal_torch_forms(page_size, defer, monkeypatch):
     """On a CPU tree, a single query's `match` (host chunk sums and scalar searches, then the
     walks) and `evict` (leaves removed in numpy: `_remove_host`, table tombstones by the host
     probe) leave every array, the hash table, the sizes, the change log's hashes and the free
     list as their torch forms do, and return the same results: queries that split nodes,
-    repeat, miss, or are shorter than a page, in two namespaces; evictions of part and all."""
+    repeat, miss, or are shorter than a page, in two namespaces; evictions of part and all.
+    With deferred entries (`DEFER_ENTRIES`) the table holds the same entries."""
+    monkeypatch.setattr(FlatRadixTree, "DEFER_ENTRIES", defer)
     P = page_size
     trees, rng, seqs = _trees_and_sequences(P, 40, 2)
-    kinds = set()
+    kinds, deferred = set(), 0
     for step, seq in seqs:
         op = "evict" if rng.integers(4) == 0 or int(trees[0].evictable_size) > 120 * P else ("match", "insert", "insert")[int(rng.integers(3))]
         amount = int(rng.integers(1, 3)) * int(trees[0].evictable_size) // 2 + 1
@@ -961,9 +983,11 @@ def test_host_match_and_eviction_equal_torch_forms(page_size):
                     outs.append(tree.insert(torch.from_numpy(seq.astype(np.int32)), torch.arange(len(seq)) + step * 100,
                                             step % 2))
         assert outs[0] == outs[1], (step, op, outs)
+        deferred += trees[0]._pend_n > 0
         kinds.add((op, outs[0][0][0] > 0 if op == "match" else len(outs[0][0]) > 1 if op == "evict" else None))
-        assert_same_tree(*trees, step)
+        assert_same_tree(*trees, step, layout=not defer)
     assert {("match", True), ("match", False), ("evict", True)} <= kinds
+    assert (deferred > 5) == defer, deferred
 
 
 @pytest.mark.parametrize("page_size,chunk_pages", [(1, None), (1, 3), (4, None), (4, 1), (16, None)])
