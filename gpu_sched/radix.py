@@ -840,7 +840,8 @@ class FlatRadixTree:
         """Delete the entries of hashes h (int64 [n]): tombstones, cleared where no probe needs
         them (`_clear_tombs`). `pos`: their pool positions, which a CPU tree's host form reads
         the slots of (`hslot`) instead of probing, when every insert since the last rehash
-        recorded them. RuntimeError for an absent entry."""
+        recorded them; a deferred entry (PENDING there) only loses its mark. RuntimeError for
+        an absent entry."""
         if self._host_form(be):  # the slots and the tombstones on the table's views
             hn = h.numpy()
             if pos is not None and self._hslot_ok:
@@ -2105,8 +2106,10 @@ class FlatRadixTree:
     def _insert_one_host(self, tok: np.ndarray, val: np.ndarray, h: np.ndarray, ns: int,
                          known: int = 0, known_pos: int = -1) -> Tuple[int, int]:
         """`_insert_wave` of one sequence on a CPU tree, in numpy and Python on the tree's views:
-        the same version, search (~log2(pages) scalar probes), counters, split and stamps
-        (`_apply_walks`), leaf, table entries and change log. tok int32 / val int64 / h int64
+        the same version, search (~log2(pages) scalar probes; with `DEFER_ENTRIES`, a walk on
+        the tokens, `_walk_scalar`, which reads only the nodes' first page ends), counters,
+        split and stamps (`_apply_walks`), leaf, table entries (deferred but the leaf's first:
+        `_defer`) and change log. tok int32 / val int64 / h int64
         (`prefix_hashes` at every depth) [L], L a multiple of P. `known` (a multiple of P):
         that many leading tokens are present, the last at pool position `known_pos`, so the
         search starts there and h[:known] is not read. Returns (the present length [tokens], the
@@ -2453,7 +2456,9 @@ class FlatRadixTree:
         return out
 
     def check_integrity(self) -> None:
-        """Structure, counters and hash table against each other (AssertionError on failure)."""
+        """Structure, counters and hash table against each other (AssertionError on failure).
+        On a CPU tree with deferred entries, first checks that every node's first page end is
+        in the table, then enters the rest (`_flush_pending`) and checks the whole table."""
         b = self._hwm  # no live id at or above it (ids are handed out lowest first)
         if self.hslot is not None and self._pend:
             # every live node's first page end in the table (the walks rely on it); then the
@@ -2462,6 +2467,8 @@ class FlatRadixTree:
             ids = ids[ids != ROOT]
             heads = self._np("key_off")[ids] + self.P - 1
             assert not (self._np("hslot")[heads] == PENDING).any(), "a node's first page-end entry is deferred"
+            marked = np.flatnonzero(self._np("hslot") == PENDING)
+            assert np.isin(marked, np.concatenate(self._pend)).all(), "a deferred entry missing from the list"
             self._flush_pending()
             assert not (self._np("hslot") == PENDING).any(), "a pending mark after the flush"
         # the passes over the whole node, pool and table arrays: numpy on a CPU (2-3x torch's

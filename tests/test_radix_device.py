@@ -1283,3 +1283,59 @@ def test_device_cache_present_len_walk_equals_the_hash_search(page_size):
             with PM.torch_forms():
                 searched = dev.present_len(key, ns)
             assert walked == searched == ref.present_len(np.array(key, dtype=np.int32), ns), (key, ns, evict)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_deferred_entries_kept_through_walks_splits_evictions_and_compactions(page_size, monkeypatch):
+    """A CPU tree whose deferred table entries (`DEFER_ENTRIES`) are never entered (only walks
+    read its table: inserts, `insert_and_match`, `_walk_scalar`, lock-free evictions, and
+    compactions of a small pool) against a twin that enters every entry at once: the same
+    results, node arrays, token pool and table entries (`entries`, deferred ones included)
+    after every operation, each node's first page end in the table throughout, and the whole
+    table equal once the deferred entries are entered (`check_integrity`)."""
+    P = page_size
+    trees, rng, seqs = _trees_and_sequences(P, 90, 2, steps=250)
+    for t in trees:  # a small pool: compactions
+        t.token_capacity = 120 * P
+    compactions = []
+    orig = FlatRadixTree.compact
+
+    def compact(self):  # the deferred entries' list made anew from their moved marks
+        compactions.append(bool(self._pend))
+        orig(self)
+        marked = np.flatnonzero(self._np("hslot") == radix_module.PENDING)
+        assert np.array_equal(np.sort(np.concatenate(self._pend or [marked[:0]])), marked)
+
+    monkeypatch.setattr(FlatRadixTree, "compact", compact)
+    kinds = set()
+    for step, seq in seqs:
+        seq = seq.astype(np.int32)
+        ns = step % 2
+        op = int(rng.integers(6))
+        amount = int(rng.integers(1, 3)) * int(trees[0].evictable_size) // 3 + 1
+        outs = []
+        for k, tree in enumerate(trees):
+            with monkeypatch.context() as mp:
+                mp.setattr(FlatRadixTree, "DEFER_ENTRIES", k == 0)
+                if op == 0 or int(tree.evictable_size) > 90 * P:
+                    res = tree.evict(amount)
+                    outs.append((res.nodes.tolist(), res.values.tolist()))
+                elif op == 1:
+                    outs.append(tree._walk_scalar(seq, len(seq), ns))
+                elif op == 2:
+                    outs.append(tree.insert_and_match(torch.from_numpy(seq), torch.arange(len(seq)) + step * 100, ns))
+                else:
+                    outs.append(tree.insert(torch.from_numpy(seq), torch.arange(len(seq)) + step * 100, ns))
+        assert outs[0] == outs[1], (step, op, outs)
+        a = trees[0]
+        if a._pend:
+            kinds.add("deferred")
+            ids = np.flatnonzero(a._np("alive")[: a.node_bound()])[1:]
+            assert not (a._np("hslot")[a._np("key_off")[ids] + P - 1] == radix_module.PENDING).any(), step
+            marked = np.flatnonzero(a._np("hslot") == radix_module.PENDING)  # each one listed (`_flush_pending`)
+            assert np.isin(marked, np.concatenate(a._pend)).all(), step
+        assert_same_tree(*trees, step, layout=False)
+    assert "deferred" in kinds and any(compactions), (kinds, compactions)  # compacted with deferred entries
+    for t in trees:
+        t.check_integrity()
+    assert_same_tree(*trees, "entered", layout=False)
