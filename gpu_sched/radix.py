@@ -227,6 +227,7 @@ class FlatRadixTree:
         self._hv = torch.full((H,), -1, dtype=torch.int64, device=dev)
         self._pend: List[np.ndarray] = []  # pool positions of deferred entries (stale ones too)
         self._pend_n = 0
+        self._since_flush = 1 << 62  # host inserts since deferred entries were last entered
         self._h_used = 0  # live entries + tombstones
         # CPU trees: the table slot of each page end's entry, by pool position (int32: slots <
         # H <= 2^31), so a host deletion writes its tombstones without probing; valid while every
@@ -287,10 +288,16 @@ class FlatRadixTree:
     #: the module doc); False enters every entry at once (the table's layout then equals the
     #: torch and triton forms', which the layout tests compare)
     DEFER_ENTRIES = True
+    #: host inserts without a flush before deferring again: a table read between most
+    #: inserts (an lpm or dfs-weight ordering at every step) would enter every deferred entry
+    #: anyway, later and in one more pass, so deferring pays only where reads are rare
+    DEFER_AFTER = 16
 
     def _defers(self) -> bool:
-        """Whether a host insert may defer entries now: a CPU tree whose deletions trust `hslot`."""
-        return self.DEFER_ENTRIES and self.hslot is not None and self._hslot_ok
+        """Whether a host insert defers entries now: `DEFER_ENTRIES`, a CPU tree whose
+        deletions trust `hslot`, and no flush in the last `DEFER_AFTER` host inserts."""
+        return (self.DEFER_ENTRIES and self.hslot is not None and self._hslot_ok
+                and self._since_flush >= self.DEFER_AFTER)
 
     def _flush_pending(self) -> None:
         """Enter every deferred entry still pending (its pool position's `hslot` is PENDING;
@@ -301,7 +308,7 @@ class FlatRadixTree:
             a = a[hs[a] == PENDING]
             hs[a] = -1
             parts.append(a)
-        self._pend, self._pend_n = [], 0
+        self._pend, self._pend_n, self._since_flush = [], 0, 0
         pos = np.concatenate(parts) if len(parts) > 1 else parts[0]
         if pos.size:
             self._table_insert(torch.from_numpy(self._np("hsh")[pos]), torch.from_numpy(pos), positions=True)
@@ -2118,6 +2125,7 @@ class FlatRadixTree:
         self.version = next(_VERSIONS)
         P, L = self.P, tok.size
         defer = self._defers()
+        self._since_flush += 1
         if defer:  # deferred entries: a walk on the tokens (heads only) instead of the hash search
             m, kpos = self._walk_scalar(tok, L, ns)[:2]
         else:

@@ -393,6 +393,7 @@ def test_single_insert_walk_writes_what_the_array_form_writes(page_size, defer, 
     hash search, one entry per new leaf) the table holds the same entries, and every node's
     first page end is in it (`check_integrity`)."""
     monkeypatch.setattr(FlatRadixTree, "DEFER_ENTRIES", defer)
+    monkeypatch.setattr(FlatRadixTree, "DEFER_AFTER", 0)  # defer even right after a flush
     P = page_size
     rng = np.random.default_rng(7 + P)
     trees = [FlatRadixTree(P, max_nodes=512, token_capacity=160 * P, seed=3) for _ in range(2)]
@@ -433,6 +434,7 @@ def test_host_compaction_moves_what_the_torch_form_moves(page_size, defer, monke
     ranges; the compacted tree still matches every cached sequence. Deferred entries move
     with their pending marks (`hslot`) and stay deferred."""
     monkeypatch.setattr(FlatRadixTree, "DEFER_ENTRIES", defer)
+    monkeypatch.setattr(FlatRadixTree, "DEFER_AFTER", 0)  # defer even right after a flush
     P = page_size
     rng = np.random.default_rng(11 + P)
     tree = FlatRadixTree(P, max_nodes=256, token_capacity=400 * P, seed=5)
@@ -964,6 +966,7 @@ def test_host_match_and_eviction_equal_torch_forms(page_size, defer, monkeypatch
     repeat, miss, or are shorter than a page, in two namespaces; evictions of part and all.
     With deferred entries (`DEFER_ENTRIES`) the table holds the same entries."""
     monkeypatch.setattr(FlatRadixTree, "DEFER_ENTRIES", defer)
+    monkeypatch.setattr(FlatRadixTree, "DEFER_AFTER", 0)  # defer even right after a flush
     P = page_size
     trees, rng, seqs = _trees_and_sequences(P, 40, 2)
     kinds, deferred = set(), 0
@@ -1317,6 +1320,7 @@ def test_deferred_entries_kept_through_walks_splits_evictions_and_compactions(pa
         for k, tree in enumerate(trees):
             with monkeypatch.context() as mp:
                 mp.setattr(FlatRadixTree, "DEFER_ENTRIES", k == 0)
+                mp.setattr(FlatRadixTree, "DEFER_AFTER", 0)
                 if op == 0 or int(tree.evictable_size) > 90 * P:
                     res = tree.evict(amount)
                     outs.append((res.nodes.tolist(), res.values.tolist()))
@@ -1339,3 +1343,23 @@ def test_deferred_entries_kept_through_walks_splits_evictions_and_compactions(pa
     for t in trees:
         t.check_integrity()
     assert_same_tree(*trees, "entered", layout=False)
+
+
+def test_deferring_pauses_after_a_flush(monkeypatch):
+    """A host insert defers entries only when no flush (a table read that entered deferred
+    entries) came in the last `DEFER_AFTER` host inserts: where the table is read between
+    most inserts (an lpm ordering at every step) every entry goes in at once."""
+    monkeypatch.setattr(FlatRadixTree, "DEFER_AFTER", 3)
+    P = 1
+    tree = FlatRadixTree(P, max_nodes=256, token_capacity=4000, seed=5)
+    rng = np.random.default_rng(3)
+    deferred = []
+    for k in range(12):
+        seq = torch.from_numpy(rng.integers(0, 1000, 20).astype(np.int32))
+        tree.insert(seq, torch.arange(20) + 100 * k, 0)
+        deferred.append(tree._pend_n > 0)
+        if k == 2:
+            tree.hkeys  # a read: the deferred entries entered
+    # deferring from the start, paused for 3 inserts after the read, then again
+    assert deferred == [True, True, True, False, False, False, True, True, True, True, True, True], deferred
+    tree.check_integrity()
