@@ -1291,11 +1291,12 @@ def test_device_cache_present_len_walk_equals_the_hash_search(page_size):
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_deferred_entries_kept_through_walks_splits_evictions_and_compactions(page_size, monkeypatch):
     """A CPU tree whose deferred table entries (`DEFER_ENTRIES`) are never entered (only walks
-    read its table: inserts, `insert_and_match`, `_walk_scalar`, lock-free evictions, and
-    compactions of a small pool) against a twin that enters every entry at once: the same
-    results, node arrays, token pool and table entries (`entries`, deferred ones included)
-    after every operation, each node's first page end in the table throughout, and the whole
-    table equal once the deferred entries are entered (`check_integrity`)."""
+    read its table: inserts, `insert_and_match`, `_walk_scalar`, one query's `match` (a walk
+    while entries are deferred, then its splits), lock-free evictions, and compactions of a
+    small pool) against a twin that enters every entry at once: the same results, node
+    arrays, token pool and table entries (`entries`, deferred ones included) after every
+    operation, each node's first page end in the table throughout, and the whole table equal
+    once the deferred entries are entered (`check_integrity`)."""
     P = page_size
     trees, rng, seqs = _trees_and_sequences(P, 90, 2, steps=250)
     for t in trees:  # a small pool: compactions
@@ -1326,6 +1327,9 @@ def test_deferred_entries_kept_through_walks_splits_evictions_and_compactions(pa
                     outs.append((res.nodes.tolist(), res.values.tolist()))
                 elif op == 1:
                     outs.append(tree._walk_scalar(seq, len(seq), ns))
+                elif op == 5:  # one query's match: by the walk while entries are deferred, then its splits
+                    outs.append([x.tolist() for x in tree.match(torch.from_numpy(seq)[None], torch.tensor([len(seq)]),
+                                                                torch.tensor([ns]))])
                 elif op == 2:
                     outs.append(tree.insert_and_match(torch.from_numpy(seq), torch.arange(len(seq)) + step * 100, ns))
                 else:
