@@ -63,7 +63,8 @@ Deferred entries (CPU trees, host forms)
   write instead of a tombstone. Any other reader of the table (`hkeys`, `hvals`: the hash
   searches, probes, kernels, the recorded step, `check_integrity`) enters every pending
   entry first (`_flush_pending`), so it sees the whole table. Results are the same with or
-  without it (`DEFER_ENTRIES`); only the table's layout differs.
+  without it (`DEFER_ENTRIES`); only the table's layout differs (and with it where a table
+  too full for `max_probe` would raise, which at the default limit and load does not occur).
 
 Queries in CSR form
   `match_csr` takes the queries as one flat token pool with per-request offsets (as the request
@@ -315,7 +316,14 @@ class FlatRadixTree:
         pos = np.concatenate(parts) if len(parts) > 1 else parts[0]
         for i in range(0, pos.size, self.FLUSH_BATCH):  # batches whose round temporaries stay in cache
             p = pos[i : i + self.FLUSH_BATCH]
-            self._table_insert(torch.from_numpy(self._np("hsh")[p]), torch.from_numpy(p), positions=True)
+            try:
+                self._table_insert(torch.from_numpy(self._np("hsh")[p]), torch.from_numpy(p), positions=True)
+            except BaseException:  # (the probe limit) the entries not entered stay deferred
+                rest = pos[i:]
+                rest = rest[hs[rest] == -1]
+                hs[rest] = PENDING
+                self._pend, self._pend_n = ([rest] if rest.size else []), rest.size
+                raise
 
     def _defer(self, pe: np.ndarray) -> None:
         """Mark the page ends at pool positions pe (int64 [k], not in the table) pending. The

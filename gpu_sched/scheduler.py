@@ -149,17 +149,46 @@ class _ScalarMatcher:
         self.rt, N = self.s._rt_mv()
         self.offs = tuple(c * N for c in _SCALAR_COLS)
 
-    def holds(self, mlen: int, Lq: int, h1: int, h2: int) -> Tuple[bool, int]:
-        """Whether a kept match of length mlen (prefix hashes h1 at mlen, h2 one page on) is
-        the row's match on the tree now (`check_matches`' test by two lookups): depth mlen is
-        present (or 0) and depth mlen + P absent (or past Lq); and the pool position found
-        for depth mlen (-1 if absent)."""
+    def holds(self, mlen: int, Lq: int, h1: int, h2: int, mpos: int) -> Tuple[bool, int]:
+        """Whether a kept match of length mlen (prefix hashes h1 at mlen, h2 one page on, its
+        last token kept at pool position mpos) is the row's match on the tree now
+        (`check_matches`' test by two lookups): depth mlen is present (or 0) and depth
+        mlen + P absent (or past Lq); and the pool position found for depth mlen (-1 if
+        absent). On a tree with deferred entries (whose lookups would enter them all) by
+        positions instead (`_holds_deferred`)."""
         P = self.P
+        if self.hkeys is None and self.tree._pend:
+            return self._holds_deferred(mlen, Lq, h1, h2, mpos)
         if self.hkeys is None:
             self.hkeys, self.hvals = self.tree._mv("hkeys"), self.tree._mv("hvals")
         s1, s2 = self.tree._probe_scalar(self.hkeys, (h1, h2))
         pos, pos2 = (self.hvals[s1] if s1 >= 0 else -1), s2
         return not (mlen > Lq or mlen % P or mlen > 0 and pos < 0 or mlen + P <= Lq and pos2 >= 0), pos
+
+    def _holds_deferred(self, mlen: int, Lq: int, h1: int, h2: int, mpos: int) -> Tuple[bool, int]:
+        """`holds` without the table's page ends past each node's first: depth mlen is present
+        at mpos if that position is live and its prefix hash is h1 (a page end moved by a
+        compaction is not found there: not ok, and the row is searched again). Depth mlen + P
+        then continues the path through mpos: inside mpos's node it is the node's next page
+        end (present iff its hash is h2); at a node's end, or at the root, it would be a
+        child's first page end, which is in the table (a lookup of h2)."""
+        P, tree, owner = self.P, self.tree, self.owner
+        if mlen > Lq or mlen % P:
+            return False, -1
+        hsh = tree._mv("hsh")
+        X = -1
+        if mlen > 0:
+            if mpos < 0 or owner[mpos] < 0 or hsh[mpos] != h1:
+                return False, -1
+            X = owner[mpos]
+        if mlen + P <= Lq:
+            if X >= 0 and mpos + P <= self.key_off[X] + self.key_len[X] - 1:
+                present = hsh[mpos + P] == h2
+            else:
+                present = tree._probe_scalar(tree._mv("_hk"), [h2])[0] >= 0
+            if present:
+                return False, mpos if mlen > 0 else -1
+        return True, mpos if mlen > 0 else -1
 
     def __call__(self, j: int) -> Tuple[int, int, int, int, int]:
         """Row j's (match length, lock drop, fill length, output length, max_new_tokens)."""
@@ -184,12 +213,12 @@ class _ScalarMatcher:
                 node, cover = X, m - start
                 pos = key_off[X] + cover - 1
         else:
-            # a tree with deferred entries: the walk, which finds what the two lookups would
-            # check (reading the table would enter them all)
-            walk = s.LAZY_FIND_TOKENS > 0 and self.tree._pend and self.hkeys is None
-            ok, pos = self.holds(mlen, Lq, h1, h2) if mver != -1 and not walk else (False, -1)
+            ok, pos = self.holds(mlen, Lq, h1, h2, mpos) if mver != -1 else (False, -1)
             if not ok:
-                if (toff < 0 or walk) and s.LAZY_FIND_TOKENS > 0:  # not hashed: the walk (`_find_rows_scalar`'s choice)
+                # not hashed, or a tree with deferred entries (a hash search would enter them
+                # all): the walk (`_find_rows_scalar`'s choice)
+                walk = toff < 0 or self.tree._pend and self.hkeys is None
+                if walk and s.LAZY_FIND_TOKENS > 0:
                     kept = s._find_lazy(r)
                 else:
                     kept = s._find_rows_scalar(self.rows[j : j + 1], capped=True)[:, 0].tolist()

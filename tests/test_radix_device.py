@@ -1367,3 +1367,33 @@ def test_deferring_pauses_after_a_flush(monkeypatch):
     # deferring from the start, paused for 3 inserts after the read, then again
     assert deferred == [True, True, True, False, False, False, True, True, True, True, True, True], deferred
     tree.check_integrity()
+
+
+def test_a_flush_that_fails_keeps_the_rest_deferred(monkeypatch):
+    """A table read whose flush stops at an error (the probe limit of a table too full) keeps
+    the entries it did not enter deferred: the table's entries (`entries`) are what they
+    were, and the next read enters them."""
+    monkeypatch.setattr(FlatRadixTree, "DEFER_AFTER", 0)
+    monkeypatch.setattr(FlatRadixTree, "FLUSH_BATCH", 8)
+    tree = FlatRadixTree(1, max_nodes=256, token_capacity=4000, seed=5)
+    rng = np.random.default_rng(4)
+    for k in range(6):
+        tree.insert(torch.from_numpy(rng.integers(0, 1000, 30).astype(np.int32)), torch.arange(30) + 100 * k, 0)
+    before = tree.entries()
+    assert tree._pend_n > 16
+    calls = []
+    orig = FlatRadixTree._table_insert
+
+    def failing(self, *a, **k):  # the flush's second batch fails
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("prefix hash table: probe limit reached (table too full)")
+        return orig(self, *a, **k)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(FlatRadixTree, "_table_insert", failing)
+        with pytest.raises(RuntimeError, match="probe limit"):
+            tree.hkeys
+    assert tree._pend and np.array_equal(tree.entries(), before)
+    tree.check_integrity()  # the rest entered now
+    assert not tree._pend and np.array_equal(tree.entries(), before)
