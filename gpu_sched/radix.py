@@ -57,7 +57,8 @@ Deferred entries (CPU trees, host forms)
   A host insert enters only the new leaf's first page end (its head) and keeps the other
   page ends pending (`hslot` = PENDING at their pool positions, listed in `_pend`); a split
   enters its tail's head at once. Every node's head is then in the table, which is all the
-  token walks (`_walk_scalar`: one lookup per node, then a token comparison) need, so a
+  token walks (`_walk_scalar`: one lookup per node, then a token comparison) and the
+  scheduler's position checks of kept matches (`_ScalarMatcher._holds_deferred`) need, so a
   serving loop whose searches are walks (fcfs, lof, routing-key admission; the inserts
   themselves) never enters most page ends, and an eviction drops a pending one with one
   write instead of a tombstone. Any other reader of the table (`hkeys`, `hvals`: the hash
