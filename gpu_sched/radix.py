@@ -171,6 +171,21 @@ class EvictResult:
     num_tokens: int
 
 
+def _entered(raw: str, doc: str) -> property:
+    """A table array's property (`hkeys`, `hvals`): the array held at attribute `raw`, every
+    deferred entry entered before it is read (`FlatRadixTree._flush_pending`)."""
+
+    def get(self) -> torch.Tensor:
+        if self._pend:
+            self._flush_pending()
+        return getattr(self, raw)
+
+    def put(self, t: torch.Tensor) -> None:
+        setattr(self, raw, t)
+
+    return property(get, put, doc=doc)
+
+
 class FlatRadixTree:
     """The device radix tree.
 
@@ -261,30 +276,11 @@ class FlatRadixTree:
         self._hwm = 1  # node_bound()
         self._host_arrays = HostViews()  # `_np`'s views
 
-    @property
-    def hkeys(self) -> torch.Tensor:
-        """The hash table's keys (int64 [H]; EMPTY, TOMB or a page end's prefix hash), every
-        deferred entry entered first (`_flush_pending`). The table's own operations and the
-        token walks read `_hk` as it is."""
-        if self._pend:
-            self._flush_pending()
-        return self._hk
-
-    @hkeys.setter
-    def hkeys(self, t: torch.Tensor) -> None:
-        self._hk = t
-
-    @property
-    def hvals(self) -> torch.Tensor:
-        """The hash table's values (int64 [H]: each entry's pool position), every deferred
-        entry entered first, as `hkeys`."""
-        if self._pend:
-            self._flush_pending()
-        return self._hv
-
-    @hvals.setter
-    def hvals(self, t: torch.Tensor) -> None:
-        self._hv = t
+    hkeys = _entered("_hk", """The hash table's keys (int64 [H]; EMPTY, TOMB or a page end's prefix
+        hash), every deferred entry entered first (`_flush_pending`). The table's own operations
+        and the token walks read `_hk` as it is.""")
+    hvals = _entered("_hv", """The hash table's values (int64 [H]: each entry's pool position), every
+        deferred entry entered first, as `hkeys`.""")
 
     #: defer all but each new leaf's first page-end entry on a CPU tree's host inserts (see
     #: the module doc); False enters every entry at once (the table's layout then equals the
@@ -316,9 +312,8 @@ class FlatRadixTree:
         self._pend, self._pend_n, self._since_flush = [], 0, 0
         pos = np.concatenate(parts) if len(parts) > 1 else parts[0]
         for i in range(0, pos.size, self.FLUSH_BATCH):  # batches whose round temporaries stay in cache
-            p = pos[i : i + self.FLUSH_BATCH]
             try:
-                self._table_insert(torch.from_numpy(self._np("hsh")[p]), torch.from_numpy(p), positions=True)
+                self._enter_at(pos[i : i + self.FLUSH_BATCH])
             except BaseException:  # (the probe limit) the entries not entered stay deferred
                 rest = pos[i:]
                 rest = rest[hs[rest] == -1]
@@ -335,9 +330,7 @@ class FlatRadixTree:
         self._pend.append(pe)
         self._pend_n += pe.size
         if self._pend_n > 2 * (self.token_capacity // self.P) + 4096:  # mostly stale: the live ones
-            pos = np.unique(np.concatenate(self._pend))
-            pos = pos[self._np("hslot")[pos] == PENDING]
-            self._pend, self._pend_n = ([pos] if pos.size else []), pos.size
+            self._relist()
 
     def entries(self) -> np.ndarray:
         """The table's entries as it stands for lookups, the deferred ones included (nothing is
@@ -363,8 +356,12 @@ class FlatRadixTree:
         if pos:
             for p in pos:
                 hs[p] = -1
-            pa = np.array(pos, dtype=np.int64)
-            self._table_insert(torch.from_numpy(self._np("hsh")[pa]), torch.from_numpy(pa), positions=True)
+            self._enter_at(np.array(pos, dtype=np.int64))
+
+    def _enter_at(self, pos: np.ndarray) -> None:
+        """Enter the page ends at pool positions pos (int64 [k]) in the table, keyed by their
+        prefix hashes (`hsh`), their slots recorded (`hslot`)."""
+        self._table_insert(torch.from_numpy(self._np("hsh")[pos]), torch.from_numpy(pos), positions=True)
 
     def host_int(self, name: str) -> int:
         """The 0-d array `name` (`evictable_size` or `protected_size`) as an int [tokens]: on
@@ -1034,9 +1031,10 @@ class FlatRadixTree:
         else:
             self._compact_torch()
 
-    def _repend(self) -> None:
-        """After a compaction: the deferred entries' list anew from their pending marks, which
-        moved with their positions (`hslot` is a pool array)."""
+    def _relist(self) -> None:
+        """The deferred entries' list anew from their pending marks (a scan of the pool's
+        positions in use): after a compaction, which moved the marks with their positions
+        (`hslot` is a pool array), or when stale positions outgrow the list (`_defer`)."""
         if self._pend:
             pos = np.flatnonzero(self._np("hslot")[: self.top] == PENDING)
             self._pend, self._pend_n = ([pos] if pos.size else []), pos.size
@@ -1066,7 +1064,7 @@ class FlatRadixTree:
         self._hv[live] = remap[self._hv[live]]
         self.top = total
         self._reuse = 0
-        self._repend()
+        self._relist()
 
     def _compact_host(self) -> None:
         """`compact` on a CPU tree's numpy views, the same arrays after it: about half the
@@ -1093,7 +1091,7 @@ class FlatRadixTree:
         vals[live] = remap[vals[live]]
         self.top = total
         self._reuse = 0
-        self._repend()
+        self._relist()
 
     # ---- match (R-RC-4) --------------------------------------------------------------------
     def _find(self, tokens, lengths, ns, chunk_hashes=None, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor]:
