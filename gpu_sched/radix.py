@@ -85,6 +85,7 @@ Host syncs: the operations here are vectorised over the batch but read a few sca
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
@@ -826,6 +827,25 @@ class FlatRadixTree:
                 return
         raise RuntimeError("prefix hash table: probe limit reached (table too full)")
 
+    def _enter_one_host(self, h: int, pos: int) -> None:
+        """`_table_insert` of one absent key h with its value, the pool position pos, on a CPU
+        tree's host form, its slot recorded (`hslot`), in Python ints: a lone claimant takes
+        the first free slot (EMPTY or TOMB) on its probe path, the slot the rounds give it
+        (~25 us less than `_table_insert`'s array glue; a host insert enters one key, its
+        leaf's head, when it defers the rest). RuntimeError at the probe limit."""
+        if (self._h_used + 1) * 4 > self._hk.numel() * 3:
+            self._rehash(extra=1)
+        keys, vals, hs = self._mv("_hk"), self._mv("_hv"), self._mv("hslot")
+        mask = len(keys) - 1
+        p = ((h * HASH_MIX) >> 32) & mask  # `home_slot`: bits 32.. of the product, which int64's wrap keeps
+        for _ in range(self.max_probe):
+            if keys[p] < 0:
+                keys[p], vals[p], hs[pos] = h, pos, p
+                self._h_used += 1
+                return
+            p = (p + 1) & mask
+        raise RuntimeError("prefix hash table: probe limit reached (table too full)")
+
     def _table_rounds_scalar(self, h: List[int], v: List[int], pos: List[int], rounds: int, record: bool) -> None:
         """`_table_insert_host`'s rounds for a few pending keys (key h[i], value v[i], now at
         slot pos[i], in index order) in Python on the table's memoryviews, round for round:
@@ -869,23 +889,40 @@ class FlatRadixTree:
                     if pend.any():
                         hs[pos[pend]] = -1
                         slot, hn = slot[~pend], hn[~pend]
-                keys = self._np("_hk")
-                if not np.array_equal(keys[slot], hn):
-                    raise RuntimeError("prefix hash table: deleting an absent entry")
-            else:
-                if self._pend:
-                    self._flush_pending()
-                keys = self._np("_hk")
-                slot = self._probe_host(hn)
-                if (slot < 0).any():
-                    raise RuntimeError("prefix hash table: deleting an absent entry")
-            self._h_used -= _tomb_host(keys, slot)
+                self._delete_slots(slot, hn)
+                return
+            if self._pend:
+                self._flush_pending()
+            slot = self._probe_host(hn)
+            if (slot < 0).any():
+                raise RuntimeError("prefix hash table: deleting an absent entry")
+            self._h_used -= _tomb_host(self._np("_hk"), slot)
             return
         slot = self._probe(h, be)
         if bool((slot < 0).any()):
             raise RuntimeError("prefix hash table: deleting an absent entry")
         self.hkeys[slot] = TOMB
         self._h_used -= self._clear_tombs(slot)
+
+    def _delete_slots(self, slot: np.ndarray, hn: np.ndarray) -> None:
+        """Delete the host table's entries at `slot` (int64 [n], distinct, from `hslot`), which
+        must hold the keys hn (int64 [n]; RuntimeError otherwise, the table untouched)."""
+        if slot.size <= SCALAR_TABLE_ROUNDS:  # the usual few (a leaf's entered page ends) in Python
+            keys = self._mv("_hk")
+            sl, mask = slot.tolist(), len(keys) - 1
+            if any(keys[x] != k for x, k in zip(sl, hn.tolist())):
+                raise RuntimeError("prefix hash table: deleting an absent entry")
+            ends = [x for x in sl if keys[(x + 1) & mask] == EMPTY]  # read before the writes, as `_tomb_host`
+            for x in sl:
+                keys[x] = TOMB
+            for x in ends:
+                keys[x] = EMPTY
+            self._h_used -= len(ends) + _clear_runs_scalar(keys, ends, mask)
+            return
+        keys = self._np("_hk")
+        if not np.array_equal(keys[slot], hn):
+            raise RuntimeError("prefix hash table: deleting an absent entry")
+        self._h_used -= _tomb_host(keys, slot)
 
     def _clear_tombs(self, slot: torch.Tensor) -> int:
         """Turn back to EMPTY the tombstones just written at `slot` (int64 [n], distinct) whose
@@ -1962,7 +1999,7 @@ class FlatRadixTree:
         torch ops): its prefix hashes at every depth after the known cached prefix (continuing
         from the hash stored at its end; from the namespace seed without one), then
         `_insert_one_host`. Returns its (present length, end position)."""
-        P, L = self.P, int(tokens.numel()) // self.P * self.P
+        L = int(tokens.numel()) // self.P * self.P
         t = tokens.numpy()[:L].astype(np.int32, copy=False)
         c, cpos = self._known_prefix(known, known_node, L)
         self._ensure_pow(max(L - c, 1) + 1)
@@ -2174,7 +2211,7 @@ class FlatRadixTree:
         pe = np.arange(off + P - 1, off + n_new, P, dtype=np.int64)  # m is page-aligned: every P-th new token
         hp = torch.from_numpy(np.ascontiguousarray(h[m + P - 1 :: P]))
         if defer:  # the leaf's head entered, the rest deferred
-            self._table_insert(hp[:1], torch.from_numpy(pe[:1]), positions=True)
+            self._enter_one_host(int(h[m + P - 1]), off + P - 1)
             self._defer(pe[1:])
         else:
             self._table_insert(hp, torch.from_numpy(pe), positions=True)  # its host form, after the fill check
@@ -2376,6 +2413,8 @@ class FlatRadixTree:
         b = self._hwm
         cand = np.flatnonzero(alive[:b] & (nchild[:b] == 0) & (lock_ref[:b] == 0))
         cand = cand[cand != ROOT]
+        if cand.size <= SCALAR_BATCH:  # a replay's usual few unlocked leaves
+            return self._evict_scalar(cand.tolist(), num_tokens)
         order_out, vals_out, freed = [], [], 0
         while freed < num_tokens and cand.size:
             cand = cand[np.argsort(cid[cand], kind="stable")]
@@ -2400,6 +2439,44 @@ class FlatRadixTree:
             vals_out.append(self._remove_host(take))
             # a parent whose last candidate child was taken is now an unlocked leaf
             cand = np.concatenate([cand[k + 1 :], par[becomes & (lastpos <= k)]])
+        cat = lambda xs: torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))  # noqa: E731
+        return EvictResult(cat(order_out), cat(vals_out), freed)
+
+    def _evict_scalar(self, cand: List[int], num_tokens: int) -> EvictResult:
+        """`_evict_host`'s rounds for a few unlocked leaves `cand` (node ids) in Python on the
+        tree's views (a round of numpy calls costs ~25 calls whatever the count): sorted by
+        (stamp, creation id), a round takes leaves in that order up to the one that reaches
+        num_tokens or whose removal leaves its parent an unlocked leaf (all its children
+        taken: the rounds' `cnt == nchild` at the parent's last candidate); those are removed
+        together (`_remove_host`: the same batches, so the same change log), and that parent
+        joins the rest in order (the rounds sort again)."""
+        parent, key_len, nchild, lock_ref, stamp, cid = map(
+            self._mv, ("parent", "key_len", "nchild", "lock_ref", "last_access", "cid"))
+
+        def key(x: int) -> Tuple[int, int]:
+            return stamp[x], cid[x]
+
+        cand.sort(key=key)
+        order_out, vals_out, freed = [], [], 0
+        while freed < num_tokens and cand:
+            taken, got, k, join = {}, 0, len(cand) - 1, None
+            for i, x in enumerate(cand):
+                p = parent[x]
+                taken[p] = t = taken.get(p, 0) + 1
+                got += key_len[x]
+                if nchild[p] == t and lock_ref[p] == 0 and p != ROOT:
+                    k, join = i, p
+                    break
+                if freed + got >= num_tokens:
+                    k = i
+                    break
+            take = np.array(cand[: k + 1], dtype=np.int64)
+            order_out.append(take)
+            freed += got
+            vals_out.append(self._remove_host(take))
+            cand = cand[k + 1 :]
+            if join is not None:
+                bisect.insort(cand, join, key=key)
         cat = lambda xs: torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))  # noqa: E731
         return EvictResult(cat(order_out), cat(vals_out), freed)
 
@@ -2443,20 +2520,50 @@ class FlatRadixTree:
         v, P = self._np, self.P
         lens = v("key_len")[nodes]
         total = int(lens.sum())
-        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
-        rng = np.repeat(v("key_off")[nodes], lens) + within
-        vals = v("val")[rng]
-        pe = rng[within % P == P - 1]
-        h = torch.from_numpy(v("hsh")[pe])
-        self._table_delete(h, pos=pe)
+        if nodes.size <= SCALAR_BATCH and self.hslot is not None and self._hslot_ok:
+            vals, h = self._remove_spans(v("key_off")[nodes].tolist(), lens.tolist())
+        else:
+            within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+            rng = np.repeat(v("key_off")[nodes], lens) + within
+            vals = v("val")[rng]
+            pe = rng[within % P == P - 1]
+            h = torch.from_numpy(v("hsh")[pe])
+            self._table_delete(h, pos=pe)
+            v("owner")[rng] = -1
         self._log_change(h)
-        v("owner")[rng] = -1
         np.add.at(v("nchild"), v("parent")[nodes], -1)
         v("alive")[nodes] = False
         v("parent")[nodes] = -1
         v("evictable_size")[()] -= total
         self._free_nodes.extend(nodes.tolist())
         return vals
+
+    def _remove_spans(self, offs: List[int], lens: List[int]) -> Tuple[np.ndarray, torch.Tensor]:
+        """`_remove_host`'s token and table writes for a few leaves (their pool ranges
+        [offs[i], offs[i] + lens[i])), by slices of each range instead of index arrays (an
+        evicted leaf of 10k tokens: ~15 against ~200 us): the entered page ends' entries
+        deleted by their recorded slots (`hslot`), the deferred ones' marks cleared, the
+        owners cleared. Returns (the ranges' KV slots int64 [sum(lens)], their page ends'
+        hashes int64 [sum(lens) // P]), in `_remove_host`'s order."""
+        P = self.P
+        val, hsh, hs, owner = self._np("val"), self._np("hsh"), self._np("hslot"), self._np("owner")
+        vals, hp, slots, keys = [], [], [], []
+        for o, n in zip(offs, lens):
+            pe = slice(o + P - 1, o + n, P)
+            s = hs[pe]
+            vals.append(val[o : o + n])
+            hp.append(hsh[pe])
+            # a deferred entry leaves with its pending mark alone (most of a leaf's)
+            entered = np.flatnonzero(s != PENDING) if self._pend else slice(None)
+            slots.append(s[entered].astype(np.int64))
+            keys.append(hp[-1][entered])
+            s.fill(-1)  # a removed position holds no entry
+        cat = (lambda xs: xs[0].copy()) if len(offs) == 1 else np.concatenate  # noqa: E731
+        h = cat(hp)
+        self._delete_slots(cat(slots), cat(keys))
+        for o, n in zip(offs, lens):
+            owner[o : o + n] = -1
+        return cat(vals), torch.from_numpy(h)
 
     # ---- inspection ------------------------------------------------------------------------
     def node_prefix(self, node: int) -> Tuple[int, Tuple[int, ...]]:

@@ -956,15 +956,20 @@ def _trees_and_sequences(P: int, seed: int, n_trees: int, steps: int = 150):
     return trees, rng, seqs()
 
 
+@pytest.mark.parametrize("walks", [True, False])
 @pytest.mark.parametrize("defer", [False, True], ids=["entered", "deferred"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_host_match_and_eviction_equal_torch_forms(page_size, defer, monkeypatch):
+def test_host_match_and_eviction_equal_torch_forms(page_size, defer, walks, monkeypatch):
     """On a CPU tree, a single query's `match` (host chunk sums and scalar searches, then the
-    walks) and `evict` (leaves removed in numpy: `_remove_host`, table tombstones by the host
-    probe) leave every array, the hash table, the sizes, the change log's hashes and the free
-    list as their torch forms do, and return the same results: queries that split nodes,
-    repeat, miss, or are shorter than a page, in two namespaces; evictions of part and all.
-    With deferred entries (`DEFER_ENTRIES`) the table holds the same entries."""
+    walks) and `evict` (leaves removed in numpy: `_remove_host`, table tombstones at their
+    recorded slots; rounds over up to `SCALAR_BATCH` unlocked leaves in Python,
+    `_evict_scalar`, or without the walks in numpy) leave every array, the hash table, the
+    sizes, the change log's hashes and the free list as their torch forms do, and return the
+    same results: queries that split nodes, repeat, miss, or are shorter than a page, in two
+    namespaces; evictions of part and all, leaves whose parents join the rounds. With
+    deferred entries (`DEFER_ENTRIES`) the table holds the same entries."""
+    if not walks:
+        monkeypatch.setattr(radix_module, "SCALAR_BATCH", -1)
     monkeypatch.setattr(FlatRadixTree, "DEFER_ENTRIES", defer)
     monkeypatch.setattr(FlatRadixTree, "DEFER_AFTER", 0)  # defer even right after a flush
     P = page_size
@@ -990,7 +995,7 @@ def test_host_match_and_eviction_equal_torch_forms(page_size, defer, monkeypatch
         kinds.add((op, outs[0][0][0] > 0 if op == "match" else len(outs[0][0]) > 1 if op == "evict" else None))
         assert_same_tree(*trees, step, layout=not defer)
     assert {("match", True), ("match", False), ("evict", True)} <= kinds
-    assert (deferred > 5) == defer, deferred
+    assert (deferred > 5) == (defer and walks), deferred  # without the walks inserts take the array form
 
 
 @pytest.mark.parametrize("page_size,chunk_pages", [(1, None), (1, 3), (4, None), (4, 1), (16, None)])
@@ -1170,6 +1175,42 @@ def test_table_insert_scalar_rounds_leave_the_torch_forms_table(monkeypatch, sca
     for t, form in zip(tight, (contextlib.nullcontext(), PM.torch_forms())):
         with pytest.raises(RuntimeError, match="probe limit"), form:
             t._table_insert(h, torch.arange(5), "torch")
+    assert torch.equal(tight[0].hkeys, tight[1].hkeys)
+
+
+def test_one_host_entry_takes_the_slot_the_rounds_give():
+    """`_enter_one_host` (a host insert's one entry, in Python ints) puts each key where the
+    torch form's rounds put it alone, on a crowded table with tombstones and contested home
+    slots, keys one after another, through a rehash at the load limit; each key's slot is
+    recorded at its pool position (`hslot`), and the probe limit raises as the rounds do."""
+    rng = random.Random(5)
+    base = FlatRadixTree(1, max_nodes=4, token_capacity=256, device="cpu")  # 512 slots
+    H = base.hkeys.numel()
+    live = _keys_at_homes(rng, 120, H, [rng.randrange(H) for _ in range(20)])
+    base._table_insert(live, torch.arange(120), "torch", positions=True)
+    base._table_delete(live[::3], "torch", pos=np.arange(0, 120, 3))  # tombstones inside the runs
+    fresh = _keys_at_homes(rng, 200, H, [rng.randrange(H) for _ in range(30)])
+    fresh = fresh[~torch.isin(fresh, live)][:90]  # keys are >= 0; the product wraps to either sign
+    vals = torch.randperm(fresh.numel()) + 130  # distinct pool positions, apart from live's
+    one, tor = copy.deepcopy(base), copy.deepcopy(base)
+    for k, (h, v) in enumerate(zip(fresh.tolist(), vals.tolist())):
+        if k == 60:  # as if tombstones had filled the table: both rehash before this key
+            one._h_used = tor._h_used = 3 * H // 4
+        one._enter_one_host(h, v)
+        with PM.torch_forms():
+            tor._table_insert(torch.tensor([h]), torch.tensor([v]), "torch", positions=True)
+        assert torch.equal(one.hkeys, tor.hkeys) and torch.equal(one.hvals, tor.hvals) and one._h_used == tor._h_used
+        assert one._h_used < 3 * H // 4  # rehashed at key 60
+    at = [int(torch.nonzero(one.hkeys == h)[0]) for h in fresh.tolist()]
+    assert one.hslot[vals].tolist() == at
+    tight = [FlatRadixTree(1, max_nodes=4, token_capacity=64, device="cpu", max_probe=2) for _ in range(2)]
+    h = _keys_at_homes(rng, 3, tight[0].hkeys.numel(), [9]).tolist()
+    for t, enter in zip(tight, (lambda t, k, i: t._enter_one_host(k, i),
+                                lambda t, k, i: t._table_insert(torch.tensor([k]), torch.tensor([i]), "torch"))):
+        enter(t, h[0], 0)
+        enter(t, h[1], 1)
+        with pytest.raises(RuntimeError, match="probe limit"):
+            enter(t, h[2], 2)
     assert torch.equal(tight[0].hkeys, tight[1].hkeys)
 
 
