@@ -150,6 +150,16 @@ def _mod_pp(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _cumsum_(a: np.ndarray) -> np.ndarray:
+    """Running sums along the last axis of an int64 array, in place (a is returned): torch's
+    CPU cumsum on the same memory, the same exact sums (int64 additions) as numpy's, which
+    is not vectorized for int64 (~2 against ~0.4 ns an element: a 5.6k-token insert's
+    hashes 76 -> 57 us)."""
+    t = torch.from_numpy(a)
+    t.cumsum_(t.dim() - 1)
+    return a
+
+
 def _pow_table(base: int, p: int, n: int) -> torch.Tensor:
     """base^i mod p for i = 0..n (int64; p < 2^31 so products fit), by doubling on the host."""
     out = np.empty(n + 1, dtype=np.int64)
@@ -484,16 +494,16 @@ class FlatRadixTree:
         terms = x[None] * ipw[:, None, 1 : W + 1]
         S = (1 << 32) // int(x.max(initial=1)) - 1
         if S >= W:
-            cs = np.cumsum(terms, axis=2)
+            cs = _cumsum_(terms)
         elif S >= 1024:  # segments whose unreduced sums fit, each continuing from the last one's reduced sum
-            cs = np.empty_like(terms)
+            cs = terms
             carry = np.zeros((2, x.shape[0], 1), dtype=np.int64)
             for a in range(0, W, S):
-                seg = np.cumsum(terms[:, :, a : a + S], axis=2, out=cs[:, :, a : a + S])
+                seg = _cumsum_(terms[:, :, a : a + S])
                 seg += carry
                 carry = seg[:, :, -1:] % pp
         else:
-            cs = np.cumsum(_mod_pp(terms), axis=2)
+            cs = _cumsum_(_mod_pp(terms))
         if d.size == W:  # d is 1..W: every depth, slices instead of gathers
             pwd = pw[:, None, 1 : W + 1]
         else:
