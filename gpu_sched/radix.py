@@ -1289,7 +1289,8 @@ class FlatRadixTree:
 
         return m, pos, at(m), at(m + P)
 
-    def _walk_scalar(self, tok: np.ndarray, length: int, ns: int) -> Tuple[int, int, int, int]:
+    def _walk_scalar(self, tok: np.ndarray, length: int, ns: int, start: Optional[Tuple[int, int]] = None
+                     ) -> Tuple[int, int, int, int]:
         """`_find_scalar` of one query from its tokens alone, without its chunk hashes: a walk
         down the tree as the reference's match walks it. From depth d (a page end on the
         query's path) the hash one page on is rolled from the hash at d (`hsh` at d's pool
@@ -1307,7 +1308,9 @@ class FlatRadixTree:
         as the pooled search has them wherever tok reaches (at the length when it is over 0;
         one page on when that is within floorP(len(tok)), past `length` too: a capped match
         kept in the row table is checked later against the full fill, `_full_match`); 0
-        elsewhere."""
+        elsewhere. `start`: (d, pool position of token d - 1), a page-aligned depth d > 0 of
+        the query known present (an insert's locked prefix): the walk starts there, not at
+        the root (a chunked prompt's inserts would compare its earlier chunks again)."""
         P = self.P
         Lq = length // P * P
         # the table as it is: every node's first page end is in it (deferred entries are not needed)
@@ -1320,37 +1323,43 @@ class FlatRadixTree:
 
         a, b = self._seed(ns, P1), self._seed(ns, P2)  # the hash at depth d, per modulus
         d, pos, h_next = 0, -1, 0
-        while d + P <= Lq:
+        rest = start is not None and start[0] > 0  # the rest of pos's node to compare first
+        if rest:
+            d, pos = start
+            hv = hsh[pos]
+            a, b = hv >> 31, hv & M
+        while True:
+            if rest:  # after a page end found at pos: the rest of its node X, within Lq
+                X = owner[pos]
+                n = min(key_off[X] + key_len[X] - 1 - pos, Lq - d)
+                if n > 0:
+                    xs, qs = ptok[pos + 1 : pos + 1 + n], tok[d : d + n]
+                    if qs.dtype == xs.dtype and xs.tobytes() == qs.tobytes():  # equal tokens: one memcmp
+                        r = n
+                    else:  # another dtype, or a token differs: the first difference, if any
+                        diff = np.flatnonzero(xs != qs)
+                        r = n if diff.size == 0 else int(diff[0]) // P * P
+                    if r:
+                        d, pos = d + r, pos + r
+                        hv = hsh[pos]
+                        a, b = hv >> 31, hv & M
+                    if r < n:  # a page of X differs from the query's: the match ends at d
+                        a2, b2 = roll(a, b, d)
+                        h_next = (a2 << 31) | b2
+                        break
+            if d + P > Lq:  # the walk reached Lq: the hash one page on from the query's own tokens, if it has them
+                if d + P <= tok.size:
+                    a2, b2 = roll(a, b, d)
+                    h_next = (a2 << 31) | b2
+                break
             a2, b2 = roll(a, b, d)
             h = (a2 << 31) | b2
             slot = self._probe_scalar(keys, [h])[0]
             if slot < 0:  # depth d + P absent: the match ends at d
                 h_next = h
                 break
-            p = vals[slot]
-            d, pos, a, b = d + P, p, a2, b2
-            X = owner[p]
-            n = min(key_off[X] + key_len[X] - 1 - p, Lq - d)  # X's tokens after p, within Lq
-            if n <= 0:
-                continue
-            xs, qs = ptok[p + 1 : p + 1 + n], tok[d : d + n]
-            if qs.dtype == xs.dtype and xs.tobytes() == qs.tobytes():  # equal tokens: one memcmp
-                r = n
-            else:  # another dtype, or a token differs: the first difference, if any
-                diff = np.flatnonzero(xs != qs)
-                r = n if diff.size == 0 else int(diff[0]) // P * P
-            if r:
-                d, pos = d + r, p + r
-                hv = hsh[pos]
-                a, b = hv >> 31, hv & M
-            if r < n:  # a page of X differs from the query's: the match ends at d
-                a2, b2 = roll(a, b, d)
-                h_next = (a2 << 31) | b2
-                break
-        else:  # the walk reached Lq: the hash one page on from the query's own tokens, if it has them
-            if d + P <= tok.size:
-                a2, b2 = roll(a, b, d)
-                h_next = (a2 << 31) | b2
+            d, pos, a, b = d + P, vals[slot], a2, b2
+            rest = True
         return d, pos, ((a << 31) | b) if d > 0 else 0, h_next if d + P <= tok.size // P * P else 0
 
     def _search_scalar(self, hs, hi: int, lo: int = 0, lo_pos: int = -1) -> Tuple[int, int]:
@@ -2188,7 +2197,7 @@ class FlatRadixTree:
         defer = self._defers()
         self._since_flush += 1
         if defer:  # deferred entries: a walk on the tokens (heads only) instead of the hash search
-            m, kpos = self._walk_scalar(tok, L, ns)[:2]
+            m, kpos = self._walk_scalar(tok, L, ns, (known, known_pos) if known else None)[:2]
         else:
             k, kpos = self._search_scalar(h[P - 1 :: P], L // P, known // P, known_pos)
             m = k * P

@@ -999,14 +999,19 @@ def test_host_match_and_eviction_equal_torch_forms(page_size, defer, walks, monk
 
 
 @pytest.mark.parametrize("page_size,chunk_pages", [(1, None), (1, 3), (4, None), (4, 1), (16, None)])
-def test_walk_finds_what_the_hash_search_finds(page_size, chunk_pages):
+@pytest.mark.parametrize("defer", [False, True], ids=["entered", "deferred"])
+def test_walk_finds_what_the_hash_search_finds(page_size, chunk_pages, defer, monkeypatch):
     """`_walk_scalar` (a query's match by a walk on its tokens: a lookup per node, the rest of
     the node compared) gives the length and pool position `_find_scalar` (binary searches
     over the query's chunk and page hashes) gives, and the same hashes wherever the query's
     tokens reach (one page past a capped length too: a kept capped match is checked later
     against the whole fill), on a CPU tree under inserts, matches that split nodes,
     evictions (dead nodes, table tombstones) and locks, in two namespaces, for queries capped
-    anywhere."""
+    anywhere; from a start on the path too (an insert's locked prefix). With deferred entries
+    (`DEFER_ENTRIES`: only each node's first page end in the table) the hash search runs on
+    a copy, whose table reads enter them, and the walk on the tree that keeps them."""
+    monkeypatch.setattr(FlatRadixTree, "DEFER_ENTRIES", defer)
+    monkeypatch.setattr(FlatRadixTree, "DEFER_AFTER", 0)  # defer even right after a flush
     P = page_size
     rng = np.random.default_rng(7 + P)
     tree = FlatRadixTree(P, max_nodes=512, token_capacity=400 * P, seed=5, chunk_pages=chunk_pages)
@@ -1019,10 +1024,19 @@ def test_walk_finds_what_the_hash_search_finds(page_size, chunk_pages):
         ns = int(rng.integers(2))
         L = int(rng.integers(len(seq) + 1)) if rng.integers(3) == 0 else len(seq)
         Lq = L // P * P
-        ch = tree._chunk_hashes_flat_host(seq, np.array([len(seq)], dtype=np.int64), [ns], tree.C)
-        want = tree._find_scalar(seq, ch, 0, 0, L, ns)
+        src = copy.deepcopy(tree) if defer else tree
+        ch = src._chunk_hashes_flat_host(seq, np.array([len(seq)], dtype=np.int64), [ns], src.C)
+        want = src._find_scalar(seq, ch, 0, 0, L, ns)
+        if tree._pend:
+            kinds.add("pending")
         got = tree._walk_scalar(seq, L, ns)
         assert got[:2] == want[:2], (step, got, want)
+        if want[0] > 0:  # from a present depth on the path (an insert's locked prefix): the same walk
+            k = int(rng.integers(1, want[0] // P + 1)) * P
+            at = tree._walk_scalar(seq, k, ns)
+            assert at[0] == k, (step, at)
+            assert tree._walk_scalar(seq, L, ns, (k, at[1])) == got, (step, k)
+            kinds.add("from a start")
         assert tree._walk_scalar(seq.astype(np.int64), L, ns) == got, step  # tokens of another dtype
         if want[0] > 0:
             assert got[2] == want[2], (step, "hash at the length")
@@ -1038,7 +1052,8 @@ def test_walk_finds_what_the_hash_search_finds(page_size, chunk_pages):
             tree.match(torch.from_numpy(seq)[None], torch.tensor([len(seq)]), torch.tensor([ns]))  # splits
         elif len(seq) >= P and tree.top + len(seq) < tree.tok.numel():
             tree.insert(torch.from_numpy(seq), torch.arange(len(seq)) + step * 1000, ns)
-    assert kinds == {"root miss", "whole", "stops inside", "next page past the cap"}, kinds
+    assert kinds == {"root miss", "whole", "stops inside", "next page past the cap", "from a start"} | (
+        {"pending"} if defer else set()), kinds
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
