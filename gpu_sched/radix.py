@@ -667,14 +667,16 @@ class FlatRadixTree:
             done += w
         return slot
 
-    def _probe_host(self, h: np.ndarray) -> np.ndarray:
+    def _probe_host(self, h: np.ndarray, raw: bool = False) -> np.ndarray:
         """`_probe`'s torch form on host arrays (a CPU table's view), window for window: the
         same home slots, windows and stops, in numpy calls of 1-3 us instead of torch CPU ops
-        of 5-15 us. Returns int64 [n]."""
-        keys = self._np("hkeys")
+        of 5-15 us. `raw`: the table as it is, deferred entries not entered (for keys that
+        are never deferred: nodes' first page ends). Returns int64 [n]."""
+        name = "_hk" if raw else "hkeys"
+        keys = self._np(name)
         H = keys.size
         if h.size <= PROBE_SCALAR_MAX:
-            return np.array(self._probe_scalar(self._mv("hkeys"), h.tolist()), dtype=np.int64)
+            return np.array(self._probe_scalar(self._mv(name), h.tolist()), dtype=np.int64)
         slot = np.full(h.size, -1, dtype=np.int64)
         if h.size == 0 or self.max_probe <= 0:
             return slot
@@ -1433,7 +1435,8 @@ class FlatRadixTree:
         return at(d), at(d + P)
 
     def check_matches(self, lengths: torch.Tensor, guess: torch.Tensor, h_guess: torch.Tensor,
-                      h_next: torch.Tensor, *, backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      h_next: torch.Tensor, *, backend: Optional[str] = None,
+                      positions: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Which guessed match lengths are still the queries' matches on the current tree, by
         two lookups per query instead of a search: present page-end depths form a prefix of
         each query's page ends (every page end of every tree path is in the table), so g is
@@ -1447,6 +1450,10 @@ class FlatRadixTree:
             h_guess, h_next: int64 [B], the queries' prefix hashes at depths g and g + P
                 (`depth_hashes`), kept from when the guess was made: they depend on the
                 tokens only, not on the tree.
+            positions: optional int64 [B], the pool positions kept with the guesses (of
+                token g - 1, from when the guess was made). On a CPU tree with deferred
+                entries the host form then checks by positions (`_check_at_positions`:
+                the table's reads would enter every deferred entry).
         Returns:
             (ok bool [B], position int64 [B]: pool position of the match's last token where
             ok and g > 0, else -1).
@@ -1454,6 +1461,10 @@ class FlatRadixTree:
         be = self._be(backend)
         P = self.P
         host = be == "torch" and _host(lengths)  # numpy views on the CPU: the same formulas
+        if host and positions is not None and self._pend:
+            ok, pos = self._check_at_positions(guess.numpy(), lengths.numpy() // P * P, h_guess.numpy(),
+                                               h_next.numpy(), positions.numpy())
+            return torch.from_numpy(ok), torch.from_numpy(pos)
         if host:
             g, Lq = guess.numpy(), lengths.numpy() // P * P
             found = self._lookup_host(np.concatenate([h_guess.numpy(), h_next.numpy()]))
@@ -1466,6 +1477,34 @@ class FlatRadixTree:
         if host:
             return torch.from_numpy(ok), torch.from_numpy(np.where(ok & (g > 0), pos1, -1))
         return ok, torch.where(ok & (g > 0), pos1, torch.full_like(g, -1))
+
+    def _check_at_positions(self, g: np.ndarray, Lq: np.ndarray, h1: np.ndarray, h2: np.ndarray,
+                            p: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """`check_matches`' test on a CPU tree by the kept positions p (int64 [B]) instead of
+        two lookups, in numpy (`_ScalarMatcher._holds_deferred`'s test, row-wise): depth g is
+        present at p if p is a live position whose prefix hash is h1 (a position a
+        compaction moved, or reused by other tokens, fails: not ok, the caller searches);
+        depth g + P is then present iff p's node goes on past p and its next page end's hash
+        is h2, or, at a node's end or the root, a child's first page end (always in the
+        table) has the key h2. The same answers as the lookups wherever this says ok.
+        Returns (ok bool [B], position int64 [B])."""
+        P = self.P
+        owner, hsh, key_off, key_len = (self._np(a) for a in ("owner", "hsh", "key_off", "key_len"))
+        has = g > 0
+        ok = (g >= 0) & (g <= Lq) & (g % P == 0)
+        pc = np.where(has & (p >= 0) & (p < owner.size), p, 0)
+        X = owner[pc]
+        live = has & (pc == p) & (X >= 0)
+        ok &= ~has | (live & (hsh[pc] == h1))
+        need = ok & (g + P <= Lq)
+        inside = need & live & (pc + P <= key_off[np.maximum(X, 0)] + key_len[np.maximum(X, 0)] - 1)
+        nxt = np.zeros(g.size, dtype=bool)
+        nxt[inside] = hsh[pc[inside] + P] == h2[inside]
+        at_end = need & ~inside
+        if at_end.any():
+            nxt[at_end] = self._probe_host(h2[at_end], raw=True) >= 0
+        ok &= ~nxt
+        return ok, np.where(ok & has, p, -1)
 
     @staticmethod
     def _arity(n: int) -> int:

@@ -1356,16 +1356,17 @@ class GpuScheduler(ReferenceScheduler):
             if self._host_paths():  # the same steps on the columns' numpy views: no torch op per call
                 h1, h2 = torch.from_numpy(sel[:, RT_H1]), torch.from_numpy(sel[:, RT_H2])
                 g = torch.from_numpy(guess)
+                kp = torch.from_numpy(sel[:, RT_MPOS])  # by positions while the tree defers entries
                 if since is not None:
                     keep = tree.unchanged(since, h1, h2).numpy() & logged
                     chk = np.flatnonzero(~keep)
                     ok, pos = keep.copy(), np.where(keep, sel[:, RT_MPOS], -1)
                     if chk.size:
                         c = torch.from_numpy(chk)
-                        ok_c, pos_c = tree.check_matches(lens[c], g[c], h1[c], h2[c], backend=be)
+                        ok_c, pos_c = tree.check_matches(lens[c], g[c], h1[c], h2[c], backend=be, positions=kp[c])
                         ok[chk], pos[chk] = ok_c.numpy(), pos_c.numpy()
                 else:
-                    ok, pos = (x.numpy() for x in tree.check_matches(lens, g, h1, h2, backend=be))
+                    ok, pos = (x.numpy() for x in tree.check_matches(lens, g, h1, h2, backend=be, positions=kp))
                 mi = np.flatnonzero(~ok)
                 m = np.where(ok, guess, 0)
                 if mi.size:
@@ -1985,9 +1986,13 @@ class GpuScheduler(ReferenceScheduler):
 
     def _scalar_find(self, n: int) -> bool:
         """Whether n rows' matches are searched on the host one by one (`_find_rows_scalar`)
-        rather than by the array search: a few rows (`FIND_SCALAR_MAX`), the torch backend on
-        the host paths' CPU."""
-        return n <= self.FIND_SCALAR_MAX and self._host_paths()
+        rather than by the array search: the torch backend on the host paths' CPU, for a few
+        rows (`FIND_SCALAR_MAX`), or, on a tree with deferred entries, for up to one row per
+        256 of them (the array search would enter them all, ~0.1 us each, where a row's walk
+        costs some 15-50 us)."""
+        if not self._host_paths():
+            return False
+        return n <= self.FIND_SCALAR_MAX or self.LAZY_FIND_TOKENS > 0 and 256 * n <= self.cache.tree._pend_n
 
     def _lazy_rows(self, rows: np.ndarray) -> bool:
         """Whether many rows' first capped searches go one by one through `_find_rows_scalar`
@@ -2009,9 +2014,10 @@ class GpuScheduler(ReferenceScheduler):
         admission window's of a fcfs, lof or routing-key request, an ordering's of a few new
         lpm or dfs-weight ones) walks the tree on the fill's tokens instead (`_find_lazy`)."""
         if self.LAZY_FIND_TOKENS > 0:
-            if len(rows) == 1 and self._rt.item(int(rows[0]), RT_TOFF) < 0:  # one arrival: no array call
+            walk = bool(self.cache.tree._pend)  # hashed rows walk too: a hash search would enter deferred entries
+            if len(rows) == 1 and (walk or self._rt.item(int(rows[0]), RT_TOFF) < 0):  # one arrival: no array call
                 return np.array(self._find_lazy(int(rows[0]), capped), dtype=np.int64).reshape(4, 1)
-            fresh = _rt_get(self._rt, rows, RT_TOFF) < 0
+            fresh = np.full(len(rows), True) if walk else _rt_get(self._rt, rows, RT_TOFF) < 0
             if fresh.any():
                 out = np.empty((4, len(rows)), dtype=np.int64)
                 if not fresh.all():

@@ -11,6 +11,7 @@ each insert's present length, the evicted node order and values, the tree as a s
 tests/test_kernels_radix.py runs the same lanes with backend="triton".
 """
 
+import collections
 import contextlib
 import copy
 import random
@@ -996,6 +997,66 @@ def test_host_match_and_eviction_equal_torch_forms(page_size, defer, walks, monk
         assert_same_tree(*trees, step, layout=not defer)
     assert {("match", True), ("match", False), ("evict", True)} <= kinds
     assert (deferred > 5) == (defer and walks), deferred  # without the walks inserts take the array form
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_kept_matches_checked_by_positions_on_a_deferring_tree(page_size, monkeypatch):
+    """`check_matches` with the kept positions on a CPU tree with deferred entries
+    (`_check_at_positions`: the kept position's prefix hash, the next page end in its node
+    or a child's first page end by lookup) says ok exactly where the lookups (on a copy
+    whose table holds every entry) say ok and the kept position still holds the match's
+    last page end, with the same position: kept matches of queries over inserts that extend
+    them (inside a node and at a node's end), evictions, splits, reused and compacted pool
+    ranges, in two namespaces."""
+    monkeypatch.setattr(FlatRadixTree, "DEFER_AFTER", 0)  # defer even right after a flush
+    P = page_size
+    rng = np.random.default_rng(11 + P)
+    tree = FlatRadixTree(P, max_nodes=512, token_capacity=300 * P, seed=5)
+    bases = [rng.integers(0, 4, int(rng.integers(1, 12)) * P).astype(np.int32) for _ in range(5)]
+    kept, seen = [], collections.Counter()
+    for step in range(250):
+        b = bases[int(rng.integers(len(bases)))]
+        seq = np.concatenate([b[: int(rng.integers(len(b) + 1))],
+                              rng.integers(0, 4, int(rng.integers(0, 3 * P)))]).astype(np.int32)
+        ns = int(rng.integers(2))
+        twin = copy.deepcopy(tree)
+        ch = twin._chunk_hashes_flat_host(seq, np.array([len(seq)], dtype=np.int64), [ns], twin.C)
+        g, pos, h1, h2 = twin._find_scalar(seq, ch, 0, 0, len(seq), ns)
+        kept = (kept + [(len(seq), g, pos, h1, h2)])[-40:]
+        op = int(rng.integers(6))
+        if op == 0 and int(tree.evictable_size) > 0:
+            tree.evict(int(rng.integers(1, int(tree.evictable_size) + 1)))
+        elif op == 1:
+            tree.match(torch.from_numpy(seq)[None], torch.tensor([len(seq)]), torch.tensor([ns]))  # splits
+        elif op == 2 and step % 5 == 0:
+            tree.compact()
+            seen["compacted"] += 1
+        elif len(seq) >= P and tree.top + len(seq) < tree.tok.numel():
+            tree.insert(torch.from_numpy(seq), torch.arange(len(seq)) + step * 1000, ns)
+        if not tree._pend:
+            continue
+        L, g, pos, h1, h2 = (torch.tensor(c) for c in zip(*kept))
+        ok, at = tree.check_matches(L, g, h1, h2, positions=pos)
+        assert tree._pend  # nothing entered
+        look = copy.deepcopy(tree)
+        ok_l, at_l = look.check_matches(L, g, h1, h2)  # its lookups enter every entry first
+        p = pos.numpy()
+        pc = np.clip(p, 0, tree.owner.numel() - 1)
+        holds = (g.numpy() == 0) | ((p >= 0) & (tree.owner.numpy()[pc] >= 0) & (tree.hsh.numpy()[pc] == h1.numpy()))
+        assert np.array_equal(ok.numpy(), ok_l.numpy() & holds), step
+        assert np.array_equal(at.numpy()[ok.numpy()], at_l.numpy()[ok.numpy()]), step
+        seen["ok"] += int(ok.sum())
+        seen["moved"] += int((ok_l.numpy() & ~holds).sum())
+        gn, Lq = g.numpy(), L.numpy() // P * P
+        for j in np.flatnonzero(holds & (gn > 0) & (gn + P <= Lq)).tolist():  # where the next page end was sought
+            X = int(tree.owner[p[j]])
+            inside = p[j] + P <= int(tree.key_off[X]) + int(tree.key_len[X]) - 1
+            seen[("inside" if inside else "at a node end", bool(ok_l[j]))] += 1
+    want = ["ok", "moved", "compacted", ("at a node end", False), ("at a node end", True)]
+    want += [("inside", False), ("inside", True)] if P == 1 else []  # P = 4, 16: one of the two each
+    for k in want:
+        assert seen[k] > 0, (k, seen)
+    assert seen[("inside", False)] + seen[("inside", True)] > 0, seen
 
 
 @pytest.mark.parametrize("page_size,chunk_pages", [(1, None), (1, 3), (4, None), (4, 1), (16, None)])

@@ -363,9 +363,10 @@ def test_runs_with_deferred_table_entries_match_reference(name, seed, monkeypatc
     """The tree's deferred hash-table entries (`FlatRadixTree.DEFER_ENTRIES`: a host insert
     enters each new leaf's first page end only) left to build up across steps, as in a
     serving loop (no `check_integrity`, which enters them, until the end): every plan,
-    queue, size and cache content equals the reference's, whether a step's searches are walks
-    (fcfs, lof, routing-key, random admission: the tree's first page ends only) or read the
-    table (lpm, dfs-weight orderings: every entry entered first)."""
+    queue, size and cache content equals the reference's: a step's searches are walks (the
+    tree's first page ends only) and lpm's and dfs-weight's kept matches are checked by
+    their pool positions (`FlatRadixTree._check_at_positions`), where an array search of
+    many rows reads the whole table (every entry entered first)."""
     monkeypatch.setattr(FlatRadixTree, "DEFER_AFTER", 0)  # deferred even where the table is read every step
     hits = run_long(name, seed=seed, integrity=False)
     assert hits["deferred"] > 25 and hits["admitted"] > 60 and hits["finished"] > 40, hits
