@@ -57,13 +57,15 @@ Deferred entries (CPU trees, host forms)
   A host insert enters only the new leaf's first page end (its head) and keeps the other
   page ends pending (`hslot` = PENDING at their pool positions, listed in `_pend`); a split
   enters its tail's head at once. Every node's head is then in the table, which is all the
-  token walks (`_walk_scalar`: one lookup per node, then a token comparison) and the
-  scheduler's position checks of kept matches (`_ScalarMatcher._holds_deferred`) need, so a
-  serving loop whose searches are walks (fcfs, lof, routing-key admission; the inserts
-  themselves) never enters most page ends, and an eviction drops a pending one with one
-  write instead of a tombstone. Any other reader of the table (`hkeys`, `hvals`: the hash
-  searches, probes, kernels, the recorded step, `check_integrity`) enters every pending
-  entry first (`_flush_pending`), so it sees the whole table. Results are the same with or
+  token walks (`_walk_scalar`: one lookup per node, then a token comparison) and the position
+  checks of kept matches need (the prefix hash at the kept position, the next page end in its
+  node or a child's head by lookup: `check_matches(positions=)`, for lpm's and dfs-weight's
+  orderings, and `_ScalarMatcher._holds_deferred`, for admission), so a serving loop whose
+  searches are walks (admission, the inserts themselves, an ordering's few re-searched
+  rows) never enters most page ends, and an eviction drops a pending one with one write
+  instead of a tombstone. Any other reader of the table (`hkeys`, `hvals`: the hash
+  searches of many rows, probes, kernels, the recorded step, `check_integrity`) enters every
+  pending entry first (`_flush_pending`), so it sees the whole table. Results are the same with or
   without it (`DEFER_ENTRIES`); only the table's layout differs (and with it where a table
   too full for `max_probe` would raise, which at the default limit and load does not occur).
 
@@ -154,10 +156,15 @@ def _cumsum_(a: np.ndarray) -> np.ndarray:
     """Running sums along the last axis of an int64 array, in place (a is returned): torch's
     CPU cumsum on the same memory, the same exact sums (int64 additions) as numpy's, which
     is not vectorized for int64 (~2 against ~0.4 ns an element: a 5.6k-token insert's
-    hashes 76 -> 57 us)."""
+    hashes 76 -> 52 us)."""
     t = torch.from_numpy(a)
     t.cumsum_(t.dim() - 1)
     return a
+
+
+def _cat64(parts: List[np.ndarray]) -> torch.Tensor:
+    """int64 numpy parts joined as one CPU tensor (empty for no parts)."""
+    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
 
 
 def _pow_table(base: int, p: int, n: int) -> torch.Tensor:
@@ -2497,8 +2504,7 @@ class FlatRadixTree:
             vals_out.append(self._remove_host(take))
             # a parent whose last candidate child was taken is now an unlocked leaf
             cand = np.concatenate([cand[k + 1 :], par[becomes & (lastpos <= k)]])
-        cat = lambda xs: torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))  # noqa: E731
-        return EvictResult(cat(order_out), cat(vals_out), freed)
+        return EvictResult(_cat64(order_out), _cat64(vals_out), freed)
 
     def _evict_scalar(self, cand: List[int], num_tokens: int) -> EvictResult:
         """`_evict_host`'s rounds for a few unlocked leaves `cand` (node ids) in Python on the
@@ -2535,8 +2541,7 @@ class FlatRadixTree:
             cand = cand[k + 1 :]
             if join is not None:
                 bisect.insort(cand, join, key=key)
-        cat = lambda xs: torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))  # noqa: E731
-        return EvictResult(cat(order_out), cat(vals_out), freed)
+        return EvictResult(_cat64(order_out), _cat64(vals_out), freed)
 
     def _evict_rank(self, par: torch.Tensor, be: str = "torch") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The distinct parents of the sorted candidates (`par` = their parents in order), how
