@@ -1051,7 +1051,10 @@ class FlatRadixTree:
         ranges come back roughly in pool order), and only when neither exists a compaction. A
         reused range moves no live token, so matches and the change log stay valid."""
         if self.top + n > self.token_capacity:
+            c0 = self._reuse
             off = self._free_run(n)
+            if off < 0 and c0 > 0:  # ranges freed behind the cursor since it passed: once more from 0
+                off = self._free_run(n, end=min(self.top, c0 + n))
             if off >= 0:
                 return off
             self.compact()
@@ -1061,14 +1064,15 @@ class FlatRadixTree:
         self.top += n
         return off
 
-    def _free_run(self, n: int) -> int:
+    def _free_run(self, n: int, end: Optional[int] = None) -> int:
         """The first offset >= the reuse cursor `_reuse` of n free pool positions (owner -1)
-        below `top`, the cursor moved past them; -1 (cursor back to 0) when there is none
-        before `top`. Each failed window moves the cursor past its last live position, so one
+        below `end` (default `top`), the cursor moved past them; -1 (cursor back to 0) when
+        there is none. Each failed window moves the cursor past its last live position, so one
         sweep of the pool reads every position about once."""
         owner = self._np("owner") if self._on_cpu else self.owner
         c = self._reuse
-        while n > 0 and c + n <= self.top:
+        end = self.top if end is None else end
+        while n > 0 and c + n <= end:
             live = owner[c : c + n] >= 0
             occ = np.flatnonzero(live) if self._on_cpu else torch.nonzero(live).flatten()
             if len(occ) == 0:

@@ -506,6 +506,34 @@ def test_freed_pool_ranges_are_reused_before_compacting(monkeypatch):
     pr.check()
 
 
+def test_a_free_run_behind_the_reuse_cursor_is_taken_before_compacting(monkeypatch):
+    """A range freed behind the reuse cursor (after the cursor passed it) is found by a
+    second sweep from the pool's start before the pool is compacted: the new leaf takes it,
+    no live token moves, and the change log still reaches back."""
+    compactions = []
+    orig = FlatRadixTree.compact
+    monkeypatch.setattr(FlatRadixTree, "compact", lambda self: (compactions.append(self.top), orig(self)))
+    pr = Pair(1, token_capacity=64)
+    t = pr.flat
+    seq = {k: [k * 100 + i for i in range(n)] for k, n in ((1, 20), (2, 20), (3, 20), (4, 16), (5, 4), (6, 4))}
+    for k in (1, 2, 3):  # positions 0-19, 20-39, 40-59
+        pr.insert(seq[k], 0)
+    pr.evict(20)  # seq 1: 0-19 free
+    pr.insert(seq[4], 0)  # 0-15, the cursor at 16
+    pr.insert(seq[5], 0)  # 60-63, past the bump pointer
+    pr.insert(seq[6], 0)  # 16-19, the cursor at 20
+    assert [int(t.key_off[int(t.owner[p])]) for p in (0, 60, 16)] == [0, 60, 16] and t._reuse == 20
+    pr.match([seq[2], seq[3], seq[5], seq[6]], [0] * 4)  # seq 4 now the least recent leaf
+    pr.evict(16)  # seq 4: 0-15 free, behind the cursor
+    assert int(t.owner[0]) == -1 and compactions == []
+    floor = t._log_floor
+    pr.insert([700 + i for i in range(12)], 0)  # nothing free from 20 on: 0-11, found from the start
+    node = int(t.owner[0])
+    assert (int(t.key_off[node]), int(t.key_len[node])) == (0, 12) and compactions == [] and t._log_floor == floor
+    pr.match([seq[2], seq[3], seq[5], seq[6], [700 + i for i in range(12)]], [0] * 5)
+    pr.check()
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_small_token_pool_random_sequences(page_size):
     """Random inserts, matches and evictions on a tree whose token pool is a few sequences
@@ -1451,6 +1479,8 @@ def test_deferred_entries_kept_through_walks_splits_evictions_and_compactions(pa
                     outs.append(tree.insert_and_match(torch.from_numpy(seq), torch.arange(len(seq)) + step * 100, ns))
                 else:
                     outs.append(tree.insert(torch.from_numpy(seq), torch.arange(len(seq)) + step * 100, ns))
+                if step % 20 == 19:  # besides those a full pool makes
+                    tree.compact()
         assert outs[0] == outs[1], (step, op, outs)
         a = trees[0]
         if a._pend:
