@@ -2168,7 +2168,7 @@ class FlatRadixTree:
         W, Lmax = tok.shape
         if W == 1 and SCALAR_BATCH >= 1 and self._host_form(be):  # off with the other walks when SCALAR_BATCH < 1
             L = int(lens[0])
-            return [self._insert_one_host(tok.numpy()[0, :L], val.numpy()[0, :L], full_h.numpy()[0, :L], int(nsv[0]))]
+            return [self._insert_one_host(tok.numpy()[0, :L], val.numpy()[0, :L], full_h.numpy()[0, :L], int(nsv[0]))[0]]
         self.version = next(_VERSIONS)
         npg = Lmax // P
         pe = full_h[:, P - 1 :: P][:, :npg].reshape(-1)  # page-end hashes, row-major [W * npg]
@@ -2614,21 +2614,21 @@ class FlatRadixTree:
         hashes int64 [sum(lens) // P]), in `_remove_host`'s order."""
         P = self.P
         val, hsh, hs, owner = self._np("val"), self._np("hsh"), self._np("hslot"), self._np("owner")
-        vals, hp, slots, keys = [], [], [], []
+        vals, hp, marks, slots, keys = [], [], [], [], []
         for o, n in zip(offs, lens):
             pe = slice(o + P - 1, o + n, P)
-            s = hs[pe]
+            marks.append(hs[pe])
             vals.append(val[o : o + n])
             hp.append(hsh[pe])
             # a deferred entry leaves with its pending mark alone (most of a leaf's)
-            entered = np.flatnonzero(s != PENDING) if self._pend else slice(None)
-            slots.append(s[entered].astype(np.int64))
+            entered = np.flatnonzero(marks[-1] != PENDING) if self._pend else slice(None)
+            slots.append(marks[-1][entered].astype(np.int64))
             keys.append(hp[-1][entered])
-            s.fill(-1)  # a removed position holds no entry
         cat = (lambda xs: xs[0].copy()) if len(offs) == 1 else np.concatenate  # noqa: E731
         h = cat(hp)
-        self._delete_slots(cat(slots), cat(keys))
-        for o, n in zip(offs, lens):
+        self._delete_slots(cat(slots), cat(keys))  # checked before it writes: RuntimeError leaves all as it was
+        for o, n, m in zip(offs, lens, marks):
+            m.fill(-1)  # a removed position holds no entry
             owner[o : o + n] = -1
         return cat(vals), torch.from_numpy(h)
 

@@ -339,6 +339,24 @@ def test_page_size_short_query_matches_nothing():
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
+def test_insert_many_returns_present_lengths_in_every_wave(page_size):
+    """`insert_many` returns each sequence's present length as an int (R-RC-5), on a CPU tree
+    as in its torch form, where sequences sharing a first page go in waves of one (the host
+    path of a lone sequence once returned its (length, position) pair there), with the same
+    tree after."""
+    P = page_size
+    seqs = [[1] * P + [2] * P + [3] * P, [1] * P + [2] * P + [5] * P, [7] * P, [1] * P + [9] * P, [7] * P]
+    toks = [torch.tensor(q, dtype=torch.int32) for q in seqs]
+    vals = [torch.arange(len(q)) + 100 * i for i, q in enumerate(seqs)]
+    host, tor = (FlatRadixTree(P, max_nodes=64, token_capacity=1024) for _ in range(2))
+    got = host.insert_many(toks, vals, [0] * len(seqs))
+    with PM.torch_forms():
+        want = tor.insert_many(toks, vals, [0] * len(seqs))
+    assert got == want == [0, 2 * P, 0, P, P] and all(type(x) is int for x in got)
+    assert_same_tree(host, tor, "insert_many", layout=False)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("walks", [True, False])
 def test_insert_finds_every_present_length(page_size, walks, monkeypatch):
     """A single insert's search (the scalar binary search on the CPU, the array rounds
