@@ -2012,7 +2012,9 @@ class GpuScheduler(ReferenceScheduler):
         page on); the callers keep them as they keep the array search's. With
         `LAZY_FIND_TOKENS` > 0, a row whose fill is not hashed yet (a request's first match: an
         admission window's of a fcfs, lof or routing-key request, an ordering's of a few new
-        lpm or dfs-weight ones) walks the tree on the fill's tokens instead (`_find_lazy`)."""
+        lpm or dfs-weight ones) walks the tree on the fill's tokens instead (`_find_lazy`), and
+        so does every row while the tree holds deferred entries (a hash search would enter
+        them all first)."""
         if self.LAZY_FIND_TOKENS > 0:
             walk = bool(self.cache.tree._pend)  # hashed rows walk too: a hash search would enter deferred entries
             if len(rows) == 1 and (walk or self._rt.item(int(rows[0]), RT_TOFF) < 0):  # one arrival: no array call
