@@ -1462,9 +1462,11 @@ class FlatRadixTree:
                 (`depth_hashes`), kept from when the guess was made: they depend on the
                 tokens only, not on the tree.
             positions: optional int64 [B], the pool positions kept with the guesses (of
-                token g - 1, from when the guess was made). On a CPU tree with deferred
-                entries the host form then checks by positions (`_check_at_positions`:
-                the table's reads would enter every deferred entry).
+                token g - 1, from when the guess was made, with h_guess and h_next made for
+                the same g: a guess changed without its hashes can pass this check where
+                the lookups would not). On a CPU tree with deferred entries the host form
+                then checks by positions (`_check_at_positions`: the table's reads would
+                enter every deferred entry).
         Returns:
             (ok bool [B], position int64 [B]: pool position of the match's last token where
             ok and g > 0, else -1).
