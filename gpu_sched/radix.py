@@ -60,7 +60,7 @@ Deferred entries (CPU trees, host forms)
   token walks (`_walk_scalar`: one lookup per node, then a token comparison) and the position
   checks of kept matches need (the prefix hash at the kept position, the next page end in its
   node or a child's head by lookup: `check_matches(positions=)`, for lpm's and dfs-weight's
-  orderings, and `_ScalarMatcher._holds_deferred`, for admission), so a serving loop whose
+  orderings, and `_holds_at`, row by row for admission), so a serving loop whose
   searches are walks (admission, the inserts themselves, an ordering's few re-searched
   rows) never enters most page ends, and an eviction drops a pending one with one write
   instead of a tombstone. Any other reader of the table (`hkeys`, `hvals`: the hash
@@ -120,8 +120,10 @@ INT64_MIN = -(2**63)
 _VERSIONS = itertools.count(1)  # FlatRadixTree.version values
 
 
-def home_slot(h: torch.Tensor, H: int) -> torch.Tensor:
-    """First table slot probed for key h (H a power of two <= 2^31)."""
+def home_slot(h, H: int):
+    """First table slot probed for key h (H a power of two <= 2^31): h a torch tensor, a
+    numpy array (int64 products wrap) or a Python int (its exact product has the same bits
+    32.. as the wrapped one)."""
     return ((h * HASH_MIX) >> 32) & (H - 1)
 
 
@@ -771,10 +773,7 @@ class FlatRadixTree:
         record = positions and self.hslot is not None and _host(h) and be != "triton"
         if not record and self._pend:  # deletions will probe: every deferred entry in first
             self._flush_pending()
-        H = self._hk.numel()
-        if (self._h_used + n) * 4 > H * 3:
-            self._rehash(extra=n, be=be)
-            H = self._hk.numel()
+        H = self._room_for(n, be)
         if not record:
             self._hslot_ok = False
         if be == "triton":
@@ -846,17 +845,23 @@ class FlatRadixTree:
                 return
         raise RuntimeError("prefix hash table: probe limit reached (table too full)")
 
+    def _room_for(self, n: int, be: str = "torch") -> int:
+        """The table rebuilt larger (`_rehash`) if n more entries would take it past 3/4 used
+        (live entries and tombstones); returns its size H."""
+        if (self._h_used + n) * 4 > self._hk.numel() * 3:
+            self._rehash(extra=n, be=be)
+        return self._hk.numel()
+
     def _enter_one_host(self, h: int, pos: int) -> None:
         """`_table_insert` of one absent key h with its value, the pool position pos, on a CPU
         tree's host form, its slot recorded (`hslot`), in Python ints: a lone claimant takes
         the first free slot (EMPTY or TOMB) on its probe path, the slot the rounds give it
         (~25 us less than `_table_insert`'s array glue; a host insert enters one key, its
         leaf's head, when it defers the rest). RuntimeError at the probe limit."""
-        if (self._h_used + 1) * 4 > self._hk.numel() * 3:
-            self._rehash(extra=1)
+        self._room_for(1)
         keys, vals, hs = self._mv("_hk"), self._mv("_hv"), self._mv("hslot")
         mask = len(keys) - 1
-        p = ((h * HASH_MIX) >> 32) & mask  # `home_slot`: bits 32.. of the product, which int64's wrap keeps
+        p = home_slot(h, len(keys))
         for _ in range(self.max_probe):
             if keys[p] < 0:
                 keys[p], vals[p], hs[pos] = h, pos, p
@@ -961,8 +966,8 @@ class FlatRadixTree:
         H = self._hk.numel()
         while (keys.numel() + extra) * 2 > H:
             H *= 2
-        self.hkeys = torch.full((H,), EMPTY, dtype=torch.int64, device=self.device)
-        self.hvals = torch.full((H,), -1, dtype=torch.int64, device=self.device)
+        self._hk = torch.full((H,), EMPTY, dtype=torch.int64, device=self.device)
+        self._hv = torch.full((H,), -1, dtype=torch.int64, device=self.device)
         for name in ("hkeys", "hvals", "_hk", "_hv"):  # `_np` would re-make them; this frees the old table now
             self._host_arrays.drop(name)
         self._h_used = 0
@@ -1494,7 +1499,7 @@ class FlatRadixTree:
     def _check_at_positions(self, g: np.ndarray, Lq: np.ndarray, h1: np.ndarray, h2: np.ndarray,
                             p: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """`check_matches`' test on a CPU tree by the kept positions p (int64 [B]) instead of
-        two lookups, in numpy (`_ScalarMatcher._holds_deferred`'s test, row-wise): depth g is
+        two lookups, in numpy (`_holds_at`'s test, row-wise): depth g is
         present at p if p is a live position whose prefix hash is h1 (a position a
         compaction moved, or reused by other tokens, fails: not ok, the caller searches);
         depth g + P is then present iff p's node goes on past p and its next page end's hash
@@ -1518,6 +1523,27 @@ class FlatRadixTree:
             nxt[at_end] = self._probe_host(h2[at_end], raw=True) >= 0
         ok &= ~nxt
         return ok, np.where(ok & has, p, -1)
+
+    def _holds_at(self, g: int, Lq: int, h1: int, h2: int, p: int) -> Tuple[bool, int]:
+        """`_check_at_positions` for one row in Python ints (the admission's kept matches,
+        row by row: `_ScalarMatcher.holds`): (ok, the position p where ok and g > 0, else -1)."""
+        P = self.P
+        if g < 0 or g > Lq or g % P:
+            return False, -1
+        owner, hsh = self._mv("owner"), self._mv("hsh")
+        X = -1
+        if g > 0:
+            if not 0 <= p < len(owner) or owner[p] < 0 or hsh[p] != h1:
+                return False, -1
+            X = owner[p]
+        if g + P <= Lq:
+            if X >= 0 and p + P <= self._mv("key_off")[X] + self._mv("key_len")[X] - 1:
+                present = hsh[p + P] == h2  # inside p's node: its next page end
+            else:  # at a node's end or the root: a child's first page end, always in the table
+                present = self._probe_scalar(self._mv("_hk"), [h2])[0] >= 0
+            if present:
+                return False, -1
+        return True, p if g > 0 else -1
 
     @staticmethod
     def _arity(n: int) -> int:

@@ -155,40 +155,15 @@ class _ScalarMatcher:
         (`check_matches`' test by two lookups): depth mlen is present (or 0) and depth
         mlen + P absent (or past Lq); and the pool position found for depth mlen (-1 if
         absent). On a tree with deferred entries (whose lookups would enter them all) by
-        positions instead (`_holds_deferred`)."""
+        positions instead (`FlatRadixTree._holds_at`)."""
         P = self.P
         if self.hkeys is None and self.tree._pend:
-            return self._holds_deferred(mlen, Lq, h1, h2, mpos)
+            return self.tree._holds_at(mlen, Lq, h1, h2, mpos)
         if self.hkeys is None:
             self.hkeys, self.hvals = self.tree._mv("hkeys"), self.tree._mv("hvals")
         s1, s2 = self.tree._probe_scalar(self.hkeys, (h1, h2))
         pos, pos2 = (self.hvals[s1] if s1 >= 0 else -1), s2
         return not (mlen > Lq or mlen % P or mlen > 0 and pos < 0 or mlen + P <= Lq and pos2 >= 0), pos
-
-    def _holds_deferred(self, mlen: int, Lq: int, h1: int, h2: int, mpos: int) -> Tuple[bool, int]:
-        """`holds` without the table's page ends past each node's first: depth mlen is present
-        at mpos if that position is live and its prefix hash is h1 (a page end moved by a
-        compaction is not found there: not ok, and the row is searched again). Depth mlen + P
-        then continues the path through mpos: inside mpos's node it is the node's next page
-        end (present iff its hash is h2); at a node's end, or at the root, it would be a
-        child's first page end, which is in the table (a lookup of h2)."""
-        P, tree, owner = self.P, self.tree, self.owner
-        if mlen > Lq or mlen % P:
-            return False, -1
-        hsh = tree._mv("hsh")
-        X = -1
-        if mlen > 0:
-            if mpos < 0 or owner[mpos] < 0 or hsh[mpos] != h1:
-                return False, -1
-            X = owner[mpos]
-        if mlen + P <= Lq:
-            if X >= 0 and mpos + P <= self.key_off[X] + self.key_len[X] - 1:
-                present = hsh[mpos + P] == h2
-            else:
-                present = tree._probe_scalar(tree._mv("_hk"), [h2])[0] >= 0
-            if present:
-                return False, mpos if mlen > 0 else -1
-        return True, mpos if mlen > 0 else -1
 
     def __call__(self, j: int) -> Tuple[int, int, int, int, int]:
         """Row j's (match length, lock drop, fill length, output length, max_new_tokens)."""
@@ -216,9 +191,8 @@ class _ScalarMatcher:
             ok, pos = self.holds(mlen, Lq, h1, h2, mpos) if mver != -1 else (False, -1)
             if not ok:
                 # not hashed, or a tree with deferred entries (a hash search would enter them
-                # all): the walk (`_find_rows_scalar`'s choice)
-                walk = toff < 0 or self.tree._pend and self.hkeys is None
-                if walk and s.LAZY_FIND_TOKENS > 0:
+                # all): the walk (`_find_rows_scalar`'s choice, without its array glue)
+                if s.LAZY_FIND_TOKENS > 0 and (toff < 0 or self.tree._pend):
                     kept = s._find_lazy(r)
                 else:
                     kept = s._find_rows_scalar(self.rows[j : j + 1], capped=True)[:, 0].tolist()

@@ -1049,7 +1049,8 @@ def test_host_match_and_eviction_equal_torch_forms(page_size, defer, walks, monk
 def test_kept_matches_checked_by_positions_on_a_deferring_tree(page_size, monkeypatch):
     """`check_matches` with the kept positions on a CPU tree with deferred entries
     (`_check_at_positions`: the kept position's prefix hash, the next page end in its node
-    or a child's first page end by lookup) says ok exactly where the lookups (on a copy
+    or a child's first page end by lookup; `_holds_at` row by row, the same answers) says ok
+    exactly where the lookups (on a copy
     whose table holds every entry) say ok and the kept position still holds the match's
     last page end, with the same position: kept matches of queries over inserts that extend
     them (inside a node and at a node's end), evictions, splits, reused and compacted pool
@@ -1091,6 +1092,8 @@ def test_kept_matches_checked_by_positions_on_a_deferring_tree(page_size, monkey
         holds = (g.numpy() == 0) | ((p >= 0) & (tree.owner.numpy()[pc] >= 0) & (tree.hsh.numpy()[pc] == h1.numpy()))
         assert np.array_equal(ok.numpy(), ok_l.numpy() & holds), step
         assert np.array_equal(at.numpy()[ok.numpy()], at_l.numpy()[ok.numpy()]), step
+        rows = zip(*(x.tolist() for x in (g, L // P * P, h1, h2, pos)))  # the same test row by row
+        assert [tree._holds_at(*r) for r in rows] == list(zip(ok.tolist(), at.tolist())), step
         seen["ok"] += int(ok.sum())
         seen["moved"] += int((ok_l.numpy() & ~holds).sum())
         gn, Lq = g.numpy(), L.numpy() // P * P
