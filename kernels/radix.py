@@ -321,6 +321,10 @@ def _commit_kernel(h_ptr, v_ptr, pos_ptr, pend_ptr, hkeys_ptr, hvals_ptr, claim_
     p = tl.load(pos_ptr + offs, mask=mask, other=0)
     c = tl.load(claim_ptr + p, mask=pend, other=-1)
     won = pend & (c == tag + offs)
+    # every thread has loaded pend and pos before any stores them: a block smaller than the
+    # program's threads is held by several threads each, and a late one would read the new
+    # slot, then count and move from it (tests/interp_races.py)
+    tl.debug_barrier()
     tl.store(hkeys_ptr + p, tl.load(h_ptr + offs, mask=won, other=0), mask=won)
     tl.store(hvals_ptr + p, tl.load(v_ptr + offs, mask=won, other=0), mask=won)
     still = pend & ~won

@@ -2,6 +2,7 @@
 
 import os
 import random
+import zlib
 
 import numpy as np
 import pytest
@@ -29,6 +30,30 @@ def _seed_everything():
     random.seed(1234)
     np.random.seed(1234)
     yield
+
+
+#: program orders the race watch rotates through, one per test (`_interpreter_races`)
+_PROGRAM_ORDERS = ("grid", "reverse", "shuffle")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_races(request):
+    """In Triton's interpreter (TRITON_INTERPRET=1, i.e. no CUDA), every launch of a test is
+    watched for data races, which fail the test, and its programs run in grid, reverse or
+    shuffled order, one order per test chosen from its id (`tests/interp_races.py`): a kernel
+    that passes only in the interpreter's grid order, or that combines results across
+    programs or threads without atomics or a barrier, fails here rather than on a GPU.
+    GPU_SCHED_RACE_CHECK=0 turns it off; GPU_SCHED_PROGRAM_ORDER=grid|reverse|shuffle runs
+    every test in that order. Tests marked `no_race_watch` (the watch's own) run without."""
+    if (os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("GPU_SCHED_RACE_CHECK") == "0"
+            or request.node.get_closest_marker("no_race_watch")):
+        yield
+        return
+    from interp_races import RaceWatch, program_order
+
+    order = os.environ.get("GPU_SCHED_PROGRAM_ORDER") or _PROGRAM_ORDERS[zlib.crc32(request.node.nodeid.encode()) % 3]
+    with RaceWatch(raise_on_race=True).watching(), program_order(order, seed=zlib.crc32(request.node.nodeid.encode())):
+        yield
 
 
 @pytest.fixture

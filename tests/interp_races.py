@@ -1,0 +1,322 @@
+"""Data races of Triton kernels, found in Triton's interpreter.
+
+The interpreter runs a launch's programs one after another, in grid order, and a store's lanes
+as one numpy assignment: a kernel whose result depends on which program runs first, or on
+which of two lanes storing to one address wins, passes there and may fail on a GPU, where
+programs run concurrently and in no set order. This module watches the interpreter instead:
+
+- `RaceWatch` records, per launch, every address a program loads, stores or updates
+  atomically (masked-off lanes excluded), and after the launch reports each address that
+  one program stores to and another program reads, stores to or updates (a plain store of
+  the same value by every program that stores there, with no reader and no atomic, is
+  allowed: the order cannot show), and each address that one program updates atomically
+  and another reads or stores plainly. Atomic updates by several programs are the sanctioned
+  way to combine across programs and are not reported. It also reports a store whose active
+  lanes write two different values to one address (which lane wins is unspecified on a GPU).
+- Inside one program, the threads of a GPU program run a load and a store of one global
+  address in no set order unless a `tl.debug_barrier()` lies between them (Triton orders
+  shared memory for you, not global memory: triton-lang/triton#1097, #10924): `RaceWatch`
+  also reports a load of an address the same program stored to earlier with no barrier in
+  between (read-back), and a store to an address the same program loaded earlier with no
+  barrier in between, except where the load and the store have the same address in every
+  lane (an elementwise read-modify-write, a scalar's included: the thread that stores a lane
+  loaded it, or the layouts differ and the value crosses threads through shared memory, behind
+  a barrier). That is safe only while no other thread uses the loaded value (a scalar is
+  loaded by every thread, a small block's lanes may be held by several): which kernels do it
+  is kept in `rmw_kernels`, for reading.
+- `program_order`: "grid" (the interpreter's own), "reverse" or "shuffle" (seeded) runs each
+  launch's programs, and each atomic's lanes, in that order: a kernel correct by construction
+  gives the same result in any order.
+
+Both are context managers over module-level patches of `triton.runtime.interpreter`; they
+only make sense with TRITON_INTERPRET=1 (the kernels decorated as interpreted). Not
+thread-safe. `tests/test_kernels_races.py` runs every kernel under both; set
+`GPU_SCHED_RACE_CHECK=1` (and optionally `GPU_SCHED_PROGRAM_ORDER=reverse|shuffle`) to run
+any test file with them (`tests/conftest.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional
+
+import numpy as np
+
+READ, WRITE, ATOMIC = 0, 1, 2
+_KIND = {READ: "load", WRITE: "store", ATOMIC: "atomic"}
+
+
+_LOOP_CODE = []  # the interpreter's own launch (GridExecutor.__call__), before any patch
+
+
+def _interp():
+    from triton.runtime import interpreter
+
+    if not _LOOP_CODE:
+        _LOOP_CODE.append(interpreter.GridExecutor.__call__.__code__)
+    return interpreter
+
+
+@dataclass
+class Race:
+    """One racy address of one launch: the kernel, the address (bytes) and what each program
+    (grid index) did there, e.g. {(0, 0, 0): "store", (1, 0, 0): "load"}."""
+
+    kernel: str
+    what: str
+    address: int
+    programs: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        acts = ", ".join(f"program {p}: {a}" for p, a in sorted(self.programs.items())[:4])
+        return f"{self.kernel}: {self.what} at address {self.address:#x} ({acts})"
+
+
+def _values_as_int64(v: np.ndarray) -> np.ndarray:
+    """Stored values as int64 for equality: integers and bools widened, floats by their bits."""
+    if v.dtype.kind == "f":
+        return v.astype(np.float64).view(np.int64)
+    return v.astype(np.int64)
+
+
+class RaceWatch:
+    """Record the interpreter's memory accesses per launch and report races (module doc).
+
+    `races` collects every `Race` found; `launches` counts the launches watched. With
+    `raise_on_race`, a launch with a race raises AssertionError naming it."""
+
+    def __init__(self, raise_on_race: bool = False):
+        self.raise_on_race = raise_on_race
+        self.races: List[Race] = []
+        self.launches = 0
+        self.rmw_kernels: set = set()
+        self._acc: Optional[list] = None  # this launch's (addresses, program, kind, values, epoch, size)
+        self._kernel = ""
+        self._epoch = 0  # barriers seen: accesses of one program in one epoch are unordered
+
+    # ---- recording ---------------------------------------------------------------------
+    def _program(self) -> int:
+        b = _interp().interpreter_builder
+        x, y, z = b.grid_idx
+        nx, ny, _ = b.grid_dim
+        return (z * ny + y) * nx + x
+
+    def _record(self, ptrs, mask, kind: int, values=None) -> None:
+        if self._acc is None:
+            return
+        addr = np.asarray(ptrs.data)
+        m = np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape) if mask is not None else None
+        a = addr[m] if m is not None else addr.reshape(-1)
+        if not a.size:
+            return
+        v = None
+        if values is not None:
+            vv = np.broadcast_to(np.asarray(values.data), addr.shape)
+            v = _values_as_int64(vv[m] if m is not None else vv.reshape(-1))
+            self._check_lanes(a, v)
+        self._acc.append((a.astype(np.uint64), self._program(), kind, v, self._epoch, addr.size, addr))
+
+    def _check_lanes(self, a: np.ndarray, v: np.ndarray) -> None:
+        """One store's active lanes writing two different values to one address."""
+        o = np.argsort(a, kind="stable")
+        a, v = a[o], v[o]
+        bad = np.flatnonzero((a[1:] == a[:-1]) & (v[1:] != v[:-1]))
+        if bad.size:
+            self._report(Race(self._kernel, "one store's lanes write different values", int(a[bad[0]]),
+                              {self._grid_idx(self._program()): "store"}))
+
+    # ---- analysis ----------------------------------------------------------------------
+    def _report(self, race: Race) -> None:
+        self.races.append(race)
+        if self.raise_on_race:
+            raise AssertionError(f"data race: {race}")
+
+    def _analyze(self) -> None:
+        acc, self._acc = self._acc, None
+        if not acc:
+            return
+        self._within_programs(acc)
+        addr = np.concatenate([x[0] for x in acc])
+        prog = np.concatenate([np.full(x[0].size, x[1], dtype=np.int64) for x in acc])
+        kind = np.concatenate([np.full(x[0].size, x[2], dtype=np.int8) for x in acc])
+        val = np.concatenate([x[3] if x[3] is not None else np.zeros(x[0].size, dtype=np.int64) for x in acc])
+        o = np.lexsort((kind, prog, addr))
+        addr, prog, kind, val = addr[o], prog[o], kind[o], val[o]
+        starts = np.flatnonzero(np.r_[True, addr[1:] != addr[:-1]])
+        # addresses touched by one program only cannot race across programs
+        many = np.flatnonzero(np.maximum.reduceat(prog, starts) != np.minimum.reduceat(prog, starts))
+        wrote = np.maximum.reduceat((kind != READ).astype(np.int8), starts).astype(bool)
+        ends = np.r_[starts[1:], addr.size]
+        for g in many[wrote[many]]:
+            s, e = starts[g], ends[g]
+            ks, ps, vs = kind[s:e], prog[s:e], val[s:e]
+            writers = ps[ks == WRITE]
+            atomics = ps[ks == ATOMIC]
+            readers = ps[ks == READ]
+            race = None
+            if writers.size:
+                w = set(writers.tolist())
+                others = set(readers.tolist()) | set(atomics.tolist()) | w
+                if len(others) > 1:
+                    same_value = np.unique(vs[ks == WRITE]).size == 1
+                    if not (same_value and not readers.size and not atomics.size):
+                        race = "a store and another program's access"
+            elif atomics.size and len(set(atomics.tolist()) | set(readers.tolist())) > 1 and readers.size:
+                if set(readers.tolist()) - set(atomics.tolist()) or len(set(atomics.tolist())) > 1:
+                    race = "an atomic update and another program's load"
+            if race is not None:
+                progs = {}
+                for p, k in zip(ps.tolist(), ks.tolist()):
+                    progs.setdefault(self._grid_idx(p), _KIND[k])
+                self._report(Race(self._kernel, race, int(addr[s]), progs))
+
+    def _within_programs(self, acc: list) -> None:
+        """Read-back and vector write-after-read hazards inside each program (module doc)."""
+        by_prog: dict = {}
+        for i, x in enumerate(acc):
+            by_prog.setdefault(x[1], []).append((i, x))
+        for p, ops in by_prog.items():
+            stores = [(i, x) for i, x in ops if x[2] == WRITE]
+            if not stores:
+                continue
+            loads = [(i, x) for i, x in ops if x[2] == READ]
+            for li, lx in loads:
+                for si, sx in stores:
+                    if sx[4] != lx[4]:  # a barrier between them
+                        continue
+                    common = np.intersect1d(lx[0], sx[0])
+                    if not common.size:
+                        continue
+                    if si < li:
+                        what = "a load reads back the same program's store with no barrier between"
+                    elif lx[6].shape == sx[6].shape and np.array_equal(lx[6], sx[6]):
+                        self.rmw_kernels.add(self._kernel)  # lane i loads and stores one address
+                        continue
+                    else:
+                        what = "a store overwrites what the same program loaded, no barrier between"
+                    self._report(Race(self._kernel, what, int(common[0]), {self._grid_idx(p): "store, load"}))
+                    return
+
+    def _grid_idx(self, p: int):
+        nx, ny, _ = _interp().interpreter_builder.grid_dim
+        return (p % nx, (p // nx) % ny, p // (nx * ny))
+
+    # ---- patches -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def watching(self) -> Iterator["RaceWatch"]:
+        it = _interp()
+        B, G = it.InterpreterBuilder, it.GridExecutor
+        saved = {n: getattr(B, n) for n in ("create_masked_load", "create_masked_store", "create_atomic_rmw",
+                                            "create_atomic_cas", "create_barrier")}
+        call = G.__call__
+        watch = self
+
+        def load(b, ptrs, mask, other, cache_policy, is_volatile):
+            watch._record(ptrs, mask, READ)
+            return saved["create_masked_load"](b, ptrs, mask, other, cache_policy, is_volatile)
+
+        def store(b, ptrs, value, mask, cache_policy):
+            watch._record(ptrs, mask, WRITE, value)
+            return saved["create_masked_store"](b, ptrs, value, mask, cache_policy)
+
+        def rmw(b, op, ptr, val, mask, sem, scope):
+            watch._record(ptr, mask, ATOMIC)
+            return saved["create_atomic_rmw"](b, op, ptr, val, mask, sem, scope)
+
+        def cas(b, ptr, cmp, val, sem, scope):
+            watch._record(ptr, None, ATOMIC)
+            return saved["create_atomic_cas"](b, ptr, cmp, val, sem, scope)
+
+        def barrier(b):
+            watch._epoch += 1
+            return saved["create_barrier"](b)
+
+        def launch(g, *args, **kwargs):
+            watch._acc, watch._kernel = [], getattr(g.fn, "__name__", "kernel")
+            watch.launches += 1
+            try:
+                out = call(g, *args, **kwargs)
+            except BaseException:
+                watch._acc = None
+                raise
+            watch._analyze()
+            return out
+
+        B.create_masked_load, B.create_masked_store = load, store
+        B.create_atomic_rmw, B.create_atomic_cas, B.create_barrier = rmw, cas, barrier
+        G.__call__ = launch
+        try:
+            yield self
+        finally:
+            for n, f in saved.items():
+                setattr(B, n, f)
+            G.__call__ = call
+            self._acc = None
+
+
+@contextlib.contextmanager
+def program_order(order: str = "grid", seed: int = 0) -> Iterator[None]:
+    """Run each interpreted launch's programs in `order`: "grid" (unchanged), "reverse", or
+    "shuffle" (each grid axis permuted, seeded by `seed`). The lanes of each atomic update
+    (`tl.atomic_*`, several lanes on one address included) are applied in the same kind of
+    order, their returned old values put back in lane order: a kernel that takes "the first
+    lane wins" from an atomic must not depend on which lane the interpreter happens to apply
+    first. ValueError for another name."""
+    if order not in ("grid", "reverse", "shuffle"):
+        raise ValueError(f"program order must be grid, reverse or shuffle, got {order!r}")
+    it = _interp()
+    if order == "grid":
+        yield
+        return
+    code = _LOOP_CODE[0]
+    rng = random.Random(seed)
+    had = "range" in it.__dict__
+    old = it.__dict__.get("range")
+    B = it.InterpreterBuilder
+    rmw0, cas0 = B.create_atomic_rmw, B.create_atomic_cas
+
+    def grid_range(*args):
+        r = range(*args)
+        if sys._getframe(1).f_code is not code:  # only the launch loop's ranges
+            return r
+        items = list(r)
+        if order == "reverse":
+            items.reverse()
+        else:
+            rng.shuffle(items)
+        return items
+
+    def lanes(h, shape, perm):
+        d = np.broadcast_to(np.asarray(h.data), shape).reshape(-1)[perm].reshape(shape)
+        return it.TensorHandle(np.ascontiguousarray(d), h.dtype)
+
+    def permuted(apply, ptr, *hs):
+        shape = np.shape(ptr.data)
+        n = int(np.prod(shape))
+        if n < 2:
+            return apply(ptr, *hs)
+        perm = np.arange(n)[::-1].copy() if order == "reverse" else np.array(rng.sample(range(n), n))
+        out = apply(*(lanes(h, shape, perm) for h in (ptr, *hs)))
+        back = np.empty_like(out.data.reshape(-1))
+        back[perm] = out.data.reshape(-1)
+        return it.TensorHandle(back.reshape(out.data.shape), out.dtype)
+
+    def rmw(b, op, ptr, val, mask, sem, scope):
+        return permuted(lambda p, v, m: rmw0(b, op, p, v, m, sem, scope), ptr, val, mask)
+
+    def cas(b, ptr, cmp, val, sem, scope):
+        return permuted(lambda p, c, v: cas0(b, p, c, v, sem, scope), ptr, cmp, val)
+
+    it.range = grid_range
+    B.create_atomic_rmw, B.create_atomic_cas = rmw, cas
+    try:
+        yield
+    finally:
+        B.create_atomic_rmw, B.create_atomic_cas = rmw0, cas0
+        if had:
+            it.range = old
+        else:
+            del it.range
