@@ -24,6 +24,9 @@ programs run concurrently and in no set order. This module watches the interpret
   a barrier). That is safe only while no other thread uses the loaded value (a scalar is
   loaded by every thread, a small block's lanes may be held by several): which kernels do it
   is kept in `rmw_kernels`, for reading.
+- `RaceWatch` also reports an active lane whose address lies outside every tensor argument's
+  storage (the interpreter reads and writes host memory, where a neighbouring allocation
+  answers quietly; a GPU faults or corrupts).
 - `program_order`: "grid" (the interpreter's own), "reverse" or "shuffle" (seeded) runs each
   launch's programs, and each atomic's lanes, in that order: a kernel correct by construction
   gives the same result in any order.
@@ -96,6 +99,7 @@ class RaceWatch:
         self._acc: Optional[list] = None  # this launch's (addresses, program, kind, values, epoch, size)
         self._kernel = ""
         self._epoch = 0  # barriers seen: accesses of one program in one epoch are unordered
+        self._ranges = None  # this launch's tensor arguments' storages: (starts, ends) [bytes], by start
 
     # ---- recording ---------------------------------------------------------------------
     def _program(self) -> int:
@@ -112,12 +116,39 @@ class RaceWatch:
         a = addr[m] if m is not None else addr.reshape(-1)
         if not a.size:
             return
+        self._check_bounds(a, _interp()._get_np_dtype(ptrs.get_element_ty()).itemsize, kind)
         v = None
         if values is not None:
             vv = np.broadcast_to(np.asarray(values.data), addr.shape)
             v = _values_as_int64(vv[m] if m is not None else vv.reshape(-1))
             self._check_lanes(a, v)
         self._acc.append((a.astype(np.uint64), self._program(), kind, v, self._epoch, addr.size, addr))
+
+    def _check_bounds(self, a: np.ndarray, size: int, kind: int) -> None:
+        """Active lanes whose `size`-byte element is not inside one tensor argument's storage."""
+        if self._ranges is None:
+            return
+        starts, ends = self._ranges
+        a = a.astype(np.uint64)
+        i = np.searchsorted(starts, a, side="right") - 1
+        ok = (i >= 0) & (a + np.uint64(size) <= ends[np.maximum(i, 0)])
+        if not ok.all():
+            bad = int(a[np.flatnonzero(~ok)[0]])
+            self._report(Race(self._kernel, f"an out-of-bounds {_KIND[kind]}", bad,
+                              {self._grid_idx(self._program()): _KIND[kind]}))
+
+    def _set_ranges(self, args, kwargs) -> None:
+        import torch
+
+        spans = []
+        for t in list(args) + list(kwargs.values()):
+            for x in (t if isinstance(t, tuple) else (t,)):
+                if isinstance(x, torch.Tensor):
+                    st = x.untyped_storage()
+                    spans.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+        spans.sort()
+        self._ranges = (np.array([a for a, _ in spans], dtype=np.uint64).reshape(-1),
+                        np.array([b for _, b in spans], dtype=np.uint64).reshape(-1))
 
     def _check_lanes(self, a: np.ndarray, v: np.ndarray) -> None:
         """One store's active lanes writing two different values to one address."""
@@ -236,13 +267,15 @@ class RaceWatch:
 
         def launch(g, *args, **kwargs):
             watch._acc, watch._kernel = [], getattr(g.fn, "__name__", "kernel")
+            watch._set_ranges(args, kwargs)
             watch.launches += 1
             try:
                 out = call(g, *args, **kwargs)
             except BaseException:
-                watch._acc = None
+                watch._acc = watch._ranges = None
                 raise
             watch._analyze()
+            watch._ranges = None
             return out
 
         B.create_masked_load, B.create_masked_store = load, store

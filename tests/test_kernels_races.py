@@ -94,6 +94,18 @@ def _claim_min_kernel(claim_ptr, won_ptr, BLOCK: tl.constexpr):
     tl.atomic_min(claim_ptr + offs % 4, offs)
 
 
+@triton.jit
+def _shift_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """out[i] = x[i + 1]: reads one element past x unless the mask stops it."""
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    if MASKED:
+        v = tl.load(x_ptr + offs + 1, mask=(offs + 1) < n, other=0)
+    else:
+        v = tl.load(x_ptr + offs + 1, mask=m)
+    tl.store(out_ptr + offs, v, mask=m)
+
+
 def _watch(fn):
     w = RaceWatch()
     with w.watching():
@@ -142,6 +154,15 @@ def test_an_elementwise_read_modify_write_is_no_race_and_is_listed():
     w = _watch(lambda: _rmw_kernel[(3,)](x, 40, BLOCK=16))
     assert w.races == [] and x.tolist() == [1] * 40
     assert w.rmw_kernels == {"_rmw_kernel"}
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_an_access_outside_every_tensor_argument_is_reported(masked):
+    x, out = torch.arange(16, dtype=torch.int64), torch.zeros(16, dtype=torch.int64)
+    w = _watch(lambda: _shift_kernel[(1,)](x, out, 16, BLOCK=16, MASKED=masked))
+    assert [r.what for r in w.races] == ([] if masked else ["an out-of-bounds load"])
+    if not masked:
+        assert w.races[0].address == x.data_ptr() + 16 * 8
 
 
 def test_raise_on_race_names_the_kernel_and_the_watch_comes_off():
