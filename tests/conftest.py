@@ -56,6 +56,58 @@ def _interpreter_races(request):
         yield
 
 
+#: what `_poisoned_empty` fills a new uninitialized tensor with, by dtype kind
+_POISON_INT = -0x2152411021524111  # 0xDEADBEEFDEADBEEF as an int64; narrower ints take its low bits
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "meta" or not t.numel():
+        return t
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        bits = torch.iinfo(t.dtype).bits
+        v = _POISON_INT & ((1 << bits) - 1)
+        t.fill_(v - (1 << bits) if v >= 1 << (bits - 1) and torch.iinfo(t.dtype).min < 0 else v)
+    return t
+
+
+def _poison_np(a: np.ndarray) -> np.ndarray:
+    if a.dtype.kind == "f":
+        a.fill(np.nan)
+    elif a.dtype.kind == "b":
+        a.fill(True)
+    elif a.dtype.kind in "iu":
+        a.fill(np.int64(_POISON_INT).astype(a.dtype))  # the low bits, as the torch fill takes them
+    return a
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_empty(monkeypatch, request):
+    """`torch.empty`, `torch.empty_like`, `Tensor.new_empty` and `np.empty` return arrays
+    filled with garbage (NaN, True, 0xDEADBEEF...): a read of an element nothing wrote gives a
+    wrong answer in every test rather than whatever the allocator left there (often zeros on
+    a CPU, anything on a GPU). GPU_SCHED_POISON_EMPTY=0 turns it off; tests marked
+    `no_poison` (those that count torch ops) run without."""
+    if os.environ.get("GPU_SCHED_POISON_EMPTY") == "0" or request.node.get_closest_marker("no_poison"):
+        yield
+        return
+    empty, empty_like, new_empty, np_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty, np.empty
+    monkeypatch.setattr(np, "empty", lambda *a, **k: _poison_np(np_empty(*a, **k)))
+
+    def live():
+        return not torch.compiler.is_compiling()
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(empty(*a, **k)) if live() else empty(*a, **k))
+    monkeypatch.setattr(torch, "empty_like",
+                        lambda *a, **k: _poison(empty_like(*a, **k)) if live() else empty_like(*a, **k))
+    monkeypatch.setattr(torch.Tensor, "new_empty",
+                        lambda self, *a, **k: _poison(new_empty(self, *a, **k)) if live() else new_empty(self, *a, **k))
+    yield
+
+
 @pytest.fixture
 def cuda_default_device():
     """Tests written with host tensors (torch.tensor(...) without a device) run their tensors
