@@ -6,7 +6,8 @@
 #   OUTDIR gets: status.tsv (section, exit status, seconds), env.txt, pytest_<group>.log/.xml,
 #   profile.log + profile_<policy>_<mode>_<backend>.json (benchmarks/profile_step.py),
 #   bench_queue.log, bench_queue_cuda.json, bench_queue_cuda.png, plot.log,
-#   bench_kernels.log + bench_kernels.json (benchmarks/bench_kernels.py).
+#   bench_kernels.log + bench_kernels.json (benchmarks/bench_kernels.py), sanitizer.log (when
+#   GPU_CHECK_SANITIZER_S is set).
 #   GPU_CHECK_DRY_RUN=1: the same flow on a CPU machine (tiny sizes, cpu backends), to check
 #   the script itself.
 #
@@ -17,7 +18,8 @@
 # graph tests $GPU_CHECK_GRAPH_S (75), other kernel tests $GPU_CHECK_KERNELS_S (100),
 # differential tests $GPU_CHECK_DIFF_S (60), bench $GPU_CHECK_BENCH_S (110, less the seconds
 # the install took; no new row in its last 30 s), kernel variants $GPU_CHECK_KBENCH_S (20),
-# step profiles $GPU_CHECK_PROFILE_S (30), plot 15: at most 475 s plus kill grace (the
+# step profiles $GPU_CHECK_PROFILE_S (30), compute-sanitizer $GPU_CHECK_SANITIZER_S (0: off),
+# plot 15: at most 475 s plus kill grace (the
 # 2026-12-04 run's section times: benchmarks/results/gpu_tests_h200_20261204.txt). Tests: $GPU_CHECK_WORKERS xdist workers (12), one test
 # at most $GPU_CHECK_TEST_TIMEOUT_S (60) where pytest-timeout is installed. Bench: queue sizes
 # $GPU_CHECK_SIZES, policies $GPU_CHECK_POLICIES (benchmarks/README.md).
@@ -193,6 +195,34 @@ export -f profiles
 export OUT TRACE
 if [[ "${GPU_CHECK_PROFILE_S:-30}" != 0 ]]; then
     section profile "${GPU_CHECK_PROFILE_S:-30}" "$OUT/profile.log" bash -c profiles
+fi
+# compute-sanitizer over the radix and sort-key kernel tests, reusing the kernels the test
+# sections compiled: memcheck (out-of-bounds and misaligned device accesses) and initcheck
+# (reads of device memory nothing wrote; the tests' poisoned torch.empty is off for it, or its
+# fill would count as a write). What Triton's interpreter cannot show on a CPU, where
+# tests/interp_races.py and the poison stand in. Off by default ($GPU_CHECK_SANITIZER_S = 0):
+# the sections above spend the 8 minutes; a second call with spare device time sets it (60-120
+# s). It needs a Firecracker machine (the nvidia-h100-x1 kind): gVisor's H200 refuses the
+# device (.library/device/KINDS.md).
+sanitize() {
+    if ! command -v compute-sanitizer > /dev/null; then
+        echo "compute-sanitizer: not found"
+        return 1
+    fi
+    local tool
+    for tool in memcheck initcheck; do
+        echo "=== $tool"
+        GPU_SCHED_POISON_EMPTY=0 GPU_SCHED_TEST_DEVICE=cuda compute-sanitizer --tool "$tool" --error-exitcode 9 \
+            --target-processes all "$PY" -m pytest -q -n 0 -x -p no:cacheprovider \
+            tests/test_kernels_radix.py tests/test_kernels_sort_keys.py || return 1
+    done
+}
+export -f sanitize
+SAN_S="${GPU_CHECK_SANITIZER_S:-0}"
+if [[ "$SAN_S" == 0 || "$DRY" == 1 ]]; then
+    printf 'sanitizer\tskipped\t0\n' >> "$STATUS"
+else
+    section sanitizer "$SAN_S" "$OUT/sanitizer.log" bash -c sanitize
 fi
 if [[ -s "$OUT/bench_queue_cuda.json" ]]; then
     # 3 s on the H200 machine; a dry run on a small shared CPU took 15 s and more
