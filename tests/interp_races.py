@@ -26,7 +26,10 @@ programs run concurrently and in no set order. This module watches the interpret
   is kept in `rmw_kernels`, for reading.
 - `RaceWatch` also reports an active lane whose address lies outside every tensor argument's
   storage (the interpreter reads and writes host memory, where a neighbouring allocation
-  answers quietly; a GPU faults or corrupts).
+  answers quietly; a GPU faults or corrupts), and gives the masked-off lanes of a load
+  without `other=` garbage (`GARBAGE_BITS`, NaN, True) rather than the interpreter's zeros:
+  Triton leaves them undefined, so a kernel that uses them (a sum over a masked load, a
+  value picked from a masked-off lane) fails a test here rather than on a GPU.
 - `program_order`: "grid" (the interpreter's own), "reverse" or "shuffle" (seeded) runs each
   launch's programs, and each atomic's lanes, in that order: a kernel correct by construction
   gives the same result in any order.
@@ -83,6 +86,26 @@ def _values_as_int64(v: np.ndarray) -> np.ndarray:
     if v.dtype.kind == "f":
         return v.astype(np.float64).view(np.int64)
     return v.astype(np.int64)
+
+
+#: what a masked load without `other` gives its masked-off lanes under `RaceWatch` (Triton leaves
+#: them undefined; the interpreter gives zeros): NaN, True, or these bits in an integer's width
+GARBAGE_BITS = 0xDEADBEEFDEADBEEF
+
+
+def _garbage(ptrs):
+    """A TensorHandle of garbage shaped like the load `ptrs` would give (module doc)."""
+    it = _interp()
+    tt = ptrs.get_element_ty()
+    dt = it._get_np_dtype(tt)
+    shape = np.shape(ptrs.data)
+    if dt.kind == "f":
+        data = np.full(shape, np.nan, dtype=dt)
+    elif dt.kind == "b":
+        data = np.full(shape, True)
+    else:
+        data = np.full(shape, GARBAGE_BITS & ((1 << (8 * dt.itemsize)) - 1), dtype=np.uint64).astype(dt)
+    return it.TensorHandle(data, tt)
 
 
 class RaceWatch:
@@ -247,6 +270,8 @@ class RaceWatch:
 
         def load(b, ptrs, mask, other, cache_policy, is_volatile):
             watch._record(ptrs, mask, READ)
+            if other is None and mask is not None:  # masked-off lanes are undefined on a GPU, zeros here
+                other = _garbage(ptrs)
             return saved["create_masked_load"](b, ptrs, mask, other, cache_policy, is_volatile)
 
         def store(b, ptrs, value, mask, cache_policy):

@@ -106,6 +106,17 @@ def _shift_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
     tl.store(out_ptr + offs, v, mask=m)
 
 
+@triton.jit
+def _masked_sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, OTHER: tl.constexpr):
+    """The sum of x[:n] over a block of BLOCK lanes: right only if the masked-off lanes are 0."""
+    offs = tl.arange(0, BLOCK)
+    if OTHER:
+        v = tl.load(x_ptr + offs, mask=offs < n, other=0)
+    else:
+        v = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr, tl.sum(v, axis=0))
+
+
 def _watch(fn):
     w = RaceWatch()
     with w.watching():
@@ -163,6 +174,15 @@ def test_an_access_outside_every_tensor_argument_is_reported(masked):
     assert [r.what for r in w.races] == ([] if masked else ["an out-of-bounds load"])
     if not masked:
         assert w.races[0].address == x.data_ptr() + 16 * 8
+
+
+@pytest.mark.parametrize("other", [False, True])
+def test_masked_off_lanes_without_other_hold_garbage_under_the_watch(other):
+    x, out = torch.arange(1, 11, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    _masked_sum_kernel[(1,)](x, out, 10, BLOCK=16, OTHER=other)
+    assert int(out) == 55  # the interpreter's zeros, outside the watch
+    w = _watch(lambda: _masked_sum_kernel[(1,)](x, out, 10, BLOCK=16, OTHER=other))
+    assert w.races == [] and (int(out) == 55) == other
 
 
 def test_raise_on_race_names_the_kernel_and_the_watch_comes_off():
