@@ -44,7 +44,8 @@ def _interpreter_races(request):
     that passes only in the interpreter's grid order, or that combines results across
     programs or threads without atomics or a barrier, fails here rather than on a GPU.
     GPU_SCHED_RACE_CHECK=0 turns it off; GPU_SCHED_PROGRAM_ORDER=grid|reverse|shuffle runs
-    every test in that order; GPU_SCHED_PROGRAM_SEED=k draws other orders (and shuffles). Tests marked `no_race_watch` (the watch's own) run without."""
+    every test in that order; GPU_SCHED_PROGRAM_SEED=k draws other orders (and shuffles).
+    Tests marked `no_race_watch` (the watch's own) run without."""
     if (os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("GPU_SCHED_RACE_CHECK") == "0"
             or request.node.get_closest_marker("no_race_watch")):
         yield
