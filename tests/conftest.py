@@ -2,6 +2,7 @@
 
 import os
 import random
+import warnings
 import zlib
 
 import numpy as np
@@ -50,8 +51,13 @@ def _interpreter_races(request):
             or request.node.get_closest_marker("no_race_watch")):
         yield
         return
-    from interp_races import RaceWatch, program_order
+    from interp_races import RaceWatch, program_order, supported
 
+    if not supported():  # another Triton's interpreter: run the test as it is (test_kernels_races skips)
+        warnings.warn("tests/interp_races.py: this Triton's interpreter lacks what the race watch patches; "
+                      "tests run without it")
+        yield
+        return
     key = zlib.crc32(request.node.nodeid.encode()) ^ int(os.environ.get("GPU_SCHED_PROGRAM_SEED", "0"))
     order = os.environ.get("GPU_SCHED_PROGRAM_ORDER") or _PROGRAM_ORDERS[key % 3]
     with RaceWatch(raise_on_race=True).watching(), program_order(order, seed=key):

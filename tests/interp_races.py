@@ -66,6 +66,21 @@ def _interp():
     return interpreter
 
 
+def supported() -> bool:
+    """Whether this Triton's interpreter has the internals the watch patches (checked with
+    Triton 3.9): the launch loop, the builder's memory ops and barrier, TensorHandle."""
+    try:
+        it = _interp()
+    except Exception:
+        return False
+    B = getattr(it, "InterpreterBuilder", None)
+    return (B is not None and hasattr(it, "GridExecutor") and hasattr(it, "interpreter_builder")
+            and hasattr(it, "TensorHandle") and hasattr(it, "_get_np_dtype")
+            and all(hasattr(B, n) for n in ("create_masked_load", "create_masked_store", "create_atomic_rmw",
+                                            "create_atomic_cas", "create_barrier"))
+            and "range" in _LOOP_CODE[0].co_names)  # the launch loop looks `range` up by name
+
+
 @dataclass
 class Race:
     """One racy address of one launch: the kernel, the address (bytes) and what each program
