@@ -34,11 +34,12 @@ programs run concurrently and in no set order. This module watches the interpret
   launch's programs, and each atomic's lanes, in that order: a kernel correct by construction
   gives the same result in any order.
 
-Both are context managers over module-level patches of `triton.runtime.interpreter`; they
-only make sense with TRITON_INTERPRET=1 (the kernels decorated as interpreted). Not
-thread-safe. `tests/test_kernels_races.py` runs every kernel under both; set
-`GPU_SCHED_RACE_CHECK=1` (and optionally `GPU_SCHED_PROGRAM_ORDER=reverse|shuffle`) to run
-any test file with them (`tests/conftest.py`).
+`RaceWatch.watching()` and `program_order` are context managers over patches of
+`triton.runtime.interpreter` (`supported()` says whether this Triton has what they patch);
+they only make sense with TRITON_INTERPRET=1 (the kernels decorated as interpreted). Not
+thread-safe. `tests/conftest.py` runs every test under both (`GPU_SCHED_RACE_CHECK=0`
+turns that off, `GPU_SCHED_PROGRAM_ORDER` / `GPU_SCHED_PROGRAM_SEED` choose the orders);
+`tests/test_kernels_races.py` tests the watch itself on kernels written to race.
 """
 
 from __future__ import annotations
