@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+from interp_races import GARBAGE_BITS, garbage
+
 # Without CUDA the Triton kernels can only run in Triton's interpreter, and a kernel module is
 # decorated (interpreted or compiled) once, when first imported: choose before any test module
 # imports one, so the order in which files run cannot matter.
@@ -64,11 +66,9 @@ def _interpreter_races(request):
         yield
 
 
-#: what `_poisoned_empty` fills a new uninitialized tensor with, by dtype kind
-_POISON_INT = -0x2152411021524111  # 0xDEADBEEFDEADBEEF as an int64; narrower ints take its low bits
-
-
 def _poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill t with `interp_races.garbage` of its dtype (a Python number: a fill that a CUDA
+    graph being recorded can take)."""
     if t.device.type == "meta" or not t.numel():
         return t
     if t.dtype.is_floating_point or t.dtype.is_complex:
@@ -76,19 +76,15 @@ def _poison(t: torch.Tensor) -> torch.Tensor:
     elif t.dtype == torch.bool:
         t.fill_(True)
     else:
-        bits = torch.iinfo(t.dtype).bits
-        v = _POISON_INT & ((1 << bits) - 1)
-        t.fill_(v - (1 << bits) if v >= 1 << (bits - 1) and torch.iinfo(t.dtype).min < 0 else v)
+        bits, signed = torch.iinfo(t.dtype).bits, torch.iinfo(t.dtype).min < 0
+        v = GARBAGE_BITS & ((1 << bits) - 1)
+        t.fill_(v - (1 << bits) if signed and v >> (bits - 1) else v)
     return t
 
 
 def _poison_np(a: np.ndarray) -> np.ndarray:
-    if a.dtype.kind == "f":
-        a.fill(np.nan)
-    elif a.dtype.kind == "b":
-        a.fill(True)
-    elif a.dtype.kind in "iu":
-        a.fill(np.int64(_POISON_INT).astype(a.dtype))  # the low bits, as the torch fill takes them
+    if a.dtype.kind in "fcbiu":
+        a.fill(garbage(a.dtype))
     return a
 
 

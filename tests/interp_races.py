@@ -48,7 +48,7 @@ import contextlib
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -97,6 +97,26 @@ class Race:
         return f"{self.kernel}: {self.what} at address {self.address:#x} ({acts})"
 
 
+def first_conflict(dest: np.ndarray, vals: Optional[np.ndarray]) -> Optional[int]:
+    """The first destination (in sorted order) that `dest` (int [n]) names twice with two
+    different values `vals` ([n], compared by bits: NaN equals NaN), or twice at all when vals
+    is None; None when there is none. A one-value `vals` ([1] or a scalar) never conflicts."""
+    dest = np.asarray(dest).reshape(-1)
+    if dest.size < 2:
+        return None
+    o = np.argsort(dest, kind="stable")
+    d = dest[o]
+    rep = d[1:] == d[:-1]
+    if vals is not None:
+        vals = np.asarray(vals)
+        if vals.size < 2:
+            return None
+        v = _values_as_int64(vals.reshape(-1) if vals.size == dest.size else np.broadcast_to(vals, dest.shape))[o]
+        rep &= v[1:] != v[:-1]
+    i = np.flatnonzero(rep)
+    return int(d[i[0]]) if i.size else None
+
+
 def _values_as_int64(v: np.ndarray) -> np.ndarray:
     """Stored values as int64 for equality: integers and bools widened, floats by their bits."""
     if v.dtype.kind == "f":
@@ -115,13 +135,17 @@ def _garbage(ptrs):
     tt = ptrs.get_element_ty()
     dt = it._get_np_dtype(tt)
     shape = np.shape(ptrs.data)
-    if dt.kind == "f":
-        data = np.full(shape, np.nan, dtype=dt)
-    elif dt.kind == "b":
-        data = np.full(shape, True)
-    else:
-        data = np.full(shape, GARBAGE_BITS & ((1 << (8 * dt.itemsize)) - 1), dtype=np.uint64).astype(dt)
-    return it.TensorHandle(data, tt)
+    return it.TensorHandle(np.full(shape, garbage(dt), dtype=dt), tt)
+
+
+def garbage(dt: np.dtype):
+    """The garbage value of numpy dtype dt: NaN, True, or `GARBAGE_BITS`' low bits (also what
+    `tests/conftest.py` fills new uninitialized arrays with)."""
+    if dt.kind in "fc":
+        return np.nan
+    if dt.kind == "b":
+        return True
+    return np.uint64(GARBAGE_BITS).astype(dt)
 
 
 class RaceWatch:
@@ -150,7 +174,7 @@ class RaceWatch:
     def _record(self, ptrs, mask, kind: int, values=None) -> None:
         if self._acc is None:
             return
-        addr = np.asarray(ptrs.data)
+        addr = np.asarray(ptrs.data, dtype=np.uint64)
         m = np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape) if mask is not None else None
         a = addr[m] if m is not None else addr.reshape(-1)
         if not a.size:
@@ -161,14 +185,13 @@ class RaceWatch:
             vv = np.broadcast_to(np.asarray(values.data), addr.shape)
             v = _values_as_int64(vv[m] if m is not None else vv.reshape(-1))
             self._check_lanes(a, v)
-        self._acc.append((a.astype(np.uint64), self._program(), kind, v, self._epoch, addr.size, addr))
+        self._acc.append((a, self._program(), kind, v, self._epoch, addr.size, addr))
 
     def _check_bounds(self, a: np.ndarray, size: int, kind: int) -> None:
         """Active lanes whose `size`-byte element is not inside one tensor argument's storage."""
         if self._ranges is None:
             return
         starts, ends = self._ranges
-        a = a.astype(np.uint64)
         i = np.searchsorted(starts, a, side="right") - 1
         ok = (i >= 0) & (a + np.uint64(size) <= ends[np.maximum(i, 0)])
         if not ok.all():
@@ -191,11 +214,9 @@ class RaceWatch:
 
     def _check_lanes(self, a: np.ndarray, v: np.ndarray) -> None:
         """One store's active lanes writing two different values to one address."""
-        o = np.argsort(a, kind="stable")
-        a, v = a[o], v[o]
-        bad = np.flatnonzero((a[1:] == a[:-1]) & (v[1:] != v[:-1]))
-        if bad.size:
-            self._report(Race(self._kernel, "one store's lanes write different values", int(a[bad[0]]),
+        bad = first_conflict(a, v)
+        if bad is not None:
+            self._report(Race(self._kernel, "one store's lanes write different values", bad,
                               {self._grid_idx(self._program()): "store"}))
 
     # ---- analysis ----------------------------------------------------------------------
@@ -223,20 +244,14 @@ class RaceWatch:
         for g in many[wrote[many]]:
             s, e = starts[g], ends[g]
             ks, ps, vs = kind[s:e], prog[s:e], val[s:e]
-            writers = ps[ks == WRITE]
-            atomics = ps[ks == ATOMIC]
-            readers = ps[ks == READ]
+            # two or more programs touch this address and one stores or updates it: a race
+            # unless they all store one value, or all update it atomically
             race = None
-            if writers.size:
-                w = set(writers.tolist())
-                others = set(readers.tolist()) | set(atomics.tolist()) | w
-                if len(others) > 1:
-                    same_value = np.unique(vs[ks == WRITE]).size == 1
-                    if not (same_value and not readers.size and not atomics.size):
-                        race = "a store and another program's access"
-            elif atomics.size and len(set(atomics.tolist()) | set(readers.tolist())) > 1 and readers.size:
-                if set(readers.tolist()) - set(atomics.tolist()) or len(set(atomics.tolist())) > 1:
-                    race = "an atomic update and another program's load"
+            if (ks == WRITE).any():
+                if (ks != WRITE).any() or np.unique(vs[ks == WRITE]).size > 1:
+                    race = "a store and another program's access"
+            elif (ks == READ).any():
+                race = "an atomic update and another program's load"
             if race is not None:
                 progs = {}
                 for p, k in zip(ps.tolist(), ks.tolist()):
@@ -244,31 +259,36 @@ class RaceWatch:
                 self._report(Race(self._kernel, race, int(addr[s]), progs))
 
     def _within_programs(self, acc: list) -> None:
-        """Read-back and vector write-after-read hazards inside each program (module doc)."""
+        """Read-back and write-after-read hazards inside each program (module doc): the first
+        of each program is reported."""
         by_prog: dict = {}
         for i, x in enumerate(acc):
             by_prog.setdefault(x[1], []).append((i, x))
         for p, ops in by_prog.items():
-            stores = [(i, x) for i, x in ops if x[2] == WRITE]
-            if not stores:
+            what = self._program_hazard(ops)
+            if what is not None:
+                self._report(Race(self._kernel, what[0], what[1], {self._grid_idx(p): "store, load"}))
+
+    def _program_hazard(self, ops: list) -> Optional[Tuple[str, int]]:
+        """(what, address) of one program's first load/store pair on one address with no
+        barrier between, an elementwise read-modify-write excepted (noted in `rmw_kernels`)."""
+        stores = [(i, x) for i, x in ops if x[2] == WRITE]
+        for li, lx in ops:
+            if lx[2] != READ:
                 continue
-            loads = [(i, x) for i, x in ops if x[2] == READ]
-            for li, lx in loads:
-                for si, sx in stores:
-                    if sx[4] != lx[4]:  # a barrier between them
-                        continue
-                    common = np.intersect1d(lx[0], sx[0])
-                    if not common.size:
-                        continue
-                    if si < li:
-                        what = "a load reads back the same program's store with no barrier between"
-                    elif lx[6].shape == sx[6].shape and np.array_equal(lx[6], sx[6]):
-                        self.rmw_kernels.add(self._kernel)  # lane i loads and stores one address
-                        continue
-                    else:
-                        what = "a store overwrites what the same program loaded, no barrier between"
-                    self._report(Race(self._kernel, what, int(common[0]), {self._grid_idx(p): "store, load"}))
-                    return
+            for si, sx in stores:
+                if sx[4] != lx[4]:  # a barrier between them
+                    continue
+                common = np.intersect1d(lx[0], sx[0])
+                if not common.size:
+                    continue
+                if si < li:
+                    return "a load reads back the same program's store with no barrier between", int(common[0])
+                if lx[6].shape == sx[6].shape and np.array_equal(lx[6], sx[6]):
+                    self.rmw_kernels.add(self._kernel)  # lane i loads and stores one address
+                    continue
+                return "a store overwrites what the same program loaded, no barrier between", int(common[0])
+        return None
 
     def _grid_idx(self, p: int):
         nx, ny, _ = _interp().interpreter_builder.grid_dim

@@ -48,6 +48,14 @@ def _same_value_kernel(flag_ptr, out_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _peek_counter_kernel(cnt_ptr, out_ptr):
+    """Every program counts itself atomically and reads the counter plainly: what it reads
+    depends on how many programs got there first."""
+    tl.atomic_add(cnt_ptr, 1)
+    tl.store(out_ptr + tl.program_id(0), tl.load(cnt_ptr))
+
+
+@triton.jit
 def _read_back_kernel(x_ptr, BLOCK: tl.constexpr, BARRIER: tl.constexpr):
     """One program stores a block and reads it back reversed: other threads' values."""
     offs = tl.arange(0, BLOCK)
@@ -144,6 +152,13 @@ def test_same_value_stores_and_atomics_across_programs_are_not_races():
     flag, cnt = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     w = _watch(lambda: _same_value_kernel[(5,)](flag, cnt, BLOCK=4))
     assert w.races == [] and int(cnt) == 20 and int(flag) == 1
+
+
+def test_a_plain_load_of_what_other_programs_update_atomically_is_a_race():
+    cnt, out = torch.zeros(1, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    w = _watch(lambda: _peek_counter_kernel[(3,)](cnt, out))
+    assert [r.what for r in w.races] == ["an atomic update and another program's load"]
+    assert len(w.races[0].programs) == 3
 
 
 @pytest.mark.parametrize("barrier", [False, True])

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from interp_races import first_conflict
+
 T = torch.Tensor
 
 
@@ -31,26 +33,6 @@ def _np(x) -> Optional[np.ndarray]:
             return None
         return x.detach().resolve_conj().numpy()
     return np.asarray(x)
-
-
-def _repeats(dest: np.ndarray, vals: Optional[np.ndarray]) -> Optional[int]:
-    """The first destination written twice with different values (any repeat when vals is
-    None), else None."""
-    dest = dest.reshape(-1)
-    if dest.size < 2:
-        return None
-    o = np.argsort(dest, kind="stable")
-    d = dest[o]
-    same = d[1:] == d[:-1]
-    if vals is not None:
-        if vals.size < 2:
-            return None
-        v = (vals.reshape(-1) if vals.size == dest.size else np.broadcast_to(vals, dest.shape).reshape(-1))[o]
-        if v.dtype.kind == "f":  # NaN != NaN: compare bits
-            v = v.astype(np.float64).view(np.int64)
-        same &= v[1:] != v[:-1]
-    i = np.flatnonzero(same)
-    return int(d[i[0]]) if i.size else None
 
 
 def _scatter_dest(self: T, dim: int, index: np.ndarray) -> np.ndarray:
@@ -102,7 +84,7 @@ class DuplicateWriteWatch(TorchFunctionMode):
             vals = _np(src)[tuple(slice(0, n) for n in idx.shape)] if isinstance(src, torch.Tensor) else None
             if vals is None:
                 return  # one scalar value: every repeat writes the same
-            d = _repeats(_scatter_dest(self_, dim, idx), vals)
+            d = first_conflict(_scatter_dest(self_, dim, idx), vals)
             if d is not None:
                 self._flag(name, d, "writes two different values to one place")
         elif name in ("scatter_add_", "scatter_add", "scatter_reduce_", "scatter_reduce"):
@@ -114,7 +96,7 @@ class DuplicateWriteWatch(TorchFunctionMode):
             if idx is None:
                 return
             self.checked += 1
-            d = _repeats(_scatter_dest(self_, dim, idx), None)
+            d = first_conflict(_scatter_dest(self_, dim, idx), None)
             if d is not None:
                 self._flag(name, d, "adds floats to one place in no set order")
         elif name in ("index_add_", "index_add"):
@@ -125,7 +107,7 @@ class DuplicateWriteWatch(TorchFunctionMode):
             if idx is None:
                 return
             self.checked += 1
-            d = _repeats(idx, None)
+            d = first_conflict(idx, None)
             if d is not None:
                 self._flag(name, d, "adds floats to one place in no set order")
         elif name in ("index_copy_", "index_copy"):
@@ -153,10 +135,11 @@ class DuplicateWriteWatch(TorchFunctionMode):
             self.checked += 1
             idx = np.where(idx < 0, idx + self_.numel(), idx)
             if acc:
-                if self_.dtype.is_floating_point and _repeats(idx, None) is not None:
-                    self._flag(name, int(_repeats(idx, None)), "adds floats to one place in no set order")
+                d = first_conflict(idx, None) if self_.dtype.is_floating_point else None
+                if d is not None:
+                    self._flag(name, d, "adds floats to one place in no set order")
                 return
-            d = _repeats(idx, _np(source))
+            d = first_conflict(idx, _np(source))
             if d is not None:
                 self._flag(name, d, "writes two different values to one place")
         elif name in ("index_put_", "index_put", "__setitem__"):
@@ -180,14 +163,15 @@ class DuplicateWriteWatch(TorchFunctionMode):
             dims = tuple(self_.shape[: len(arrs)])
             flat = np.ravel_multi_index([np.where(a < 0, a + n, a) for a, n in zip(arrs, dims)], dims)
             if acc:
-                if self_.dtype.is_floating_point and _repeats(flat, None) is not None:
-                    self._flag(name, int(_repeats(flat, None)), "adds floats to one place in no set order")
+                d = first_conflict(flat, None) if self_.dtype.is_floating_point else None
+                if d is not None:
+                    self._flag(name, d, "adds floats to one place in no set order")
                 return
             if len(arrs) < self_.dim():
                 return  # whole sub-tensors per index: rows compared would need their values; not read here
             vals = _np(values) if isinstance(values, torch.Tensor) else None
             if vals is None or vals.size < 2:
                 return
-            d = _repeats(flat, np.broadcast_to(vals, flat.shape))
+            d = first_conflict(flat, np.broadcast_to(vals, flat.shape))
             if d is not None:
                 self._flag(name, d, "writes two different values to one place")
