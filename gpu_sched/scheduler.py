@@ -127,7 +127,7 @@ class _ScalarMatcher:
     Nothing on the tree changes while the loop runs (searches only read it)."""
 
     __slots__ = ("s", "rows", "tree", "P", "ver", "owner", "key_off", "key_len", "parent", "walk", "ms", "ps",
-                 "rt_arr", "rt", "offs", "hkeys", "hvals")
+                 "rt_arr", "rt", "offs", "hkeys", "hvals", "at_views")
 
     def __init__(self, sched: "GpuScheduler", rows: np.ndarray):
         tree = sched.cache.tree
@@ -142,7 +142,7 @@ class _ScalarMatcher:
         # prefix hash table when first read (searches only read the tree while the loop runs;
         # reading it enters the tree's deferred entries, which walks do not need)
         self._view_rows()
-        self.hkeys = self.hvals = None
+        self.hkeys = self.hvals = self.at_views = None
 
     def _view_rows(self) -> None:
         self.rt_arr = self.s._rt
@@ -158,7 +158,9 @@ class _ScalarMatcher:
         positions instead (`FlatRadixTree._holds_at`)."""
         P = self.P
         if self.hkeys is None and self.tree._pend:
-            return self.tree._holds_at(mlen, Lq, h1, h2, mpos)
+            if self.at_views is None:
+                self.at_views = (self.owner, self.tree._mv("hsh"), self.key_off, self.key_len)
+            return self.tree._holds_at(mlen, Lq, h1, h2, mpos, self.at_views)
         if self.hkeys is None:
             self.hkeys, self.hvals = self.tree._mv("hkeys"), self.tree._mv("hvals")
         s1, s2 = self.tree._probe_scalar(self.hkeys, (h1, h2))
