@@ -1092,8 +1092,10 @@ def test_kept_matches_checked_by_positions_on_a_deferring_tree(page_size, monkey
         holds = (g.numpy() == 0) | ((p >= 0) & (tree.owner.numpy()[pc] >= 0) & (tree.hsh.numpy()[pc] == h1.numpy()))
         assert np.array_equal(ok.numpy(), ok_l.numpy() & holds), step
         assert np.array_equal(at.numpy()[ok.numpy()], at_l.numpy()[ok.numpy()]), step
-        rows = zip(*(x.tolist() for x in (g, L // P * P, h1, h2, pos)))  # the same test row by row
+        rows = list(zip(*(x.tolist() for x in (g, L // P * P, h1, h2, pos))))  # the same test row by row
         assert [tree._holds_at(*r) for r in rows] == list(zip(ok.tolist(), at.tolist())), step
+        views = tuple(tree._mv(a) for a in ("owner", "hsh", "key_off", "key_len"))  # as `_ScalarMatcher` hands them
+        assert [tree._holds_at(*r, views) for r in rows] == list(zip(ok.tolist(), at.tolist())), step
         seen["ok"] += int(ok.sum())
         seen["moved"] += int((ok_l.numpy() & ~holds).sum())
         gn, Lq = g.numpy(), L.numpy() // P * P
