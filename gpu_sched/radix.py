@@ -2130,8 +2130,12 @@ class FlatRadixTree:
         L = int(tokens.numel()) // self.P * self.P
         if self._single_host(tokens, values, be):
             present, end = self._insert_single_host(tokens, values, ns, known, known_node)
-            m, last = self._apply(torch.tensor([L]), torch.tensor([end]), be)
-            return present, int(m[0]), int(last[0])
+            # `_apply` of one match by its walks, without its tensors (~10 against ~40 us a
+            # call): one match splits at most one node, so the walks always apply it
+            last = self._apply_walks_next([L], [end])
+            if last is None:  # pragma: no cover - one row cannot split two nodes
+                raise RuntimeError("insert_and_match: one match split two nodes")
+            return present, L, last[0]
         present = self.insert(tokens[:L], values[:L], ns, backend=be)
         m, last = self.match(tokens[None], torch.tensor([int(tokens.numel())], device=self.device),
                              torch.tensor([int(ns)], device=self.device), backend=be)
