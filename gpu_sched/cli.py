@@ -19,6 +19,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 from typing import List, Optional
 
@@ -138,6 +139,7 @@ CONFIG_FLAGS = (
     ("--random-seed", "random_seed", int, "seed of the random policy"),
 )
 
+_FLAG_OF = {field: flag for flag, field, _, _ in CONFIG_FLAGS}  # config field -> its flag, for errors
 
 # what an unset (None) SchedulerConfig field means, for the defaults shown in --help
 _NONE_MEANS = {"chunked_prefill_size": "off", "max_running_requests": "no cap", "prefill_max_requests": "no cap",
@@ -187,7 +189,14 @@ def config_from_args(args):
         if v is None:
             continue
         overrides[field] = kind(v) if callable(kind) and kind not in (int, float) else v
-    return PRESETS[args.preset](**overrides)
+    try:
+        return PRESETS[args.preset](**overrides)
+    except (ValueError, TypeError) as e:  # the config names its field: name the flag that set it too
+        field = re.match(r"\w*", str(e)).group()
+        flag = "--policy" if field == "schedule_policy" else _FLAG_OF.get(field)
+        if flag is None or field not in overrides:
+            raise
+        raise type(e)(f"{flag} {getattr(args, field)!r}: {e}") from None
 
 
 # ---- replay --------------------------------------------------------------------------------

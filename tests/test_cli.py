@@ -461,7 +461,15 @@ def test_argparse_errors_exit_2():
     (["--kv-tokens", str(10**20)], "--kv-tokens must be in [1, 2^40], got 100000000000000000000"),
     (["--routing-keys", str(2**64)], "--routing-keys must be in [0, 2^62]"),
     (["--priority-levels", str(2**64)], "--priority-levels must be in [0, 2^62]"),
-    (["--seed", "-1"], "--seed must be >= 0, got -1")])
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    # the scheduler config's own checks, with the flag that set the field in front
+    (["--policy", "foo"], "--policy 'foo': schedule_policy must be one of"),
+    (["--schedule-policy", "foo"], "--policy 'foo': schedule_policy must be one of"),
+    (["--page-size", "0"], "--page-size 0: page_size must be >= 1, got 0"),
+    (["--max-prefill-tokens", "-5"], "--max-prefill-tokens -5: max_prefill_tokens must be >= 1"),
+    (["--random-seed", "-1"], "--random-seed -1: random_seed must be >= 0"),
+    (["--schedule-conservativeness", "-1"], "--schedule-conservativeness -1.0: schedule_conservativeness must be"),
+    (["--truncation-align-size", "-3"], "--truncation-align-size -3: truncation_align_size must be >= 1")])
 def test_out_of_range_flags_are_one_error_naming_the_flag(argv, message, capsys):
     """Flags past what the run can take: one `gpu-sched: error` line naming the flag (a huge
     --kv-tokens once printed numpy's traceback, the others numpy's own words)."""
