@@ -19,7 +19,6 @@ import gc
 import json
 import math
 import os
-import re
 import sys
 from typing import List, Optional
 
@@ -192,7 +191,7 @@ def config_from_args(args):
     try:
         return PRESETS[args.preset](**overrides)
     except (ValueError, TypeError) as e:  # the config names its field: name the flag that set it too
-        field = re.match(r"\w*", str(e)).group()
+        field = str(e).partition(" ")[0]  # the config's messages start "<field> must ..."
         flag = "--policy" if field == "schedule_policy" else _FLAG_OF.get(field)
         if flag is None or field not in overrides:
             raise

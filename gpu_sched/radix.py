@@ -1940,20 +1940,20 @@ class FlatRadixTree:
         self._enter_heads([piece])
         return head
 
-    def _apply_list(self, m: List[int], pos: List[int]) -> List[int]:
+    def _apply_list(self, m: List[int], pos: List[int], backend: Optional[str] = None) -> List[int]:
         """`_apply` (splits and stamps, the next len(m) clock values and creation ids) of a
         batch given as Python lists of matched lengths [tokens] and last pool positions; returns
-        the last nodes as a list. On a CPU tree with the torch backend a few matches that split
-        at most one node take the walks (`_apply_walks_next`) and the rest `_apply_host`; on
-        other trees `_apply`."""
-        if self._host_form():
+        the last nodes as a list. On a CPU tree with the torch backend (the call's `backend`,
+        else the tree's) a few matches that split at most one node take the walks
+        (`_apply_walks_next`: no tensor) and the rest `_apply_host`; on other trees `_apply`."""
+        if self._host_form(backend):
             if len(m) <= SCALAR_BATCH:
                 last = self._apply_walks_next(m, pos)
                 if last is not None:
                     return last
             return self._apply_host(np.array(m, dtype=np.int64), np.array(pos, dtype=np.int64), walked=True).tolist()
         t = torch.tensor([m, pos], dtype=torch.int64).to(self.device)
-        return self._apply(t[0], t[1], self.backend)[1].tolist()
+        return self._apply(t[0], t[1], self._be(backend))[1].tolist()
 
     def _match_ends(self, m: torch.Tensor, pos: torch.Tensor,
                     host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -2130,12 +2130,8 @@ class FlatRadixTree:
         L = int(tokens.numel()) // self.P * self.P
         if self._single_host(tokens, values, be):
             present, end = self._insert_single_host(tokens, values, ns, known, known_node)
-            # `_apply` of one match by its walks, without its tensors (~10 against ~40 us a
-            # call): one match splits at most one node, so the walks always apply it
-            last = self._apply_walks_next([L], [end])
-            if last is None:  # pragma: no cover - one row cannot split two nodes
-                raise RuntimeError("insert_and_match: one match split two nodes")
-            return present, L, last[0]
+            # one match: the walks, no tensor (~10 against ~40 us a call for `_apply`'s)
+            return present, L, self._apply_list([L], [end], be)[0]
         present = self.insert(tokens[:L], values[:L], ns, backend=be)
         m, last = self.match(tokens[None], torch.tensor([int(tokens.numel())], device=self.device),
                              torch.tensor([int(ns)], device=self.device), backend=be)
