@@ -700,7 +700,7 @@ class GpuScheduler(ReferenceScheduler):
         adder = PrefillAdder(cfg, self.cache, self.pool, self.running, float(self._step_ratio), mixed)
         g.load(rows, adder, self.batch_is_full, self.chunked)
         out = g.run()
-        order = np.asarray(out.order, dtype=np.int64)
+        order = out.order
         orows = rows[order]
         oq = RowQueue(self, orows)
         self._pending = (out, oq)
@@ -712,8 +712,8 @@ class GpuScheduler(ReferenceScheduler):
         # splits and stamps; the last nodes are not read back: only admitted requests need
         # theirs, and `_admit_run` gets them from the admission's own capped match
         self.cache.tree._apply(g.m_full[:n], g.pos_full[:n], self.cache.tree.backend)
-        num = np.minimum(np.asarray(out.prefix_len, dtype=np.int64), g._caps)[order]
-        dep = np.asarray(out.deprioritized, dtype=bool)[order]
+        num = np.minimum(out.prefix_len, g._caps)[order]
+        dep = out.deprioritized[order]
         return OrderResult(policy, oq, LazyList(n, num.tolist, num.item), rid_list(self, orows[dep]))
 
     def _unadmitted(self, queue: List[ReqState], can_run: List[ReqState]) -> List[ReqState]:
@@ -1439,8 +1439,11 @@ class GpuScheduler(ReferenceScheduler):
             W = -(-need // q) * q  # below admit_window too: a small window costs little (walks, not scans)
         while i < n:
             if pending is not None:  # the recorded step decided this segment already
-                rest = queue[: pending.window]
-                vals = pending.head[:12] + pending.extend_end
+                # a view of the ordered rows (`_take_pending`: the ordering's RowQueue, no tail):
+                # requests are looked up only where read, as for the windows below
+                wrows = queue.window_rows(0, pending.window)
+                rest = RowQueue(self, wrows) if wrows is not None else queue[: pending.window]
+                vals = pending.head[:12] + pending.extend_end[: pending.head[11]].tolist()
                 matched = None if self.cache.disable else (self._graph.m_cap, self._graph.pos_cap)
                 pending = None
             elif adder.new_chunked is not None:

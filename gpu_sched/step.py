@@ -70,13 +70,15 @@ _SV_FROM_SC = tuple((_S_AVAIL, _S_LEN, _S_I, _S_CUR, _S_RIN, rc, _S_NRES, _S_ZER
 
 
 class StepOutput(NamedTuple):
-    """One step read back (host Python values, queue order where said)."""
+    """One step read back: the head as Python ints, the per-entry fields as numpy arrays
+    (views of one host copy of the output; a list of 4k entries costs ~100 us to make,
+    more than the rest of the read), queue order where said."""
 
     head: List[int]  # HEAD values, see the module constant
-    order: List[int]  # [n] queue positions in policy order
-    extend_end: List[int]  # [min(n, window)] extend end of the ordered queue's entries (admitted ones)
-    prefix_len: List[int]  # [n] full-length match, queue order (lpm, dfs-weight; else zeros)
-    deprioritized: List[bool]  # [n] R-ORD-9 flags, queue order (lpm, dfs-weight)
+    order: np.ndarray  # int64 [n] queue positions in policy order
+    extend_end: np.ndarray  # int64 [min(n, window)] extend end of the ordered queue's entries (admitted ones)
+    prefix_len: Optional[np.ndarray]  # int64 [n] full-length match, queue order (lpm, dfs-weight; else None)
+    deprioritized: Optional[np.ndarray]  # bool [n] R-ORD-9 flags, queue order (lpm, dfs-weight; else None)
     window: int  # ordered entries the admission scanned: a stop at queue_end with window < n
     #              means the host goes on from there (`GpuScheduler._admission_loop`)
 
@@ -449,14 +451,16 @@ class StepGraph:
         return self._read()
 
     def _read(self) -> StepOutput:
-        vals = self.out.tolist()
-        Q = self.Q
-        head = vals[:HEAD]
-        n = self._n
-        b = HEAD
+        # one host copy (on the CPU too: the next step writes `out` again) of what the step
+        # reads: the full matches and flags only for the policies that order by them
+        Q, n, b = self.Q, self._n, HEAD
         w = min(n, self.W)
-        return StepOutput(head, vals[b : b + n], vals[b + Q : b + Q + w], vals[b + 2 * Q : b + 2 * Q + n],
-                          list(map(bool, vals[b + 3 * Q : b + 3 * Q + n])), self.W)
+        cache_aware = self.s.config.effective_policy in ("lpm", "dfs-weight")
+        vals = self.out[: b + 4 * Q if cache_aware else b + Q + w].to("cpu", copy=True).numpy()
+        if not cache_aware:
+            return StepOutput(vals[:b].tolist(), vals[b : b + n], vals[b + Q : b + Q + w], None, None, self.W)
+        return StepOutput(vals[:b].tolist(), vals[b : b + n], vals[b + Q : b + Q + w], vals[b + 2 * Q : b + 2 * Q + n],
+                          vals[b + 3 * Q : b + 3 * Q + n] != 0, self.W)
 
     def _record(self) -> None:
         torch.cuda.synchronize(self.device)
