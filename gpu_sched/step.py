@@ -228,17 +228,19 @@ class StepGraph:
             self.rperm[:n].copy_(rp)
             self.rperm[n:].copy_(self._ar[n:])
         run = self.s.running
-        hi = np.zeros((4, self.R), dtype=np.int64)
-        if run:
-            hi[:, : len(run)] = np.array([[r.max_new, r.out_len, r.prompt_len, int(r.req.ignore_eos)] for r in run],
-                                         dtype=np.int64).T
+        if s.config.disable_radix_cache:  # the running batch's columns: read only by the ignore-EOS scan (R-ADM-6,
+            # `StepConfig.ignore_eos_path`)
+            hi = np.zeros((4, self.R), dtype=np.int64)
+            if run:
+                hi[:, : len(run)] = np.array([[r.max_new, r.out_len, r.prompt_len, int(r.req.ignore_eos)] for r in run],
+                                             dtype=np.int64).T
+            self.hi.copy_(torch.from_numpy(hi))
         c = chunked
         sc = np.array([n, self.s.pool.available, adder.I, adder.cur_off, adder.rem_input,
                        adder.rem_chunk if adder.rem_chunk is not None else 0, adder.N, len(run), int(batch_full),
                        len(run), int(c is not None),
                        *((c.fill_len, c.prefix_len, c.max_new, c.out_len, c.prompt_len, int(c.req.ignore_eos))
                          if c is not None else (0,) * 6), 0, min(n, self.W)], dtype=np.int64)
-        self.hi.copy_(torch.from_numpy(hi))
         self.sc.copy_(torch.from_numpy(sc))
         self.ratio.fill_(float(adder.ratio))
 
