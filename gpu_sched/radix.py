@@ -2424,6 +2424,33 @@ class FlatRadixTree:
             return self._lock_scalar(nodes if isinstance(nodes, list) else nodes.tolist(), sign)
         return self._lock_host(np.asarray(nodes, dtype=np.int64) if listed else nodes.to(torch.int64).numpy(), sign)
 
+    def _lock_dense(self, nodes: torch.Tensor, sign: int) -> None:
+        """`lock` (sign 1) / `unlock` (sign -1) of int64 `nodes` on the tree's device with the
+        triton backend: the path counts of the live ids (`kernels.radix.path_counts` over the
+        first `node_bound()` ids, not the node capacity), then the counters and lock_ref
+        updated as ops over those ids, so a lock reads nothing back (the compaction of the
+        counted nodes and the mask of the newly locked ones each cost a device sync); an unlock
+        reads one flag, its below-zero check, before changing anything. The same updates as
+        the compacted form: nodes no path crosses get 0."""
+        b = self.node_bound()
+        cnt = self._kernels().path_counts(nodes.contiguous(), self.parent[:b])
+        ref = self.lock_ref[:b]  # a view: updated in place below
+        if sign < 0:
+            if bool((ref < cnt).any()):
+                raise RuntimeError("unlock below zero: lock_ref would become negative")
+            turns = (cnt > 0) & (ref == cnt)  # unlocked by this call: evictable again
+        else:
+            turns = (cnt > 0) & (ref == 0)  # locked by this call: protected now
+        delta = torch.where(turns, self.key_len[:b], 0).sum()
+        if sign < 0:
+            self.evictable_size += delta
+            self.protected_size -= delta
+            ref -= cnt
+        else:
+            self.evictable_size -= delta
+            self.protected_size += delta
+            ref += cnt
+
     def lock(self, nodes: Union[torch.Tensor, List[int], np.ndarray], *, backend: Optional[str] = None) -> None:
         """inc_lock_ref for each node (batched; node 0 = root is a no-op). nodes: int64 [B], or
         a list or numpy array of node ids on a CPU tree (the host paths' forms: no tensor is
@@ -2432,7 +2459,11 @@ class FlatRadixTree:
             return
         if not isinstance(nodes, torch.Tensor):  # a list or numpy array outside the host form
             nodes = torch.as_tensor(np.asarray(nodes, dtype=np.int64))
-        u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))
+        nodes, be = nodes.to(self.device, torch.int64), self._be(backend)
+        if be == "triton":
+            self._lock_dense(nodes, 1)
+            return
+        u, c = self._path_nodes(nodes, be)
         if u.numel() == 0:
             return
         ref = self.lock_ref[u]
@@ -2451,7 +2482,11 @@ class FlatRadixTree:
             return
         if not isinstance(nodes, torch.Tensor):  # a list or numpy array outside the host form
             nodes = torch.as_tensor(np.asarray(nodes, dtype=np.int64))
-        u, c = self._path_nodes(nodes.to(self.device, torch.int64), self._be(backend))
+        nodes, be = nodes.to(self.device, torch.int64), self._be(backend)
+        if be == "triton":
+            self._lock_dense(nodes, -1)
+            return
+        u, c = self._path_nodes(nodes, be)
         if u.numel() == 0:
             return
         ref = self.lock_ref[u]

@@ -356,6 +356,43 @@ def test_path_counts(n, block):
     assert_equal(K.path_counts(nodes, tree.parent, block=block), tree._path_counts(nodes, "torch"), "count")
 
 
+@pytest.mark.parametrize("n", [1, 17, 300])
+def test_lock_unlock_triton_equals_torch(n):
+    """`lock` / `unlock` with the triton backend (`FlatRadixTree._lock_dense`: path counts over
+    the live ids, no compaction) leave the lock counts and the evictable / protected sizes the
+    torch form leaves, repeated holders and the root among the nodes; an unlock below zero
+    raises and changes nothing."""
+    rng = random.Random(n + 29)
+    a, alive = deep_tree(rng)
+    b, start = copy.deepcopy(a), copy.deepcopy(a)
+    nodes = torch.tensor([rng.choice(alive) for _ in range(n)], dtype=torch.int64, device=DEV)
+
+    def state(t):
+        return [t.lock_ref.tolist(), int(t.evictable_size), int(t.protected_size)]
+
+    first = nodes[: max(1, n // 3)]  # locked before: the second lock finds some paths locked
+    for batch in (first, nodes):
+        with P.torch_forms():
+            a.lock(batch, backend="torch")
+        b.lock(batch, backend="triton")
+        assert state(a) == state(b)
+    held = nodes[nodes > 0]
+    assert held.numel() and int(b.protected_size) > 0  # something was locked
+    before = state(b)
+    with pytest.raises(RuntimeError, match="below zero"):
+        # every lock released, one path once more
+        b.unlock(torch.cat([held, first, held[:1]]), backend="triton")
+    assert state(b) == before
+    half = nodes[: max(1, n // 2)]
+    with P.torch_forms():
+        a.unlock(half, backend="torch")
+    b.unlock(half, backend="triton")
+    assert state(a) == state(b)
+    b.unlock(nodes[half.numel():], backend="triton")
+    b.unlock(first, backend="triton")
+    assert state(b) == state(start)  # back where it started
+
+
 # ---- eviction ranking ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n,block", SIZES, ids=SIZE_IDS)
 def test_evict_rank(n, block):
