@@ -748,6 +748,10 @@ class GpuScheduler(ReferenceScheduler):
             raise RuntimeError(f"recorded step: in-flight chunk end {out.head[12]} != host {c.extend_end}")
         return out
 
+    def _cache_sizes(self):
+        """(evictable_size, protected_size) for the plan: one read of both (`DeviceRadixCache.sizes`)."""
+        return self.cache.sizes()
+
     def _make_cache(self):
         return DeviceRadixCache(self.pool, self.config.page_size, disable=self.config.disable_radix_cache,
                                 device=self.device, backend=self.backend, hash_seed=self.hash_seed)

@@ -1576,3 +1576,30 @@ def test_a_flush_that_fails_keeps_the_rest_deferred(monkeypatch):
     assert tree._pend and np.array_equal(tree.entries(), before)
     tree.check_integrity()  # the rest entered now
     assert not tree._pend and np.array_equal(tree.entries(), before)
+
+
+def test_device_cache_sizes_read_both_counters_as_the_reference_keeps_them(monkeypatch):
+    """`DeviceRadixCache.sizes()` (the plan's evictable and protected sizes in one read) equals
+    the two properties and the reference cache's counters after inserts, a lock and an
+    eviction, on the CPU's views and in the one-copy form a GPU tree takes; a disabled cache
+    has none."""
+    from gpu_sched.device_cache import DeviceRadixCache
+
+    ref, dev = RadixCache(KVPool(4096), 4), DeviceRadixCache(KVPool(4096), 4)
+    rng = random.Random(5)
+    for k in range(8):
+        q = np.array([rng.randrange(6) for _ in range(rng.randrange(8, 60))])
+        n1, n2 = ref.insert(q, ref.pool.alloc(q.size)), dev.insert(q, dev.pool.alloc(q.size))
+        assert n1 == n2
+    node_ref, node_dev = ref.match_prefix(q)[1], dev.match_prefix(q)[1]
+    ref.inc_lock_ref(node_ref)
+    dev.inc_lock_ref(node_dev)
+    ref.evict(5)
+    dev.evict(5)
+    want = (ref.evictable_size, ref.protected_size)
+    assert want[0] > 0 and want[1] > 0
+    assert dev.sizes() == (dev.evictable_size, dev.protected_size) == want
+    monkeypatch.setattr(dev.tree, "_on_cpu", False)  # the stacked read-back of a GPU tree
+    got = dev.sizes()
+    assert got == want and all(type(v) is int for v in got)
+    assert DeviceRadixCache(KVPool(64), 1, disable=True).sizes() == (0, 0)

@@ -88,7 +88,11 @@ class PrefillAdder:
         return AddResult.CONTINUE
 
     def budgets(self) -> dict:
-        return {"rem_total": self.rem_total, "cur_rem": self.cur_rem,
+        """The four budgets [tokens] as `rem_total`, `cur_rem`, `rem_input` and `rem_chunk` give
+        them, with the cache's evictable size read once (on a GPU tree each read is a device
+        sync)."""
+        held = self.pool.available + self.cache.evictable_size
+        return {"rem_total": float(held - self.I) - self.ratio * self.N, "cur_rem": held - self.cur_off,
                 "rem_input": self.rem_input, "rem_chunk": self.rem_chunk}
 
     def _commit(self, prefix_len: int, ext: int, reserve: int) -> None:
