@@ -19,7 +19,9 @@ padding) and computes, with static shapes and no host read:
      admits all W goes on eagerly on the host).
 
 Everything lands in one int64 output buffer (`HEAD` scalars, then the order, extend ends (first
-W), full match lengths and deprioritized flags, each [Q]), so the host reads the step back once. On
+W), full match lengths and deprioritized flags, each [Q]), so the host reads the step back once;
+the per-step inputs (the queue's row-store slots and enqueue times, the budgets' scalars, the
+new-token ratio) go the other way in one input buffer, one copy (from pinned memory on CUDA). On
 CUDA the computation is recorded once in a `torch.cuda.CUDAGraph` and replayed; the graph is
 recorded again when a tensor it reads was reallocated (the tree's hash table grown, the
 scheduler's token pools rebuilt): `signature()` names them by address.
@@ -126,10 +128,22 @@ class StepGraph:
         self.max_len = int(max_len) if max_len is not None else int(tree.token_capacity)
         dev = sched.device
         self.device = dev
-        self.sidx = torch.zeros(self.Q, dtype=torch.int64, device=dev)  # row-store slot per queue position
+        # the per-step inputs in one device buffer, sent by one host-to-device copy (`load`):
+        # row-store slot per queue position [Q], enqueue times [Q] (float64 bits), the scalar
+        # slots [_S_LEN] and the new-token ratio (float64 bits); the step reads views of it
+        Q = self.Q
+        self.inp = torch.zeros(2 * Q + _S_LEN + 1, dtype=torch.int64, device=dev)
+        self.sidx = self.inp[:Q]
+        self.qt = self.inp[Q : 2 * Q].view(torch.float64)
+        self.sc = self.inp[2 * Q : 2 * Q + _S_LEN]
+        self.ratio = self.inp[2 * Q + _S_LEN :].view(torch.float64).reshape(())
+        # its host side: pinned on CUDA, so the copy does not wait for the device; the next
+        # load waits for the copy before writing it again (`_sent`)
+        self._stage = torch.zeros(self.inp.numel(), dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self._stage_np = self._stage.numpy()
+        self._sent = None
         self._store_cap = 0
         self._grow(max(2 * self.Q, self.MIN_STORE, sched._rt.shape[0]))
-        self.qt = torch.zeros(self.Q, dtype=torch.float64, device=dev)
         self.hi = torch.zeros((4, self.R), dtype=torch.int64, device=dev)
         # routing-key (R-ORD-7): the queue's interned key ids, the running batch's (-1 past
         # it: not counted) and each id's string rank, uploaded when a key is interned
@@ -143,9 +157,7 @@ class StepGraph:
         self._zeros = torch.zeros(self.Q, dtype=torch.int64, device=dev)
         self._no_dep = torch.zeros(self.Q, dtype=torch.bool, device=dev)
         self.rperm = self._ar.clone()
-        self.sc = torch.zeros(_S_LEN, dtype=torch.int64, device=dev)
         self._sv_idx = [torch.tensor(ix, dtype=torch.int64, device=dev) for ix in _SV_FROM_SC]
-        self.ratio = torch.zeros((), dtype=torch.float64, device=dev)
         self.out = torch.zeros(HEAD + 4 * self.Q, dtype=torch.int64, device=dev)
         self._pad = torch.zeros(self.Q - self.W, dtype=torch.int64, device=dev)  # extend ends past the window
         # the head's fields in `kernels.admission.admission_result`'s packing (the triton backend
@@ -215,13 +227,14 @@ class StepGraph:
             self.store.index_copy_(1, ut, torch.from_numpy(cols).to(self.device))
             self._upl[u] = su[:, RT_STAMP]
         self._caps = sel[:, RT_CAP]
-        slots = np.zeros(self.Q, dtype=np.int64)
-        slots[:n] = idx
-        self.sidx.copy_(torch.from_numpy(slots))
+        if self._sent is not None:  # the last step's copy still reads the host buffer
+            self._sent.synchronize()
+        Q, st = self.Q, self._stage_np
+        st[:n] = idx
+        st[n:Q] = 0
         if s.config.enable_priority_scheduling:
-            qt = np.zeros(self.Q, dtype=np.float64)
-            qt[:n] = sel[:, RT_TIME].view(np.float64)
-            self.qt.copy_(torch.from_numpy(qt))
+            st[Q : Q + n] = sel[:, RT_TIME]  # the float64 bits, as the table keeps them
+            st[Q + n : 2 * Q] = 0
         if s.config.effective_policy == "routing-key":
             self._load_routing(sel[:, RT_RKEY])
         elif rp is not None:  # in place, padding as the identity after it
@@ -236,13 +249,18 @@ class StepGraph:
                                              dtype=np.int64).T
             self.hi.copy_(torch.from_numpy(hi))
         c = chunked
-        sc = np.array([n, self.s.pool.available, adder.I, adder.cur_off, adder.rem_input,
-                       adder.rem_chunk if adder.rem_chunk is not None else 0, adder.N, len(run), int(batch_full),
-                       len(run), int(c is not None),
-                       *((c.fill_len, c.prefix_len, c.max_new, c.out_len, c.prompt_len, int(c.req.ignore_eos))
-                         if c is not None else (0,) * 6), 0, min(n, self.W)], dtype=np.int64)
-        self.sc.copy_(torch.from_numpy(sc))
-        self.ratio.fill_(float(adder.ratio))
+        st[2 * Q : 2 * Q + _S_LEN] = [
+            n, self.s.pool.available, adder.I, adder.cur_off, adder.rem_input,
+            adder.rem_chunk if adder.rem_chunk is not None else 0, adder.N, len(run), int(batch_full),
+            len(run), int(c is not None),
+            *((c.fill_len, c.prefix_len, c.max_new, c.out_len, c.prompt_len, int(c.req.ignore_eos))
+              if c is not None else (0,) * 6), 0, min(n, self.W)]
+        st[2 * Q + _S_LEN :] = np.float64(adder.ratio).view(np.int64)
+        cuda = self.device.type == "cuda"
+        self.inp.copy_(self._stage, non_blocking=cuda)
+        if cuda:
+            self._sent = torch.cuda.Event()
+            self._sent.record()
 
     def _load_routing(self, key_ids: np.ndarray) -> None:
         """R-ORD-7's inputs: the queue's key ids [n], the running batch's, and the string ranks
