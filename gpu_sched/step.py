@@ -226,7 +226,8 @@ class StepGraph:
             ut = torch.from_numpy(u).to(self.device)
             self.store.index_copy_(1, ut, torch.from_numpy(cols).to(self.device))
             self._upl[u] = su[:, RT_STAMP]
-        self._caps = sel[:, RT_CAP]
+        if s.config.effective_policy in ("lpm", "dfs-weight"):  # read with the full matches (the plan's num_matched)
+            self._caps = sel[:, RT_CAP]
         if self._sent is not None:  # the last step's copy still reads the host buffer
             self._sent.synchronize()
         Q, st = self.Q, self._stage_np
