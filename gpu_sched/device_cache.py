@@ -66,11 +66,7 @@ class DeviceRadixCache:
         device-to-host copy of both (each property alone is a device sync)."""
         if self.disable:
             return 0, 0
-        t = self.tree
-        if t._on_cpu:
-            return t.host_int("evictable_size"), t.host_int("protected_size")
-        ev, pr = torch.stack([t.evictable_size, t.protected_size]).tolist()
-        return ev, pr
+        return tuple(self.tree.host_ints("evictable_size", "protected_size"))
 
     def _tokens(self, key) -> torch.Tensor:
         return torch.as_tensor(np.array(key, dtype=np.int32), device=self.device)

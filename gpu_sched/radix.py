@@ -390,6 +390,13 @@ class FlatRadixTree:
         `.item()` (a device sync)."""
         return self._mv(name)[()] if self._on_cpu else int(getattr(self, name))
 
+    def host_ints(self, *names: str) -> List[int]:
+        """`host_int` of several 0-d arrays: off the CPU one device-to-host copy of all of
+        them (each `host_int` there is a device sync)."""
+        if self._on_cpu:
+            return [self._mv(name)[()] for name in names]
+        return torch.stack([getattr(self, name) for name in names]).tolist()
+
     def _host_form(self, backend: Optional[str] = None) -> bool:
         """Whether a call with this backend takes its host form: the torch backend on a CPU tree
         (`_on_cpu`, kept at construction) with `policy.host_ok()`."""
@@ -2328,11 +2335,12 @@ class FlatRadixTree:
         return int(self.key_len[:b][self.alive[:b]].sum())
 
     # ---- locks (R-RC-6) --------------------------------------------------------------------
-    def _path_counts(self, nodes: torch.Tensor, be: str = "torch") -> torch.Tensor:
-        """How many of the paths nodes[i]..root pass through each node (root excluded)."""
+    def _path_counts(self, nodes: torch.Tensor, be: str = "torch", bound: Optional[int] = None) -> torch.Tensor:
+        """How many of the paths nodes[i]..root pass through each node (root excluded), for the
+        ids below `bound` (default: the node capacity; `node_bound()` holds every live id)."""
         if be == "triton":
-            return self._kernels().path_counts(nodes.contiguous(), self.parent)
-        cnt = torch.zeros_like(self.lock_ref)
+            return self._kernels().path_counts(nodes.contiguous(), self.parent[:bound])
+        cnt = torch.zeros_like(self.lock_ref[:bound])
         cur = nodes[nodes > 0]
         while cur.numel():
             cnt.index_add_(0, cur, torch.ones_like(cur))
@@ -2340,16 +2348,12 @@ class FlatRadixTree:
             cur = cur[cur > 0]
         return cnt
 
-    def _path_nodes(self, nodes: torch.Tensor, be: str = "torch",
-                    host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _path_nodes(self, nodes: torch.Tensor, host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """The distinct nodes on the paths nodes[i]..root (root excluded) and how many paths pass
         through each: `_path_counts` restricted to its nonzero entries. The torch walk visits
         only the path nodes (rounds of parent steps over the nodes still below the root), so it
-        costs O(total path length), not O(node capacity)."""
-        if be == "triton":
-            cnt = self._path_counts(nodes, be)
-            u = torch.nonzero(cnt).flatten()
-            return u, cnt[u]
+        costs O(total path length), not O(node capacity). (A triton lock counts the paths
+        over the live ids instead: `_lock_dense`.)"""
         if _host(nodes) if host is None else host:  # numpy calls on views of the arrays
             u, c = _path_nodes_host(self._np("parent"), nodes.numpy(), self.node_bound())
             return torch.from_numpy(u), torch.from_numpy(c)
@@ -2433,23 +2437,17 @@ class FlatRadixTree:
         reads one flag, its below-zero check, before changing anything. The same updates as
         the compacted form: nodes no path crosses get 0."""
         b = self.node_bound()
-        cnt = self._kernels().path_counts(nodes.contiguous(), self.parent[:b])
+        cnt = self._path_counts(nodes, "triton", b)
         ref = self.lock_ref[:b]  # a view: updated in place below
-        if sign < 0:
-            if bool((ref < cnt).any()):
-                raise RuntimeError("unlock below zero: lock_ref would become negative")
-            turns = (cnt > 0) & (ref == cnt)  # unlocked by this call: evictable again
-        else:
-            turns = (cnt > 0) & (ref == 0)  # locked by this call: protected now
-        delta = torch.where(turns, self.key_len[:b], 0).sum()
-        if sign < 0:
-            self.evictable_size += delta
-            self.protected_size -= delta
-            ref -= cnt
-        else:
-            self.evictable_size -= delta
-            self.protected_size += delta
-            ref += cnt
+        if sign < 0 and bool((ref < cnt).any()):
+            raise RuntimeError("unlock below zero: lock_ref would become negative")
+        # the nodes this call locks (their count was 0) or unlocks (it drops to 0), as tokens
+        # moved from evictable to protected (sign 1) or back (sign -1)
+        turns = (cnt > 0) & (ref == (cnt if sign < 0 else 0))
+        delta = torch.where(turns, self.key_len[:b], 0).sum() * sign
+        self.evictable_size -= delta
+        self.protected_size += delta
+        ref += cnt * sign
 
     def lock(self, nodes: Union[torch.Tensor, List[int], np.ndarray], *, backend: Optional[str] = None) -> None:
         """inc_lock_ref for each node (batched; node 0 = root is a no-op). nodes: int64 [B], or
@@ -2463,7 +2461,7 @@ class FlatRadixTree:
         if be == "triton":
             self._lock_dense(nodes, 1)
             return
-        u, c = self._path_nodes(nodes, be)
+        u, c = self._path_nodes(nodes)
         if u.numel() == 0:
             return
         ref = self.lock_ref[u]
@@ -2486,7 +2484,7 @@ class FlatRadixTree:
         if be == "triton":
             self._lock_dense(nodes, -1)
             return
-        u, c = self._path_nodes(nodes, be)
+        u, c = self._path_nodes(nodes)
         if u.numel() == 0:
             return
         ref = self.lock_ref[u]

@@ -748,10 +748,6 @@ class GpuScheduler(ReferenceScheduler):
             raise RuntimeError(f"recorded step: in-flight chunk end {out.head[12]} != host {c.extend_end}")
         return out
 
-    def _cache_sizes(self):
-        """(evictable_size, protected_size) for the plan: one read of both (`DeviceRadixCache.sizes`)."""
-        return self.cache.sizes()
-
     def _make_cache(self):
         return DeviceRadixCache(self.pool, self.config.page_size, disable=self.config.disable_radix_cache,
                                 device=self.device, backend=self.backend, hash_seed=self.hash_seed)
@@ -1443,10 +1439,7 @@ class GpuScheduler(ReferenceScheduler):
             W = -(-need // q) * q  # below admit_window too: a small window costs little (walks, not scans)
         while i < n:
             if pending is not None:  # the recorded step decided this segment already
-                # a view of the ordered rows (`_take_pending`: the ordering's RowQueue, no tail):
-                # requests are looked up only where read, as for the windows below
-                wrows = queue.window_rows(0, pending.window)
-                rest = RowQueue(self, wrows) if wrows is not None else queue[: pending.window]
+                rest = self._window_view(queue, 0, pending.window)[0]
                 vals = pending.head[:12] + pending.extend_end[: pending.head[11]].tolist()
                 matched = None if self.cache.disable else (self._graph.m_cap, self._graph.pos_cap)
                 pending = None
@@ -1462,11 +1455,7 @@ class GpuScheduler(ReferenceScheduler):
             else:
                 # a window of the queue: the loop never reads past its stop point, and one that
                 # gets through the window goes on with the next (twice as long)
-                wrows = queue.window_rows(i, i + W) if isinstance(queue, RowQueue) else None
-                if wrows is not None:  # a view: requests are looked up only where read (the admitted ones)
-                    rest = RowQueue(self, wrows)
-                else:
-                    rest = queue.window(i, i + W)[0] if isinstance(queue, RowQueue) else queue[i : i + W]
+                rest, wrows = self._window_view(queue, i, i + W)
                 W *= 2
                 if self._scalar_window(rest):
                     vals, matched = self._scalar_admission(rest, adder, running_bs, wrows)
@@ -1513,6 +1502,15 @@ class GpuScheduler(ReferenceScheduler):
                 self._lead = (queue, adder.can_run, start, lead)
             i += k + 1
         return "queue_end"
+
+    def _window_view(self, queue, a: int, b: int):
+        """(requests a..b-1 of `queue`, their table rows int64 [b-a] or None): where a RowQueue
+        holds them as rows, a RowQueue view of those rows (requests are looked up only where
+        read: the admitted ones), else a list."""
+        wrows = queue.window_rows(a, b) if isinstance(queue, RowQueue) else None
+        if wrows is not None:
+            return RowQueue(self, wrows), wrows
+        return (queue.window(a, b)[0] if isinstance(queue, RowQueue) else queue[a:b]), None
 
     def _admit_preempting(self, r: ReqState, adder) -> Optional[str]:
         """R-STEP-3 for a request that finds the batch full with priority preemption on: re-match

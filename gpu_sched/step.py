@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from . import policy as dpolicy
-from .config import CAPTURE_CAPACITY_MAX, TOKEN_KNOB_MAX, _check_int
+from .config import CACHE_AWARE_POLICIES, CAPTURE_CAPACITY_MAX, TOKEN_KNOB_MAX, _check_int
 from .admission import ChunkedCols, HeldCols, QueueCols, StepConfig, StepState, admit_step, match_lock_drops
 from .scheduler import (RT_CAP, RT_COFF, RT_FILL, RT_IGN, RT_MAXNEW, RT_NS, RT_OUT, RT_PRIO, RT_PROMPT,
                         RT_RKEY, RT_STAMP, RT_TIME, RT_TOFF, _rt_get, _RowCols)
@@ -226,7 +226,7 @@ class StepGraph:
             ut = torch.from_numpy(u).to(self.device)
             self.store.index_copy_(1, ut, torch.from_numpy(cols).to(self.device))
             self._upl[u] = su[:, RT_STAMP]
-        if s.config.effective_policy in ("lpm", "dfs-weight"):  # read with the full matches (the plan's num_matched)
+        if s.config.effective_policy in CACHE_AWARE_POLICIES:  # read with the full matches (the plan's num_matched)
             self._caps = sel[:, RT_CAP]
         if self._sent is not None:  # the last step's copy still reads the host buffer
             self._sent.synchronize()
@@ -305,7 +305,6 @@ class StepGraph:
         cfg = s.config
         be = s.backend
         dev = self.device
-        Q = self.Q
         i64 = torch.int64
         qi, sc = self.store.index_select(1, self.sidx), self.sc
         fill, outl, prompt, maxn, ie, prio, cap, ns, toff, coff = qi.unbind(0)
@@ -476,7 +475,7 @@ class StepGraph:
         # reads: the full matches and flags only for the policies that order by them
         Q, n, b = self.Q, self._n, HEAD
         w = min(n, self.W)
-        cache_aware = self.s.config.effective_policy in ("lpm", "dfs-weight")
+        cache_aware = self.s.config.effective_policy in CACHE_AWARE_POLICIES
         vals = self.out[: b + 4 * Q if cache_aware else b + Q + w].to("cpu", copy=True).numpy()
         if not cache_aware:
             return StepOutput(vals[:b].tolist(), vals[b : b + n], vals[b + Q : b + Q + w], None, None, self.W)

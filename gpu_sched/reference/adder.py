@@ -73,7 +73,11 @@ class PrefillAdder:
     @property
     def rem_total(self) -> float:
         """D7: float64(A + evictable - I) - float64(ratio * N)."""
-        return float(self.pool.available + self.cache.evictable_size - self.I) - self.ratio * self.N
+        return self._rem_total(self.pool.available + self.cache.evictable_size)
+
+    def _rem_total(self, held: int) -> float:
+        """`rem_total` with held = A + evictable [tokens] already read."""
+        return float(held - self.I) - self.ratio * self.N
 
     @property
     def cur_rem(self) -> int:
@@ -92,7 +96,7 @@ class PrefillAdder:
         them, with the cache's evictable size read once (on a GPU tree each read is a device
         sync)."""
         held = self.pool.available + self.cache.evictable_size
-        return {"rem_total": float(held - self.I) - self.ratio * self.N, "cur_rem": held - self.cur_off,
+        return {"rem_total": self._rem_total(held), "cur_rem": held - self.cur_off,
                 "rem_input": self.rem_input, "rem_chunk": self.rem_chunk}
 
     def _commit(self, prefix_len: int, ext: int, reserve: int) -> None:

@@ -302,6 +302,10 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return evicted
 
+    def sizes(self) -> Tuple[int, int]:
+        """(evictable_size, protected_size) [tokens] (R-RC-6)."""
+        return self.evictable_size, self.protected_size
+
     def evict_tokens(self, num_tokens: int) -> int:
         """`evict` returning the evicted token count."""
         return sum(len(n.key) for n in self.evict(num_tokens))
