@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from gpu_sched.conformance import read_scenarios, run_file, run_scenario
 from gpu_sched.scheduler import GpuScheduler

@@ -28,7 +28,7 @@ from ..plan import PrefillPlan
 from ..request import INT32_MAX, Request, check_real, check_time, check_token_id
 from .adder import AddResult, PrefillAdder
 from .policy import order_queue
-from .radix_cache import KVPool, RadixCache, TreeNode
+from .radix_cache import KVPool, RadixCache
 from .state import ReqState
 
 _RID = operator.attrgetter("rid")
