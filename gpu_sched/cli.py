@@ -246,6 +246,20 @@ def _run_info(args, trace, config, cost) -> dict:
             "version": _version(), "commit": _commit()}
 
 
+def _run_header(args, trace, cost) -> str:
+    """Three lines printed above a replay's summary: what was replayed, that its serving
+    figures are simulated by the cost model (not measured), and which scheduler decided."""
+    sched = "reference scheduler (sequential, SPEC.md)" if args.backend == "reference" else (
+        f"GpuScheduler, {args.backend} backend on {args.device or 'cpu'}"
+        + (f", recorded step (capture, queue capacity {args.capture})" if args.capture else ", eager step"))
+    return "\n".join([
+        f"Workload:  {_workload_label(args, trace)}",
+        f"Engine:    simulated, cost model {cost.name!r}" + (f" ({cost.description})" if cost.description else ""),
+        "           (duration, throughput, TTFT, TPOT, ITL, E2EL: simulated time; the scheduler",
+        "           sections: real wall time of this machine's scheduler calls)",
+        f"Scheduler: {sched}"])
+
+
 def _workload_label(args, trace) -> str:
     """The replayed workload in a line (plot titles): the trace and the options that reshape it."""
     parts = [trace.name, f"{len(trace)} requests"]
@@ -474,6 +488,7 @@ def cmd_replay(args) -> int:
                 (Path(args.out) / "comparison.json").write_text(json.dumps(doc, indent=1) + "\n")
         except OSError as e:
             raise CliError(f"cannot write results to {args.out}: {e}") from None
+    print(_run_header(args, trace, cost))
     if policies:
         print(format_comparison(summaries))
         for name, s in summaries.items():
@@ -609,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_reading(t)
     t.set_defaults(func=cmd_trace_stats)
 
-    c = sub.add_parser("conformance", help="run conformance scenarios (FORMAT.md) and print 'N passed, M failed'")
+    c = sub.add_parser("conformance", help="run conformance scenarios (the format: shared/conformance/FORMAT.md, beside this repository) and print 'N passed, M failed'")
     c.add_argument("file", help="scenario file (.jsonl or .jsonl.gz)")
     _add_backend_flags(c)
     c.set_defaults(func=cmd_conformance)

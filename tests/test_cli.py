@@ -26,6 +26,23 @@ def test_replay_synthetic_prints_summary_and_digest(capsys):
     assert len(DIGEST.findall(out)) == 1
 
 
+def test_replay_says_what_it_replayed_and_that_serving_figures_are_simulated(capsys):
+    """The lines above the summary name the workload, the cost model (its figures are
+    simulated time, not measured) and the scheduler that decided, eager or recorded."""
+    assert main(["replay", "--synthetic-requests", "20", "--no-progress"]) == 0
+    head = capsys.readouterr().out.split("=====")[0]
+    assert "Workload:  synthetic, 20 requests, KV 1000000 tokens" in head
+    assert "cost model 'llama3-8b-h200'" in head and "simulated time" in head
+    assert "Scheduler: reference scheduler" in head
+    assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--backend", "torch",
+                 "--capture", "64", "--kv-tokens", "5000", "--cost-model", "qwen2.5-7b-a100"]) == 0
+    head = capsys.readouterr().out.split("=====")[0]
+    assert "KV 5000 tokens" in head and "cost model 'qwen2.5-7b-a100'" in head
+    assert "torch backend on cpu, recorded step (capture, queue capacity 64)" in head
+    assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--backend", "torch"]) == 0
+    assert "torch backend on cpu, eager step" in capsys.readouterr().out.split("=====")[0]
+
+
 def test_replay_is_deterministic(capsys):
     argv = ["replay", "--synthetic-requests", "30", "--no-progress", "--policy", "lpm"]
     main(argv)

@@ -92,7 +92,7 @@ def test_every_scheduler_call_is_timed_and_counted():
     assert set(calls) == set(seen) and all(v >= 0 for v in calls.values())
     assert calls["step"] == summary["sched_wall_s"] and calls["decode"] > 0 and calls["finish"] > 0
     text = format_summary(summary)
-    assert f"retract_decode (n={seen['retract_decode']}) (ms):" in text
+    assert f"retract_decode ({seen['retract_decode']} calls) (ms):" in text
     total = next(l for l in text.splitlines() if l.startswith("All scheduler calls (ms):"))
     assert total.endswith(f"{sum(calls.values()) * 1e3:.1f}")
     row = next(l for l in format_comparison({"lpm": summary}).splitlines() if l.startswith("Sched calls, all (ms)"))

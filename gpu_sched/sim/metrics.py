@@ -228,7 +228,7 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result", width
         sec("Scheduler calls (real time)")
         counts = g("sched_calls_n") or {}
         for name, secs in calls.items():
-            row(f"{name} (n={counts.get(name, 0)}) (ms):", _fmt(secs * 1e3, 1))
+            row(f"{name} ({counts.get(name, 0)} calls) (ms):", _fmt(secs * 1e3, 1))
         row("All scheduler calls (ms):", _fmt(sum(calls.values()) * 1e3, 1))
     if g("digest"):
         row("Decision digest:", str(g("digest"))[:12])
