@@ -252,11 +252,17 @@ def _run_header(args, trace, cost) -> str:
     sched = "reference scheduler (sequential, SPEC.md)" if args.backend == "reference" else (
         f"GpuScheduler, {args.backend} backend on {args.device or 'cpu'}"
         + (f", recorded step (capture, queue capacity {args.capture})" if args.capture else ", eager step"))
+    mode = getattr(args, "scheduler_time", "free")
+    charged = {"free": "the scheduler's calls take no simulated time",
+               "blocking": "each step also waits for the scheduler's calls (real time, --scheduler-time blocking)",
+               "overlap": "each step also waits for what of the scheduler's calls outlasts the previous "
+                          "forward (real time, --scheduler-time overlap)"}[mode]
     return "\n".join([
         f"Workload:  {_workload_label(args, trace)}",
         f"Engine:    simulated, cost model {cost.name!r}" + (f" ({cost.description})" if cost.description else ""),
         "           (duration, throughput, TTFT, TPOT, ITL, E2EL: simulated time; the scheduler",
-        "           sections: real wall time of this machine's scheduler calls)",
+        "           sections: real wall time of this machine's scheduler calls);",
+        f"           {charged}",
         f"Scheduler: {sched}"])
 
 
@@ -363,7 +369,8 @@ def _replay_runs(args, configs: dict, trace, cost):
         try:
             summary, requests, steps = replay(trace, cfg, kv_tokens=args.kv_tokens,
                                               make_scheduler=lambda c, kv: factory(c, kv),
-                                              cost_model=cost, check=args.check, progress=progress)
+                                              cost_model=cost, check=args.check, progress=progress,
+                                              scheduler_time=getattr(args, "scheduler_time", "free"))
         except SimulationError as e:
             print(f"gpu-sched: error: replay ({name}) stopped at {e}", file=sys.stderr)
             return 1
@@ -608,6 +615,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"step-cost preset: {', '.join(COST_MODELS)} (default {DEFAULT_COST_MODEL}), or a "
                         f".json file of sim.engine.CostModel's fields (fixed_s, prefill_token_s, "
                         f"decode_request_s, kv_token_s, in seconds)")
+    r.add_argument("--scheduler-time", default="free", choices=("free", "blocking", "overlap"),
+                   help="what the scheduler's own calls cost in simulated time: free (nothing: "
+                        "deterministic, the same digest on every machine; the default), blocking (each "
+                        "step waits for the real time of every scheduler call since the previous "
+                        "forward, as SGLang's normal event loop) or overlap (only for what of it outlasts "
+                        "the previous forward, as SGLang's overlap loop). The last two make the run "
+                        "depend on this machine's speed, so its digest changes from run to run")
     r.add_argument("--check", action="store_true", help="check scheduler integrity after every step")
     r.add_argument("--out", default=None, metavar="DIR",
                    help="write results.json and PNG plots here (with --compare-policies: DIR/<policy>/ "

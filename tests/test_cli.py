@@ -501,3 +501,23 @@ def test_kv_tokens_past_host_memory_is_one_error(kv_pool_out_of_memory, capsys):
     assert main(["replay", "--synthetic-requests", "2", "--no-progress", "--kv-tokens", str(2**40)]) == 2
     err = capsys.readouterr().err
     assert "MemoryError: kv_pool_size 1099511627776 slots" in err and err.count("\n") == 1, err
+
+
+def test_replay_scheduler_time_charges_the_calls_and_says_so(capsys):
+    """--scheduler-time blocking: the run says its steps wait for the scheduler's calls and how
+    much that added; a bad mode is refused naming the flag."""
+    assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--scheduler-time", "blocking"]) == 0
+    out = capsys.readouterr().out
+    assert "each step also waits for the scheduler's calls" in out.split("=====")[0]
+    charged = float(re.search(r"Charged to the clock, blocking \(ms\):\s+([0-9.]+)", out).group(1))
+    total = float(re.search(r"All scheduler calls \(ms\):\s+([0-9.]+)", out).group(1))
+    assert 0 < charged <= total + 0.1
+    assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--scheduler-time", "overlap",
+                 "--compare-policies", "fcfs,lpm"]) == 0
+    assert "Sched charged to clock (ms)" in capsys.readouterr().out
+    assert main(["replay", "--synthetic-requests", "20", "--no-progress"]) == 0
+    assert "Charged to the clock" not in capsys.readouterr().out  # free: nothing charged, no row
+    with pytest.raises(SystemExit) as e:
+        main(["replay", "--scheduler-time", "slow"])
+    assert e.value.code == 2
+    assert "--scheduler-time: invalid choice: 'slow'" in capsys.readouterr().err

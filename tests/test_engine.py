@@ -370,3 +370,111 @@ def test_cost_model_from_its_costs_alone():
     assert (m.name, m.description, m.prefill_s(10, 0)) == ("custom", "", 0.005 + 10 * 3e-5)
     with pytest.raises(TypeError, match="CostModel name must be a str"):
         CostModel(name=3, fixed_s=0.0, prefill_token_s=0.0, decode_request_s=0.0, kv_token_s=0.0)
+
+
+# ---- the scheduler's own time charged to the simulated clock (`scheduler_time`) ------------------
+class _FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _costly(clock, step_s, finish_s=0.0):
+    """A reference scheduler whose step() and finish() take step_s / finish_s on `clock`."""
+    class Costly(ReferenceScheduler):
+        def step(self, *a, **k):
+            clock.now += step_s
+            return super().step(*a, **k)
+
+        def finish(self, rids):
+            clock.now += finish_s
+            return super().finish(rids)
+    return Costly
+
+
+def _timed_run(mode, step_s, finish_s=0.0, trace=None):
+    clock = _FakeClock()
+    tr = trace if trace is not None else _burst(30)
+    return replay(tr, SchedulerConfig(schedule_policy="lpm"), kv_tokens=20_000,
+                  make_scheduler=_costly(clock, step_s, finish_s), scheduler_time=mode, clock=clock)
+
+
+def test_scheduler_time_free_charges_nothing_and_keeps_the_digest():
+    """The default charges nothing: the same decisions as without a clock, whatever the calls take."""
+    want, _, _ = _run(_burst(30), check=False, schedule_policy="lpm")
+    summary, _, steps = _timed_run("free", 0.5, 0.25)
+    assert summary["digest"] == want["digest"] and summary["mean_ttft_ms"] == want["mean_ttft_ms"]
+    assert summary["charged_sched_s"] == 0.0 and all(s.charged_s == 0.0 for s in steps)
+    assert summary["sched_calls_s"]["step"] == pytest.approx(0.5 * summary["sched_calls_n"]["step"])
+
+
+def test_scheduler_time_blocking_charges_every_call_before_the_forward():
+    """blocking: a step waits for its own step() and the finishes since the previous forward; the
+    clock moves by exactly that plus the forward between two busy steps."""
+    step_s, finish_s = 0.004, 0.001
+    free, _, _ = _timed_run("free", step_s, finish_s)
+    summary, _, steps = _timed_run("blocking", step_s, finish_s)
+    busy = [s for s in steps if s.kind != "idle"]
+    assert busy and all(s.charged_s >= step_s - 1e-12 for s in busy)
+    ks = []
+    for s in busy:  # its own step() and a whole number of finishes
+        k = (s.charged_s - step_s) / finish_s
+        assert k == pytest.approx(round(k), abs=1e-6) and round(k) >= 0
+        ks.append(round(k))
+    # every finish is charged to the next step but the last one's (no step follows it); the
+    # burst arrives at once, so no idle gap absorbs any
+    assert sum(ks) == summary["sched_calls_n"]["finish"] - 1
+    for a, b in zip(steps, steps[1:]):
+        if a.kind != "idle" and b.kind != "idle":
+            assert b.t_s - a.t_s == pytest.approx(b.charged_s + b.duration_s)
+    total = sum(s.charged_s for s in steps)
+    assert summary["charged_sched_s"] == pytest.approx(total)
+    n_steps, n_fin = summary["sched_calls_n"]["step"], summary["sched_calls_n"]["finish"]
+    assert step_s * len(busy) <= total <= step_s * n_steps + finish_s * n_fin + 1e-9
+    assert summary["mean_ttft_ms"] > free["mean_ttft_ms"]  # every prefill waited for its step()
+    assert summary["scheduler_time"] == "blocking"
+
+
+def test_scheduler_time_overlap_charges_what_outlasts_the_previous_forward():
+    step_s = 0.05  # longer than any forward of this small trace
+    summary, _, steps = _timed_run("overlap", step_s)
+    prev = None
+    seen = 0
+    for s in steps:
+        if s.kind == "idle":
+            prev = None
+            continue
+        if prev is None:  # after an idle gap (or at the start) nothing ran beside it
+            assert s.charged_s == pytest.approx(step_s)
+        else:
+            assert s.charged_s == pytest.approx(max(0.0, step_s - prev.duration_s))
+            seen += 1
+        prev = s
+    assert seen > 10
+    assert summary["charged_sched_s"] == pytest.approx(sum(s.charged_s for s in steps))
+    # calls shorter than every forward are hidden entirely
+    hidden, _, steps = _timed_run("overlap", 1e-7)
+    assert sum(s.charged_s > 0 for s in steps if s.kind != "idle") <= sum(
+        1 for a, b in zip([None] + steps, steps) if b.kind != "idle" and (a is None or a.kind == "idle"))
+
+
+def test_scheduler_time_bad_values_are_refused():
+    with pytest.raises(ValueError, match="scheduler_time must be one of free, blocking, overlap, got 'slow'"):
+        replay(_burst(3), SchedulerConfig(), kv_tokens=20_000, make_scheduler=ReferenceScheduler,
+               scheduler_time="slow")
+    with pytest.raises(TypeError, match="clock must be a callable"):
+        replay(_burst(3), SchedulerConfig(), kv_tokens=20_000, make_scheduler=ReferenceScheduler, clock=1.0)
+
+
+def test_scheduler_time_blocking_lets_idle_gaps_absorb_the_calls_before_them():
+    """Requests far apart: each finishes before the next arrives, so the finish calls run while
+    the engine idles and the first step after the gap waits for its own step() alone."""
+    sparse = synthetic_workload(12, seed=2, request_rate=0.05, turns=(1, 1), output_len=(2, 4))
+    step_s, finish_s = 0.002, 0.5
+    summary, _, steps = _timed_run("blocking", step_s, finish_s, trace=sparse)
+    after_idle = [b for a, b in zip(steps, steps[1:]) if a.kind == "idle" and b.kind != "idle"]
+    assert len(after_idle) >= 5
+    assert all(s.charged_s == pytest.approx(step_s) for s in after_idle)
+    assert summary["sched_calls_n"]["finish"] >= 5

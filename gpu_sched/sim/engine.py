@@ -187,6 +187,11 @@ def _progress_bar(enabled: bool, total: float, desc: str):
 #: the scheduler calls an engine makes besides `step()` (which the replay times per step)
 ENGINE_CALLS = ("submit", "complete_prefill", "decode_fits", "retract_decode", "decode", "finish")
 
+#: how a replay charges the scheduler's real time to its simulated clock (`replay`'s
+#: `scheduler_time`): not at all, every call in turn with the forward, or only where the calls
+#: outlast the previous forward they overlap
+SCHEDULER_TIME_MODES = ("free", "blocking", "overlap")
+
 
 class _TimedCalls:
     """The scheduler as the replay calls it: each `ENGINE_CALLS` method adds its real time to
@@ -195,11 +200,12 @@ class _TimedCalls:
     to it). A copy wraps the same scheduler (a deep copy: a deep copy of it), with the
     counts so far."""
 
-    _OWN = frozenset(("_sched", "seconds", "counts", "step") + ENGINE_CALLS)
+    _OWN = frozenset(("_sched", "_clock", "seconds", "counts", "step") + ENGINE_CALLS)
 
-    def __init__(self, sched):
+    def __init__(self, sched, clock: Callable[[], float] = time.perf_counter):
         own = self.__dict__
         own["_sched"] = sched
+        own["_clock"] = clock
         own["seconds"] = dict.fromkeys(ENGINE_CALLS, 0.0)
         own["counts"] = dict.fromkeys(ENGINE_CALLS, 0)
         own["step"] = sched.step  # looked up once: not inside the step's own timing
@@ -209,7 +215,7 @@ class _TimedCalls:
                 own[name] = self._timed(name, f)
 
     def _timed(self, name: str, f):
-        perf, seconds, counts = time.perf_counter, self.seconds, self.counts
+        perf, seconds, counts = self._clock, self.seconds, self.counts
 
         def call(*args, **kwargs):
             t0 = perf()
@@ -221,7 +227,7 @@ class _TimedCalls:
         return call
 
     def _copy_with(self, sched) -> "_TimedCalls":
-        new = _TimedCalls(sched)
+        new = _TimedCalls(sched, self._clock)
         new.seconds.update(self.seconds)
         new.counts.update(self.counts)
         return new
@@ -247,14 +253,16 @@ class _Replay:
     """One replay's state. Per-request arrays are indexed by trace position i (rid f"r{i}")."""
 
     def __init__(self, trace: Trace, config: SchedulerConfig, kv_tokens: int, make_scheduler,
-                 cost: CostModel, check: bool, progress: bool):
+                 cost: CostModel, check: bool, progress: bool, scheduler_time: str = "free",
+                 clock: Callable[[], float] = time.perf_counter):
         self.trace = trace
         self.config = config
         self.kv_tokens = kv_tokens
         self.cost = cost
         self.check = check
         self.progress = progress
-        self.sched = _TimedCalls(make_scheduler(config, kv_tokens))
+        self.clock = clock
+        self.sched = _TimedCalls(make_scheduler(config, kv_tokens), clock)
         reqs = trace.requests
         n = len(reqs)
         self.rids = [f"r{i}" for i in range(n)]
@@ -278,6 +286,30 @@ class _Replay:
         self.sched_wall = 0.0  # real seconds in step(), `step_calls` calls
         self.step_calls = 0
         self.check_wall = 0.0
+        self.scheduler_time = scheduler_time
+        self.charged = 0.0  # simulated seconds added for the scheduler's calls (`_charge`)
+        self._charged_upto = 0.0  # scheduler seconds (`_calls_s`) already charged or absorbed
+        self._last_forward = 0.0  # the previous step's forward [simulated s]: what overlap hides
+
+    def _calls_s(self) -> float:
+        """Real seconds of every scheduler call so far: `step()` and `ENGINE_CALLS`."""
+        return self.sched_wall + sum(self.sched.seconds.values())
+
+    def _charge(self) -> float:
+        """The simulated seconds this step waits for the scheduler, added to the clock before its
+        forward: the real time of every scheduler call since the last charge (the previous
+        step's results processed, arrivals submitted, this step's `step()`); with "blocking" all
+        of it (an engine that schedules, runs the batch and processes its results in turn:
+        SGLang's normal event loop), with "overlap" only what outlasts the previous step's
+        forward, which it runs beside (SGLang's overlap loop); 0 with "free"."""
+        if self.scheduler_time == "free":
+            return 0.0
+        total = self._calls_s()
+        spent, self._charged_upto = total - self._charged_upto, total
+        extra = spent if self.scheduler_time == "blocking" else max(0.0, spent - self._last_forward)
+        self.t += extra
+        self.charged += extra
+        return extra
 
     # ---- per-request helpers ---------------------------------------------------------------
     def _request(self, i: int) -> Request:
@@ -398,7 +430,7 @@ class _Replay:
         self.ratio.reset()
         if next_arrival is not None:
             gap = max(next_arrival - self.t, 0.0)
-            self.t = next_arrival
+            self.t = max(self.t, next_arrival)  # later only when a charge for the scheduler passed it
             return gap
         waiting = plan.chunked_rid_after or (plan.queue_order[0] if plan.queue_order else None)
         if waiting is None:
@@ -429,7 +461,7 @@ class _Replay:
         last_arrival = arrivals[-1] if n else 0.0
         bar = _progress_bar(self.progress, last_arrival, f"replay {self.config.schedule_policy}")
         shown_t, shown_steps = 0.0, 0
-        perf = time.perf_counter
+        perf = self.clock
         try:
             while True:
                 if nxt < n and arrivals[nxt] <= self.t:
@@ -441,6 +473,7 @@ class _Replay:
                     self.outstanding += len(batch)
                 if self.outstanding == 0:
                     self.ratio.reset()
+                    self._charged_upto, self._last_forward = self._calls_s(), 0.0  # spent while idle
                     if nxt >= n:
                         break
                     gap = arrivals[nxt] - self.t
@@ -452,6 +485,7 @@ class _Replay:
                 wall = perf() - t0
                 self.sched_wall += wall
                 self.step_calls += 1
+                charged = self._charge()
                 if plan.admitted or plan.preempted:
                     self.digest.update(plan)
                 for rid in plan.preempted:
@@ -465,6 +499,7 @@ class _Replay:
                 else:
                     kind = "idle"
                     duration = self._stalled(plan, arrivals[nxt] if nxt < n else None)
+                self._last_forward = duration if kind != "idle" else 0.0
                 if self.check:
                     t1 = perf()
                     try:
@@ -474,7 +509,7 @@ class _Replay:
                     self.check_wall += perf() - t1
                 self.steps.append(StepRecord(self.t, kind, duration, len(plan.queue_order), len(self.running),
                                              sched.kv_used, self.kv_tokens, extend, plan.log_hit_tokens, wall,
-                                             len(sched.queue)))
+                                             len(sched.queue), charged))
                 if not self.running and self.outstanding == 0:
                     self.ratio.reset()
                 if bar is not None and len(self.steps) - shown_steps >= 200:
@@ -559,7 +594,8 @@ def _check_trace_int(i: int, name: str, v, hi: int, lo: int = 0) -> None:
 def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
            make_scheduler: Callable[[SchedulerConfig, int], object],
            cost_model: Union[str, CostModel] = DEFAULT_COST_MODEL, check: bool = False,
-           progress: bool = False) -> Tuple[dict, List[RequestRecord], List[StepRecord]]:
+           progress: bool = False, scheduler_time: str = "free",
+           clock: Callable[[], float] = time.perf_counter) -> Tuple[dict, List[RequestRecord], List[StepRecord]]:
     """Replay `trace` through `make_scheduler(config, kv_tokens)` and a simulated engine.
 
     Args:
@@ -571,13 +607,26 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
         check: call `check_integrity()` after every step; the first AssertionError stops the
             replay with a `SimulationError` naming the step and the simulated time.
         progress: show a tqdm bar over simulated time on stderr.
+        scheduler_time: what the scheduler's own calls cost in simulated time
+            (`SCHEDULER_TIME_MODES`). "free" (the default): nothing, so the replay is
+            deterministic and its digest the same on every machine. "blocking": before each
+            step's forward the clock moves on by the real seconds of every scheduler call made
+            since the previous step's forward (its results processed, arrivals submitted, this
+            `step()`), as in an engine that schedules, runs and processes in turn (SGLang's
+            normal event loop). "overlap": by what of those seconds outlasts the previous
+            step's forward, which they run beside (SGLang's overlap loop, an approximation:
+            one step of look-ahead). With either, simulated times and so decisions depend on
+            this machine's speed: the digest changes from run to run.
+        clock: the real-time clock [seconds] that times the scheduler's calls (default
+            `time.perf_counter`; a test gives a fake one to charge known times).
 
     Returns:
         (summary, requests, steps): `metrics.summarize` plus "digest" (SHA-256 hex of every
         admitting or preempting plan), "digest_steps", "wall_s", "sched_wall_s" (real seconds in
         `step()`), "sched_calls_s" / "sched_calls_n" (real seconds and counts of `step()` and
         of each `ENGINE_CALLS` method: the scheduler's whole cost to the engine),
-        "check_wall_s", "kv_tokens", "cost_model", "policy"; one `RequestRecord` per trace
+        "check_wall_s", "kv_tokens", "cost_model", "policy", "scheduler_time" and
+        "charged_sched_s" (simulated seconds added for the scheduler); one `RequestRecord` per trace
         request in trace order (rid f"r{i}"; `output_len` = tokens generated, planned
         max(output_len, 1); `cached_tokens` = extend_start of the request's first admission,
         i.e. its prefix-cache hit when first prefilled; later chunks and re-prefills after a
@@ -592,10 +641,14 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
         raise ValueError(f"kv_tokens must be >= 1, got {kv_tokens}")
     if not isinstance(config, SchedulerConfig):
         raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+    if scheduler_time not in SCHEDULER_TIME_MODES:
+        raise ValueError(f"scheduler_time must be one of {', '.join(SCHEDULER_TIME_MODES)}, got {scheduler_time!r}")
+    if not callable(clock):
+        raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
     cost = get_cost_model(cost_model)
     _check_requests(trace)
     wall0 = time.perf_counter()
-    sim = _Replay(trace, config, kv_tokens, make_scheduler, cost, check, progress)
+    sim = _Replay(trace, config, kv_tokens, make_scheduler, cost, check, progress, scheduler_time, clock)
     sim.run()
     for rec, g in zip(sim.records, sim.gen):
         rec.output_len = g
@@ -605,5 +658,6 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
                     "sched_calls_s": {"step": sim.sched_wall, **sim.sched.seconds},
                     "sched_calls_n": {"step": sim.step_calls, **sim.sched.counts},
                     "check_wall_s": sim.check_wall if check else None, "kv_tokens": kv_tokens,
-                    "cost_model": cost.name, "policy": config.schedule_policy})
+                    "cost_model": cost.name, "policy": config.schedule_policy,
+                    "scheduler_time": scheduler_time, "charged_sched_s": sim.charged})
     return summary, sim.records, sim.steps

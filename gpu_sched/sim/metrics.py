@@ -55,6 +55,8 @@ class StepRecord:
     hit_tokens: int         # prefix-cache hit tokens of requests admitted this step
     sched_wall_s: float     # wall-clock seconds of the scheduler's own step()
     waiting: int = 0        # waiting requests after the step (not admitted, or preempted back)
+    charged_s: float = 0.0  # simulated seconds the step waited for the scheduler before its forward
+                            # (`replay(scheduler_time=...)`; 0 with "free"); t_s includes them
 
 
 def _num(x) -> Optional[float]:
@@ -230,6 +232,8 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result", width
         for name, secs in calls.items():
             row(f"{name} ({counts.get(name, 0)} calls) (ms):", _fmt(secs * 1e3, 1))
         row("All scheduler calls (ms):", _fmt(sum(calls.values()) * 1e3, 1))
+        if g("scheduler_time") not in (None, "free"):  # charged to the simulated clock
+            row(f"Charged to the clock, {g('scheduler_time')} (ms):", _fmt((g("charged_sched_s") or 0.0) * 1e3, 1))
     if g("digest"):
         row("Decision digest:", str(g("digest"))[:12])
     lines.append("=" * width)
@@ -249,7 +253,10 @@ def format_comparison(summaries: dict) -> str:
     """One table with a column per run (`{run name: summary}`), e.g. per policy."""
     names = list(summaries)
     cells = []
-    for _, key in COMPARISON_ROWS:
+    rows = COMPARISON_ROWS
+    if any(s.get("scheduler_time") not in (None, "free") for s in summaries.values()):
+        rows = rows[:-1] + (("Sched charged to clock (ms)", "charged_ms"),) + rows[-1:]
+    for _, key in rows:
         row = []
         for n in names:
             s = summaries[n]
@@ -259,7 +266,7 @@ def format_comparison(summaries: dict) -> str:
                 v = _metric(s, key)
             row.append(_fmt(v))
         cells.append(row)
-    return _table([label for label, _ in COMPARISON_ROWS], names, cells, 12)
+    return _table([label for label, _ in rows], names, cells, 12)
 
 
 def _table(labels, names, cells, min_width: int, title: Optional[str] = None) -> str:
@@ -273,6 +280,8 @@ def _table(labels, names, cells, min_width: int, title: Optional[str] = None) ->
 
 
 def _metric(s: dict, key: str):
+    if key == "charged_ms":
+        return None if s.get("charged_sched_s") is None else 1e3 * s["charged_sched_s"]
     if key == "calls_ms":
         return None if not s.get("sched_calls_s") else 1e3 * sum(s["sched_calls_s"].values())
     if key == "hit%":
