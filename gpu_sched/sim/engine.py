@@ -20,7 +20,9 @@ How a replay works (read this first):
     wait for the next arrival), as in SGLang's event loop.
   * Simulated step time comes from a `CostModel`: fixed + per prefill token + per decode
     request + per KV token read. Generated tokens are `output_token_ids(output_key, k, 1)` for
-    output position k, so runs are deterministic.
+    output position k, so runs are deterministic. The scheduler's own calls take no simulated
+    time unless `scheduler_time` says so ("blocking" / "overlap": their real time is charged
+    to the clock before each forward, and the run then depends on the machine's speed).
   * Every plan that admitted or preempted something updates a `DecisionDigest`; equal digests
     mean equal scheduling decisions (to compare runs and backends).
 
