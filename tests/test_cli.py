@@ -515,8 +515,13 @@ def test_replay_scheduler_time_charges_the_calls_and_says_so(capsys):
     assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--scheduler-time", "overlap",
                  "--compare-policies", "fcfs,lpm"]) == 0
     assert "Sched charged to clock (ms)" in capsys.readouterr().out
+    assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--seeds", "0,1",
+                 "--scheduler-time", "blocking"]) == 0
+    assert re.search(r"Sched charged to clock \(ms\)\s+[0-9.]+ \+- [0-9.]+", capsys.readouterr().out)
     assert main(["replay", "--synthetic-requests", "20", "--no-progress"]) == 0
     assert "Charged to the clock" not in capsys.readouterr().out  # free: nothing charged, no row
+    assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--seeds", "0,1"]) == 0
+    assert "charged" not in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         main(["replay", "--scheduler-time", "slow"])
     assert e.value.code == 2

@@ -249,13 +249,19 @@ COMPARISON_ROWS = (("Requests completed", "completed"), ("Request throughput (re
                    ("Decision digest", "digest"))
 
 
+def _comparison_rows(summaries) -> tuple:
+    """`COMPARISON_ROWS`, with the simulated time charged for the scheduler before the digest
+    when any of `summaries` was charged (`replay(scheduler_time=...)` other than "free")."""
+    if any(s.get("scheduler_time") not in (None, "free") for s in summaries):
+        return COMPARISON_ROWS[:-1] + (("Sched charged to clock (ms)", "charged_ms"),) + COMPARISON_ROWS[-1:]
+    return COMPARISON_ROWS
+
+
 def format_comparison(summaries: dict) -> str:
     """One table with a column per run (`{run name: summary}`), e.g. per policy."""
     names = list(summaries)
     cells = []
-    rows = COMPARISON_ROWS
-    if any(s.get("scheduler_time") not in (None, "free") for s in summaries.values()):
-        rows = rows[:-1] + (("Sched charged to clock (ms)", "charged_ms"),) + rows[-1:]
+    rows = _comparison_rows(summaries.values())
     for _, key in rows:
         row = []
         for n in names:
@@ -290,15 +296,16 @@ def _metric(s: dict, key: str):
 
 
 def seed_spread(per_seed: dict) -> dict:
-    """Across seeds, per run and metric of `COMPARISON_ROWS` (the digest aside): mean, std
+    """Across seeds, per run and metric of `_comparison_rows` (the digest aside): mean, std
     (population; 0 for one seed), min, max and n over the seeds where the metric exists.
     per_seed: {seed: {run name: summary}}; returns {run name: {key: {...}}} (key "hit%" is the
     prefix-cache hit rate in percent)."""
     runs = list(next(iter(per_seed.values()))) if per_seed else []
+    rows = _comparison_rows([s for by_run in per_seed.values() for s in by_run.values()])
     out = {}
     for run in runs:
         out[run] = {}
-        for _, key in COMPARISON_ROWS:
+        for _, key in rows:
             if key == "digest":
                 continue
             vals = [float(v) for v in (_metric(per_seed[sd][run], key) for sd in per_seed) if v is not None]
@@ -310,7 +317,9 @@ def seed_spread(per_seed: dict) -> dict:
 def format_seed_spread(spread: dict, seeds) -> str:
     """`seed_spread` as one table: a column per run, `mean +- std` over the seeds."""
     names = list(spread)
-    rows = [(label, key) for label, key in COMPARISON_ROWS if key != "digest"]
+    keys = set(spread[names[0]]) if names else set()
+    rows = [(label, key) for label, key in COMPARISON_ROWS[:-1] + (("Sched charged to clock (ms)", "charged_ms"),)
+            if key in keys]
     cells = [[("n/a" if spread[n][key] is None else
                f"{_fmt(spread[n][key]['mean'])} +- {_fmt(spread[n][key]['std'])}") for n in names] for _, key in rows]
     return _table([label for label, _ in rows], names, cells, 16,
@@ -322,7 +331,8 @@ def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict]
 
     Layout: {"summary", "config": extra or {}, "steps": per-step arrays t_s (simulated s, the
     step's end), kind, duration_s (simulated s), queue_len, running, kv_used_tokens,
-    kv_pool_tokens, prefill_tokens, hit_tokens, sched_wall_s (real s), waiting (every
+    kv_pool_tokens, prefill_tokens, hit_tokens, sched_wall_s (real s), waiting, charged_s
+    (simulated s) (every
     `StepRecord` field), "requests": rows
     rid, arrival_s, first_token_s, finish_s, ttft_s, e2el_s (simulated s, None if absent),
     input_len, output_len, cached_tokens, retractions}: enough to recompute every summary
