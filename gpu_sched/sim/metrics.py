@@ -249,11 +249,15 @@ COMPARISON_ROWS = (("Requests completed", "completed"), ("Request throughput (re
                    ("Decision digest", "digest"))
 
 
+#: the comparison row of the simulated time charged for the scheduler (only for charged runs)
+CHARGED_ROW = ("Sched charged to clock (ms)", "charged_ms")
+
+
 def _comparison_rows(summaries) -> tuple:
     """`COMPARISON_ROWS`, with the simulated time charged for the scheduler before the digest
     when any of `summaries` was charged (`replay(scheduler_time=...)` other than "free")."""
     if any(s.get("scheduler_time") not in (None, "free") for s in summaries):
-        return COMPARISON_ROWS[:-1] + (("Sched charged to clock (ms)", "charged_ms"),) + COMPARISON_ROWS[-1:]
+        return COMPARISON_ROWS[:-1] + (CHARGED_ROW,) + COMPARISON_ROWS[-1:]
     return COMPARISON_ROWS
 
 
@@ -318,8 +322,7 @@ def format_seed_spread(spread: dict, seeds) -> str:
     """`seed_spread` as one table: a column per run, `mean +- std` over the seeds."""
     names = list(spread)
     keys = set(spread[names[0]]) if names else set()
-    rows = [(label, key) for label, key in COMPARISON_ROWS[:-1] + (("Sched charged to clock (ms)", "charged_ms"),)
-            if key in keys]
+    rows = [(label, key) for label, key in COMPARISON_ROWS[:-1] + (CHARGED_ROW,) if key in keys]
     cells = [[("n/a" if spread[n][key] is None else
                f"{_fmt(spread[n][key]['mean'])} +- {_fmt(spread[n][key]['std'])}") for n in names] for _, key in rows]
     return _table([label for label, _ in rows], names, cells, 16,
