@@ -242,6 +242,7 @@ def _run_info(args, trace, config, cost) -> dict:
             "key_seed": args.seed if (args.routing_keys or args.priority_levels) else None,
             "backend": args.backend, "device": args.device, "capture": args.capture, "kv_tokens": args.kv_tokens,
             "cost_model": dataclasses.asdict(cost), "check": args.check,
+            "scheduler_time": getattr(args, "scheduler_time", "free"),
             "scheduler": dataclasses.asdict(config), "argv": getattr(args, "argv", None),
             "version": _version(), "commit": _commit()}
 
@@ -468,6 +469,10 @@ def cmd_replay(args) -> int:
         if not args.out.strip():
             raise CliError("--out must name a folder, got an empty string")
         _check_out_dir(args.out)
+    if args.check and args.scheduler_time != "free":
+        print(f"gpu-sched: note: --check's walks between steps leave the scheduler's next calls on cold "
+              f"caches, so --scheduler-time {args.scheduler_time} charges more than without it: compare "
+              f"charged runs without --check", file=sys.stderr)
     if seeds is not None:
         return _replay_seeds(args, configs, cost, seeds)
     trace = _replay_trace(args, configs)
@@ -621,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "step waits for the real time of every scheduler call since the previous "
                         "forward, as SGLang's normal event loop) or overlap (only for what of it outlasts "
                         "the previous forward, as SGLang's overlap loop). The last two make the run "
-                        "depend on this machine's speed, so its digest changes from run to run")
+                        "depend on this machine's speed, so its digest may change from run to run")
     r.add_argument("--check", action="store_true", help="check scheduler integrity after every step")
     r.add_argument("--out", default=None, metavar="DIR",
                    help="write results.json and PNG plots here (with --compare-policies: DIR/<policy>/ "

@@ -522,6 +522,9 @@ def test_replay_scheduler_time_charges_the_calls_and_says_so(capsys):
     assert "Charged to the clock" not in capsys.readouterr().out  # free: nothing charged, no row
     assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--seeds", "0,1"]) == 0
     assert "charged" not in capsys.readouterr().out
+    assert main(["replay", "--synthetic-requests", "10", "--no-progress", "--check", "--scheduler-time",
+                 "overlap"]) == 0
+    assert "compare charged runs without --check" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["replay", "--scheduler-time", "slow"])
     assert e.value.code == 2

@@ -454,6 +454,11 @@ def test_scheduler_time_overlap_charges_what_outlasts_the_previous_forward():
         prev = s
     assert seen > 10
     assert summary["charged_sched_s"] == pytest.approx(sum(s.charged_s for s in steps))
+    # after an idle gap mid-run nothing ran beside the step's calls either
+    sparse = synthetic_workload(12, seed=2, request_rate=0.05, turns=(1, 1), output_len=(2, 4))
+    _, _, steps = _timed_run("overlap", step_s, trace=sparse)
+    after = [b for a, b in zip(steps, steps[1:]) if a.kind == "idle" and b.kind != "idle"]
+    assert len(after) >= 5 and all(b.charged_s == pytest.approx(step_s) for b in after)
     # calls shorter than every forward are hidden entirely
     hidden, _, steps = _timed_run("overlap", 1e-7)
     assert sum(s.charged_s > 0 for s in steps if s.kind != "idle") <= sum(
@@ -478,3 +483,26 @@ def test_scheduler_time_blocking_lets_idle_gaps_absorb_the_calls_before_them():
     assert len(after_idle) >= 5
     assert all(s.charged_s == pytest.approx(step_s) for s in after_idle)
     assert summary["sched_calls_n"]["finish"] >= 5
+
+
+def test_scheduler_time_blocking_charges_what_an_idle_gap_cannot_absorb():
+    """Calls longer than the idle gap after them: the gap hides its own length of them and the
+    rest delays the next step (a finish of 100 s before gaps of seconds)."""
+    sparse = synthetic_workload(12, seed=2, request_rate=0.2, turns=(1, 1), output_len=(1, 2))
+    step_s, finish_s = 0.002, 100.0
+    summary, _, steps = _timed_run("blocking", step_s, finish_s, trace=sparse)
+    pairs = [(a, b) for a, b in zip(steps, steps[1:]) if a.kind == "idle" and b.kind != "idle"]
+    assert len(pairs) >= 2
+    late = 0
+    for gap, s in pairs:
+        assert 0 < gap.duration_s < finish_s
+        left = s.charged_s - step_s  # the pending finishes' time past the gap, if any
+        if left > 1e-9:
+            k = (left + gap.duration_s) / finish_s  # whole finishes, less the gap
+            assert k == pytest.approx(round(k), abs=1e-9) and round(k) >= 1
+            late += 1
+        else:
+            assert left == pytest.approx(0.0, abs=1e-9)
+    assert late >= 1
+    free, _, _ = _timed_run("free", step_s, finish_s, trace=sparse)
+    assert summary["mean_e2el_ms"] > free["mean_e2el_ms"] + 1e3

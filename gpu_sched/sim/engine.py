@@ -297,6 +297,14 @@ class _Replay:
         """Real seconds of every scheduler call so far: `step()` and `ENGINE_CALLS`."""
         return self.sched_wall + sum(self.sched.seconds.values())
 
+    def _absorb(self, gap: float) -> None:
+        """An idle gap of `gap` simulated seconds before the next arrival: the scheduler calls
+        not yet charged ran in it, up to its length (the rest still delays the next step);
+        no forward runs beside the next step's calls."""
+        pending = self._calls_s() - self._charged_upto
+        self._charged_upto += min(pending, max(gap, 0.0))
+        self._last_forward = 0.0
+
     def _charge(self) -> float:
         """The simulated seconds this step waits for the scheduler, added to the clock before its
         forward: the real time of every scheduler call since the last charge (the previous
@@ -475,10 +483,10 @@ class _Replay:
                     self.outstanding += len(batch)
                 if self.outstanding == 0:
                     self.ratio.reset()
-                    self._charged_upto, self._last_forward = self._calls_s(), 0.0  # spent while idle
                     if nxt >= n:
                         break
                     gap = arrivals[nxt] - self.t
+                    self._absorb(gap)
                     self.t = arrivals[nxt]
                     self.steps.append(StepRecord(self.t, "idle", gap, 0, 0, sched.kv_used, self.kv_tokens, 0, 0, 0.0))
                     continue
@@ -617,8 +625,13 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
             `step()`), as in an engine that schedules, runs and processes in turn (SGLang's
             normal event loop). "overlap": by what of those seconds outlasts the previous
             step's forward, which they run beside (SGLang's overlap loop, an approximation:
-            one step of look-ahead). With either, simulated times and so decisions depend on
-            this machine's speed: the digest changes from run to run.
+            one step of look-ahead). Calls made while the engine idles are hidden by the idle
+            gap up to its length; the rest still delays the next step. Token times are taken at
+            the forward's end, so a step's own result processing (`complete_prefill`,
+            `finish`) is charged before the next forward, not before its tokens. A backend's
+            one-time set-up in its first calls is charged too. With either mode, simulated times
+            and so decisions may depend on this machine's speed: the digest may change from run
+            to run.
         clock: the real-time clock [seconds] that times the scheduler's calls (default
             `time.perf_counter`; a test gives a fake one to charge known times).
 
