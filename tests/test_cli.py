@@ -503,7 +503,7 @@ def test_kv_tokens_past_host_memory_is_one_error(kv_pool_out_of_memory, capsys):
     assert "MemoryError: kv_pool_size 1099511627776 slots" in err and err.count("\n") == 1, err
 
 
-def test_replay_scheduler_time_charges_the_calls_and_says_so(capsys):
+def test_replay_scheduler_time_charges_the_calls_and_says_so(capsys, tmp_path):
     """--scheduler-time blocking: the run says its steps wait for the scheduler's calls and how
     much that added; a bad mode is refused naming the flag."""
     assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--scheduler-time", "blocking"]) == 0
@@ -523,7 +523,10 @@ def test_replay_scheduler_time_charges_the_calls_and_says_so(capsys):
     assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--seeds", "0,1"]) == 0
     assert "charged" not in capsys.readouterr().out
     assert main(["replay", "--synthetic-requests", "10", "--no-progress", "--check", "--scheduler-time",
-                 "overlap"]) == 0
+                 "overlap", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["config"]["scheduler_time"] == doc["summary"]["scheduler_time"] == "overlap"
+    assert doc["summary"]["charged_sched_s"] == pytest.approx(sum(doc["steps"]["charged_s"]))
     assert "compare charged runs without --check" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["replay", "--scheduler-time", "slow"])
