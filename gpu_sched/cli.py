@@ -1,7 +1,8 @@
 """`gpu-sched` command line: replay, trace-stats, conformance.
 
   gpu-sched replay [--trace PATH] [--policy POLICY] [--kv-tokens N] [--cost-model NAME] [--check]
-                   [--out DIR] [--compare-policies fcfs,lpm,dfs-weight] [SGLang scheduler flags]
+                   [--out DIR] [--compare-policies fcfs,lpm,dfs-weight | --compare-backends reference,torch]
+                   [--scheduler-time free|blocking|overlap] [SGLang scheduler flags]
   gpu-sched trace-stats PATH
   gpu-sched conformance FILE
 
@@ -231,7 +232,7 @@ def load_trace(args):
     return tr
 
 
-def _run_info(args, trace, config, cost) -> dict:
+def _run_info(args, trace, config, cost, backend: Optional[str] = None) -> dict:
     """results.json's "config": what the run replayed and with what, enough to run it again
     (`argv` is the command line; `version` the package's, `commit` the checkout's when known)."""
     src = os.path.abspath(trace.source) if getattr(args, "trace", None) and trace.source else trace.source
@@ -240,19 +241,30 @@ def _run_info(args, trace, config, cost) -> dict:
             "synthetic_seed": None if getattr(args, "trace", None) else args.seed,
             "routing_keys": args.routing_keys, "priority_levels": args.priority_levels,
             "key_seed": args.seed if (args.routing_keys or args.priority_levels) else None,
-            "backend": args.backend, "device": args.device, "capture": args.capture, "kv_tokens": args.kv_tokens,
+            "backend": backend or args.backend,
+            # what this run's scheduler took (--compare-backends' reference takes neither)
+            "device": None if backend == "reference" else args.device,
+            "capture": 0 if backend == "reference" else args.capture, "kv_tokens": args.kv_tokens,
             "cost_model": dataclasses.asdict(cost), "check": args.check,
             "scheduler_time": getattr(args, "scheduler_time", "free"),
             "scheduler": dataclasses.asdict(config), "argv": getattr(args, "argv", None),
             "version": _version(), "commit": _commit()}
 
 
+def _scheduler_label(args, backend: str) -> str:
+    if backend == "reference":
+        return "reference scheduler (sequential, SPEC.md)"
+    return (f"GpuScheduler, {backend} backend on {args.device or 'cpu'}"
+            + (f", recorded step (capture, queue capacity {args.capture})" if args.capture else ", eager step"))
+
+
 def _run_header(args, trace, cost) -> str:
-    """Three lines printed above a replay's summary: what was replayed, that its serving
-    figures are simulated by the cost model (not measured), and which scheduler decided."""
-    sched = "reference scheduler (sequential, SPEC.md)" if args.backend == "reference" else (
-        f"GpuScheduler, {args.backend} backend on {args.device or 'cpu'}"
-        + (f", recorded step (capture, queue capacity {args.capture})" if args.capture else ", eager step"))
+    """The lines printed above a replay's summary: what was replayed, that its serving figures
+    are simulated by the cost model (not measured), and which scheduler decided."""
+    if getattr(args, "compare_backends", None):
+        sched = "; ".join(f"{b}: {_scheduler_label(args, b)}" for b in args.compare_backends)
+    else:
+        sched = _scheduler_label(args, args.backend)
     mode = getattr(args, "scheduler_time", "free")
     charged = {"free": "the scheduler's calls take no simulated time",
                "blocking": "each step also waits for the scheduler's calls (real time, --scheduler-time blocking)",
@@ -304,6 +316,25 @@ def _commit() -> Optional[str]:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def _parse_backends(args, policies) -> Optional[list]:
+    """--compare-backends as a list of distinct BACKENDS names, or None; ValueError naming the
+    flag otherwise, or with --compare-policies (one comparison at a time) or --backend (the
+    backends named twice)."""
+    raw = getattr(args, "compare_backends", None)
+    if raw is None:
+        return None
+    names = [b.strip() for b in raw.split(",")]
+    if len(names) < 2 or len(set(names)) != len(names) or not all(b in BACKENDS for b in names):
+        raise ValueError(f"--compare-backends needs two or more distinct names of {', '.join(BACKENDS)}, "
+                         f"comma-separated, got {raw!r}")
+    if policies is not None:
+        raise ValueError("--compare-policies and --compare-backends: compare one of them at a time")
+    if args.backend != "reference":
+        raise ValueError(f"--backend {args.backend} and --compare-backends {raw} name the backends twice: "
+                         f"give one of them")
+    return names
+
+
 def _parse_seeds(args):
     """--seeds as a list of distinct ints >= 0, or None; ValueError when they would replay the
     same requests every time (a trace with neither --routing-keys nor --priority-levels)."""
@@ -341,7 +372,12 @@ def _replay_trace(args, configs: dict, notes: bool = True):
     if notes and getattr(args, "priority_levels", 0) and not any(c.enable_priority_scheduling for c in configs.values()):
         print("gpu-sched: note: --priority-levels gives requests priorities, which only "
               "--enable-priority-scheduling reads; without it they change nothing", file=sys.stderr)
-    for name, cfg in configs.items() if notes else ():
+    seen = set()
+    for cfg in configs.values() if notes else ():
+        name = cfg.schedule_policy
+        if name in seen:  # one note per policy (runs compared by backend share it)
+            continue
+        seen.add(name)
         if name == "routing-key" and not any(r.routing_key for r in reqs):
             print("gpu-sched: note: no request has a routing key, so routing-key orders as fcfs; "
                   "--routing-keys N gives them keys", file=sys.stderr)
@@ -354,22 +390,36 @@ def _replay_trace(args, configs: dict, notes: bool = True):
     return trace
 
 
+def _run_backends(args, configs: dict) -> dict:
+    """{run name: backend}: each run's from --compare-backends (runs named by backend), else
+    --backend's."""
+    return {name: name for name in configs} if getattr(args, "compare_backends", None) else dict.fromkeys(
+        configs, args.backend)
+
+
 def _replay_runs(args, configs: dict, trace, cost):
     """Replay `trace` once per config: ({name: summary}, {name: (requests, steps)}), or exit
-    status 1 after printing where a replay stopped."""
+    status 1 after printing where a replay stopped. With --compare-backends each run takes its
+    own backend (--capture for the device backends only)."""
     from .sim.engine import SimulationError, replay
 
     # after the trace: a device backend imports torch (seconds), a wrong path should not wait
     # a request's fill is its prompt and at most max(output_len, 1) generated tokens (engine.py)
     max_len = max((r.input_len + max(r.output_len, 1) for r in trace.requests), default=1)
-    factory = make_scheduler_factory(args.backend, args.device, args.capture, max_len, args.threads)
+    backends = _run_backends(args, configs)
+    factories = {}
+    for b in dict.fromkeys(backends.values()):
+        ref = b == "reference" and bool(getattr(args, "compare_backends", None))  # compared: --device and --capture are the others'
+        factories[b] = make_scheduler_factory(b, None if ref else args.device, 0 if ref else args.capture,
+                                              max_len, args.threads)
     progress = not args.no_progress and sys.stderr.isatty()
     summaries, runs = {}, {}
     for name, cfg in configs.items():
+        factory = factories[backends[name]]
         gc.collect()  # the previous run's scheduler holds reference cycles (queue views <-> scheduler)
         try:
             summary, requests, steps = replay(trace, cfg, kv_tokens=args.kv_tokens,
-                                              make_scheduler=lambda c, kv: factory(c, kv),
+                                              make_scheduler=lambda c, kv, f=factory: f(c, kv),
                                               cost_model=cost, check=args.check, progress=progress,
                                               scheduler_time=getattr(args, "scheduler_time", "free"))
         except SimulationError as e:
@@ -462,6 +512,9 @@ def cmd_replay(args) -> int:
             raise ValueError(f"--policy {args.schedule_policy} and --compare-policies {args.compare_policies} "
                              f"name the policies twice: give one of them")
         configs = {p: base.replace(schedule_policy=p) for p in policies} if policies else {base.schedule_policy: base}
+        args.compare_backends = _parse_backends(args, policies)
+        if args.compare_backends:
+            configs = {b: base for b in args.compare_backends}
         seeds = _parse_seeds(args)
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise CliError(str(e)) from None
@@ -480,6 +533,8 @@ def cmd_replay(args) -> int:
     if isinstance(got, int):
         return got
     summaries, runs = got
+    compared = policies or args.compare_backends  # the runs' names, when several are compared
+    backends = _run_backends(args, configs)
     if args.out:
         from pathlib import Path
 
@@ -487,24 +542,35 @@ def cmd_replay(args) -> int:
 
         try:
             for name, (requests, steps) in runs.items():
-                d = Path(args.out) / name if policies else Path(args.out)
+                d = Path(args.out) / name if compared else Path(args.out)
                 write_results(d, summaries[name], requests, steps,
-                              extra=_run_info(args, trace, configs[name], cost))
+                              extra=_run_info(args, trace, configs[name], cost, backends[name]))
                 plot_run(d, requests, steps, title=f"{trace.name}, {name}")
-            if policies:
+            if compared:
                 wl = _workload_label(args, trace)
                 plot_comparison(args.out, summaries, title=wl)
-                # the runs side by side in one file: each policy's summary and the shared setting
-                doc = {"workload": wl, "policies": list(summaries), "summaries": summaries,
-                       "config": {k: v for k, v in _run_info(args, trace, base, cost).items() if k != "scheduler"}}
+                # the runs side by side in one file: each run's summary and the shared setting
+                shared = {k: v for k, v in _run_info(args, trace, base, cost).items() if k != "scheduler"}
+                if policies:
+                    doc = {"workload": wl, "policies": list(summaries), "summaries": summaries, "config": shared}
+                else:
+                    shared.pop("backend")
+                    doc = {"workload": wl, "backends": list(summaries), "summaries": summaries,
+                           "config": dict(shared, scheduler=dataclasses.asdict(base))}
                 (Path(args.out) / "comparison.json").write_text(json.dumps(doc, indent=1) + "\n")
         except OSError as e:
             raise CliError(f"cannot write results to {args.out}: {e}") from None
     print(_run_header(args, trace, cost))
-    if policies:
+    if compared:
         print(format_comparison(summaries))
         for name, s in summaries.items():
             print(f"decision digest [{name}]: {s['digest']}")
+        if args.compare_backends and args.scheduler_time == "free":
+            same = len({s["digest"] for s in summaries.values()}) == 1
+            print("the backends made the same decisions (equal digests)" if same else
+                  "the backends' decisions differ (their digests differ)"
+                  + ("; random draws its permutation per backend (SPEC R-ORD-6)" if base.effective_policy == "random"
+                     else ""))
     else:
         (name, s), = summaries.items()
         label = name + (" + priority" if configs[name].enable_priority_scheduling else "")
@@ -512,7 +578,7 @@ def cmd_replay(args) -> int:
         print(f"decision digest: {s['digest']}")
     if args.check:
         # a violation stops the replay (exit 1), so reaching here means every check held
-        runs_checked = f" [{', '.join(summaries)}]" if policies else ""
+        runs_checked = f" [{', '.join(summaries)}]" if compared else ""
         print(f"integrity check passed{runs_checked}: tree, lock and KV-pool invariants held "
               "after every scheduler step")
     if args.out:
@@ -634,6 +700,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--compare-policies", default=None, metavar="P1,P2,...",
                    help="run each policy and print one comparison table (default: one run, of --policy; "
                         "not with --policy)")
+    r.add_argument("--compare-backends", default=None, metavar="B1,B2,...",
+                   help=f"run the same policy with each backend ({', '.join(BACKENDS)}) and print one comparison "
+                        f"table (and whether their decisions agree); --device and --capture apply to the "
+                        f"device backends; with --scheduler-time it compares what each one's speed costs")
     r.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is not a TTY)")
     _add_config_flags(r)
     r.set_defaults(func=cmd_replay)

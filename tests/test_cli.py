@@ -532,3 +532,39 @@ def test_replay_scheduler_time_charges_the_calls_and_says_so(capsys, tmp_path):
         main(["replay", "--scheduler-time", "slow"])
     assert e.value.code == 2
     assert "--scheduler-time: invalid choice: 'slow'" in capsys.readouterr().err
+
+
+def test_replay_compare_backends_runs_each_backend_and_says_whether_they_agree(capsys, tmp_path):
+    """--compare-backends: one table, a digest per backend and whether they are equal; --out
+    writes each run under its backend's folder and the comparison beside them; --capture and
+    --device reach the device backends only."""
+    argv = ["replay", "--synthetic-requests", "30", "--no-progress", "--policy", "lpm"]
+    assert main(argv + ["--compare-backends", "reference,torch", "--capture", "64", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    digests = dict(re.findall(r"^decision digest \[(\w+)\]: ([0-9a-f]{64})$", out, re.M))
+    assert set(digests) == {"reference", "torch"} and len(set(digests.values())) == 1
+    assert "the backends made the same decisions (equal digests)" in out
+    assert "reference: reference scheduler" in out and "torch: GpuScheduler, torch backend on cpu, recorded step" in out
+    main(argv)  # the plain reference run decides the same
+    assert DIGEST.findall(capsys.readouterr().out) == [digests["reference"]]
+    doc = json.loads((tmp_path / "comparison.json").read_text())
+    assert doc["backends"] == ["reference", "torch"] and "backend" not in doc["config"]
+    ref = json.loads((tmp_path / "reference" / "results.json").read_text())["config"]
+    dev = json.loads((tmp_path / "torch" / "results.json").read_text())["config"]
+    assert (ref["backend"], ref["capture"], dev["backend"], dev["capture"]) == ("reference", 0, "torch", 64)
+    for bad, msg in ((["--compare-backends", "torch"], "two or more distinct names"),
+                     (["--compare-backends", "reference,gpu"], "got 'reference,gpu'"),
+                     (["--compare-backends", "reference,torch", "--backend", "torch"], "name the backends twice"),
+                     (["--compare-backends", "reference,torch", "--compare-policies", "fcfs,lpm", "--policy", "lpm"],
+                      "name the policies twice")):
+        assert main(["replay", "--no-progress"] + bad) == 2
+        assert msg in capsys.readouterr().err
+    assert main(["replay", "--no-progress", "--compare-backends", "reference,torch", "--compare-policies",
+                 "fcfs,lpm"]) == 2
+    assert "compare one of them at a time" in capsys.readouterr().err
+    # random draws its own permutation on each backend (R-ORD-6): the decisions differ, and it says why
+    assert main(["replay", "--synthetic-requests", "60", "--rate-scale", "20", "--no-progress", "--policy", "random",
+                 "--compare-backends", "reference,torch"]) == 0
+    out = capsys.readouterr().out
+    assert len(set(re.findall(r"^decision digest \[\w+\]: ([0-9a-f]{64})$", out, re.M))) == 2
+    assert "the backends' decisions differ (their digests differ); random draws its permutation" in out
