@@ -409,7 +409,8 @@ def _replay_runs(args, configs: dict, trace, cost):
     backends = _run_backends(args, configs)
     factories = {}
     for b in dict.fromkeys(backends.values()):
-        ref = b == "reference" and bool(getattr(args, "compare_backends", None))  # compared: --device and --capture are the others'
+        # compared with others, the reference leaves them --device and --capture
+        ref = b == "reference" and bool(getattr(args, "compare_backends", None))
         factories[b] = make_scheduler_factory(b, None if ref else args.device, 0 if ref else args.capture,
                                               max_len, args.threads)
     progress = not args.no_progress and sys.stderr.isatty()
@@ -713,7 +714,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_reading(t)
     t.set_defaults(func=cmd_trace_stats)
 
-    c = sub.add_parser("conformance", help="run conformance scenarios (the format: shared/conformance/FORMAT.md, beside this repository) and print 'N passed, M failed'")
+    c = sub.add_parser("conformance", help="run conformance scenarios (the format: shared/conformance/FORMAT.md, "
+                                           "beside this repository) and print 'N passed, M failed'")
     c.add_argument("file", help="scenario file (.jsonl or .jsonl.gz)")
     _add_backend_flags(c)
     c.set_defaults(func=cmd_conformance)
