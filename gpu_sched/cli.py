@@ -448,12 +448,15 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
         label = label or _workload_label(a, trace)
         print(f"seed {sd}: " + ", ".join(f"{n} {s['digest'][:12]}" for n, s in got[0].items()), flush=True)
     spread = seed_spread(per_seed)
+    print(_run_header(args, trace, cost).replace("Workload:  ", "Workload:  per seed, ", 1))
     print(format_seed_spread(spread, seeds))
     if args.out:
         from pathlib import Path
 
         info = {k: v for k, v in _run_info(args, trace, next(iter(configs.values())), cost).items()
                 if k not in ("scheduler", "synthetic_seed", "key_seed")}
+        if args.compare_backends:  # the runs are the backends
+            info["backend"] = list(args.compare_backends)
         doc = {"workload": label, "seeds": list(seeds), "runs": list(configs), "spread": spread,
                "summaries": {str(sd): v for sd, v in per_seed.items()},
                "config": dict(info, schedulers={n: dataclasses.asdict(c) for n, c in configs.items()})}

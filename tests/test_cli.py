@@ -562,6 +562,13 @@ def test_replay_compare_backends_runs_each_backend_and_says_whether_they_agree(c
     assert main(["replay", "--no-progress", "--compare-backends", "reference,torch", "--compare-policies",
                  "fcfs,lpm"]) == 2
     assert "compare one of them at a time" in capsys.readouterr().err
+    # per seed too: the header names both schedulers, seeds.json both backends
+    assert main(argv + ["--seeds", "0,1", "--compare-backends", "reference,torch", "--out",
+                        str(tmp_path / "seeds")]) == 0
+    out = capsys.readouterr().out
+    assert "Workload:  per seed, synthetic" in out
+    assert "reference: reference scheduler (sequential, SPEC.md); torch: GpuScheduler" in out
+    assert json.loads((tmp_path / "seeds" / "seeds.json").read_text())["config"]["backend"] == ["reference", "torch"]
     # random draws its own permutation on each backend (R-ORD-6): the decisions differ, and it says why
     assert main(["replay", "--synthetic-requests", "60", "--rate-scale", "20", "--no-progress", "--policy", "random",
                  "--compare-backends", "reference,torch"]) == 0
