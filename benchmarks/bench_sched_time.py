@@ -9,7 +9,8 @@ combination through the main job's own command (`gpu_sched.cli.main`, in process
 a scratch folder) and prints, per run: requests per second, prefix-cache hit rate, mean and
 p99 TTFT [s], the scheduler calls' real time [s], the simulated time charged for them [s]
 and the decision digest. README.md's Results ("What SGLang's lpm fallback and the
-scheduler's own time cost") came from these runs over the whole Mooncake trace.
+scheduler's own time cost") tables the equivalent `gpu-sched replay` runs over the whole
+Mooncake trace; this script's own run over it is in `results/bench_sched_time_cpu.json`.
 
 Charged runs depend on this machine's speed and load: run with the other cores idle, and
 compare runs made one after the other. `--check` is not offered: its walks between steps slow
@@ -84,8 +85,9 @@ def one_run(args, preset: str, backend: str, mode: str, scratch: Path) -> dict:
 def table(rows) -> str:
     head = ("preset", "backend", "scheduler time", "req/s", "hit %", "mean TTFT s", "p99 TTFT s", "calls s",
             "charged s", "digest")
-    cells = [(r["preset"], r["backend"], r["scheduler_time"], f"{r['req_per_s']:.3f}", f"{100 * r['hit_rate']:.2f}",
-              f"{r['mean_ttft_s']:.2f}", f"{r['p99_ttft_s']:.2f}", f"{r['calls_s']:.2f}", f"{r['charged_s']:.4f}",
+    # 5 significant digits: a light synthetic load's TTFTs are tens of ms, a loaded trace's minutes
+    cells = [(r["preset"], r["backend"], r["scheduler_time"], f"{r['req_per_s']:.4g}", f"{100 * r['hit_rate']:.2f}",
+              f"{r['mean_ttft_s']:.5g}", f"{r['p99_ttft_s']:.5g}", f"{r['calls_s']:.4g}", f"{r['charged_s']:.4g}",
               r["digest"][:12]) for r in rows]
     w = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
     line = lambda c: "  ".join(x.rjust(n) for x, n in zip(c, w))  # noqa: E731
@@ -107,6 +109,8 @@ def main(argv=None) -> int:
     presets = _names(args.presets, PRESETS, "--presets")
     backends = _names(args.backends, BACKENDS, "--backends")
     modes = _names(args.modes, SCHEDULER_TIME_MODES, "--modes")
+    if args.out and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))):
+        raise SystemExit(f"bench_sched_time: --out must name a JSON file in an existing folder, got {args.out!r}")
     run_id, commit = time.strftime("%Y%m%dT%H%M%S"), _commit()
     rows = []
     with tempfile.TemporaryDirectory() as scratch:

@@ -569,7 +569,10 @@ def cmd_replay(args) -> int:
         print(format_comparison(summaries))
         for name, s in summaries.items():
             print(f"decision digest [{name}]: {s['digest']}")
-        if args.compare_backends and args.scheduler_time == "free":
+        if args.compare_backends and args.scheduler_time != "free":
+            print(f"the digests are not compared: with --scheduler-time {args.scheduler_time} each run's "
+                  f"decisions depend on its scheduler's timing")
+        elif args.compare_backends:
             same = len({s["digest"] for s in summaries.values()}) == 1
             print("the backends made the same decisions (equal digests)" if same else
                   "the backends' decisions differ (their digests differ)"
@@ -677,7 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give requests priorities drawn from [0, K) (seeded by --seed), for "
                         "--enable-priority-scheduling (default 0: none)")
     r.add_argument("--seeds", default=None, metavar="S1,S2,...",
-                   help="replay once per seed (each policy with --compare-policies) and print each "
+                   help="replay once per seed (each policy or backend with --compare-policies or "
+                        "--compare-backends) and print each "
                         "metric's mean +- std over the seeds (population std, ddof=0: with a few seeds "
                         "it reads ~0.8x the sample std); --out writes seeds.json")
     r.add_argument("--seed", type=int, default=0,
@@ -699,15 +703,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "depend on this machine's speed, so its digest may change from run to run")
     r.add_argument("--check", action="store_true", help="check scheduler integrity after every step")
     r.add_argument("--out", default=None, metavar="DIR",
-                   help="write results.json and PNG plots here (with --compare-policies: DIR/<policy>/ "
+                   help="write results.json and PNG plots here (with --compare-policies or --compare-backends: "
+                        "DIR/<policy>/ or DIR/<backend>/ "
                         "for each run and DIR/comparison.{json,png}; default: print the summary only)")
     r.add_argument("--compare-policies", default=None, metavar="P1,P2,...",
                    help="run each policy and print one comparison table (default: one run, of --policy; "
                         "not with --policy)")
     r.add_argument("--compare-backends", default=None, metavar="B1,B2,...",
                    help=f"run the same policy with each backend ({', '.join(BACKENDS)}) and print one comparison "
-                        f"table (and whether their decisions agree); --device and --capture apply to the "
-                        f"device backends; with --scheduler-time it compares what each one's speed costs")
+                        f"table, and with --scheduler-time free (the default) whether their decisions agree; "
+                        f"with blocking or overlap it compares what each one's speed costs (their digests then "
+                        f"depend on timing); --device and --capture apply to the device backends")
     r.add_argument("--no-progress", action="store_true", help="no progress bar (also off when stderr is not a TTY)")
     _add_config_flags(r)
     r.set_defaults(func=cmd_replay)

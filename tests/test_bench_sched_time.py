@@ -39,3 +39,10 @@ def test_rows_per_preset_backend_and_mode(tmp_path, capsys):
 def test_bad_names_are_refused(flag, value):
     with pytest.raises(SystemExit, match=f"{flag} takes distinct names"):
         bench_sched_time.main([flag, value])
+
+
+def test_out_must_be_a_file_in_an_existing_folder(tmp_path):
+    """Refused before any run (a folder, or a file in a folder that does not exist)."""
+    for bad in (tmp_path, tmp_path / "missing" / "rows.json"):
+        with pytest.raises(SystemExit, match="--out must name a JSON file in an existing folder"):
+            bench_sched_time.main(["--synthetic-requests", "5", "--out", str(bad)])

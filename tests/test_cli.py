@@ -562,6 +562,11 @@ def test_replay_compare_backends_runs_each_backend_and_says_whether_they_agree(c
     assert main(["replay", "--no-progress", "--compare-backends", "reference,torch", "--compare-policies",
                  "fcfs,lpm"]) == 2
     assert "compare one of them at a time" in capsys.readouterr().err
+    # charged runs decide by their timing: their digests are not compared
+    assert main(argv + ["--compare-backends", "reference,torch", "--scheduler-time", "blocking"]) == 0
+    out = capsys.readouterr().out
+    assert "the digests are not compared: with --scheduler-time blocking" in out
+    assert "the backends made the same decisions" not in out and "decisions differ" not in out
     # per seed too: the header names both schedulers, seeds.json both backends
     assert main(argv + ["--seeds", "0,1", "--compare-backends", "reference,torch", "--out",
                         str(tmp_path / "seeds")]) == 0
