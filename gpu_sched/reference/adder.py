@@ -70,10 +70,15 @@ class PrefillAdder:
     def ceil_p(self, x: int) -> int:
         return -(-x // self.P) * self.P
 
+    def _held(self) -> int:
+        """A + evictable [tokens]: the free pool and what eviction can free (on a GPU tree the
+        evictable size is a device read, so callers needing both budgets read it once)."""
+        return self.pool.available + self.cache.evictable_size
+
     @property
     def rem_total(self) -> float:
         """D7: float64(A + evictable - I) - float64(ratio * N)."""
-        return self._rem_total(self.pool.available + self.cache.evictable_size)
+        return self._rem_total(self._held())
 
     def _rem_total(self, held: int) -> float:
         """`rem_total` with held = A + evictable [tokens] already read."""
@@ -81,11 +86,12 @@ class PrefillAdder:
 
     @property
     def cur_rem(self) -> int:
-        return self.pool.available + self.cache.evictable_size - self.cur_off
+        return self._held() - self.cur_off
 
     def budget_state(self) -> AddResult:
-        """R-ADM-1."""
-        if self.rem_total <= 0 or self.cur_rem <= 0:
+        """R-ADM-1 (the evictable size read once for both token budgets)."""
+        held = self._held()
+        if self._rem_total(held) <= 0 or held - self.cur_off <= 0:
             return AddResult.NO_TOKEN
         if self.rem_input <= 0 or (self.rem_chunk is not None and self.rem_chunk <= 0):
             return AddResult.OTHER
@@ -95,7 +101,7 @@ class PrefillAdder:
         """The four budgets [tokens] as `rem_total`, `cur_rem`, `rem_input` and `rem_chunk` give
         them, with the cache's evictable size read once (on a GPU tree each read is a device
         sync)."""
-        held = self.pool.available + self.cache.evictable_size
+        held = self._held()
         return {"rem_total": self._rem_total(held), "cur_rem": held - self.cur_off,
                 "rem_input": self.rem_input, "rem_chunk": self.rem_chunk}
 
