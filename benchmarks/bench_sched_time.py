@@ -35,7 +35,6 @@ import contextlib
 import io
 import itertools
 import json
-import os
 import sys
 import tempfile
 import time
@@ -43,9 +42,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_sched.cli import BACKENDS, _commit, main as cli_main  # noqa: E402
 from gpu_sched.sim.engine import SCHEDULER_TIME_MODES  # noqa: E402
+from bench_args import existing_rows, write_rows  # noqa: E402
 
 PRESETS = ("default", "sglang")
 
@@ -109,8 +110,7 @@ def main(argv=None) -> int:
     presets = _names(args.presets, PRESETS, "--presets")
     backends = _names(args.backends, BACKENDS, "--backends")
     modes = _names(args.modes, SCHEDULER_TIME_MODES, "--modes")
-    if args.out and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))):
-        raise SystemExit(f"bench_sched_time: --out must name a JSON file in an existing folder, got {args.out!r}")
+    old = existing_rows(args.out, p.error) if args.out else []  # before the runs
     run_id, commit = time.strftime("%Y%m%dT%H%M%S"), _commit()
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -121,8 +121,7 @@ def main(argv=None) -> int:
             print(f"{preset} {backend} {mode}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     print(table(rows))
     if args.out:
-        old = json.loads(Path(args.out).read_text()) if os.path.exists(args.out) else []
-        Path(args.out).write_text(json.dumps(old + rows, indent=1) + "\n")
+        write_rows(args.out, old + rows)
     return 0
 
 

@@ -41,8 +41,16 @@ def test_bad_names_are_refused(flag, value):
         bench_sched_time.main([flag, value])
 
 
-def test_out_must_be_a_file_in_an_existing_folder(tmp_path):
-    """Refused before any run (a folder, or a file in a folder that does not exist)."""
-    for bad in (tmp_path, tmp_path / "missing" / "rows.json"):
-        with pytest.raises(SystemExit, match="--out must name a JSON file in an existing folder"):
+def test_out_is_checked_before_any_run(tmp_path, capsys):
+    """--out as the other benchmarks take it (`bench_args.existing_rows`): a folder or a file
+    that is not a JSON list is refused before any run (exit 2, naming it); missing folders
+    are made."""
+    (tmp_path / "text.json").write_text("not json")
+    for bad, msg in ((tmp_path, "is a folder, not a JSON file"), (tmp_path / "text.json", "is not a JSON list")):
+        with pytest.raises(SystemExit) as e:
             bench_sched_time.main(["--synthetic-requests", "5", "--out", str(bad)])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    out = tmp_path / "missing" / "rows.json"
+    assert bench_sched_time.main(["--synthetic-requests", "5", "--presets", "default", "--backends", "reference",
+                                  "--modes", "free", "--out", str(out)]) == 0
+    assert len(json.loads(out.read_text())) == 1
