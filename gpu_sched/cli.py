@@ -258,9 +258,10 @@ def _scheduler_label(args, backend: str) -> str:
             + (f", recorded step (capture, queue capacity {args.capture})" if args.capture else ", eager step"))
 
 
-def _run_header(args, trace, cost) -> str:
-    """The lines printed above a replay's summary: what was replayed, that its serving figures
-    are simulated by the cost model (not measured), and which scheduler decided."""
+def _run_header(args, trace, cost, per_seed: bool = False) -> str:
+    """The lines printed above a replay's summary: what was replayed (`per_seed`: a workload
+    drawn again per seed), that its serving figures are simulated by the cost model (not
+    measured), and which scheduler decided."""
     if getattr(args, "compare_backends", None):
         sched = "; ".join(f"{b}: {_scheduler_label(args, b)}" for b in args.compare_backends)
     else:
@@ -271,7 +272,7 @@ def _run_header(args, trace, cost) -> str:
                "overlap": "each step also waits for what of the scheduler's calls outlasts the previous "
                           "forward (real time, --scheduler-time overlap)"}[mode]
     return "\n".join([
-        f"Workload:  {_workload_label(args, trace)}",
+        f"Workload:  {'per seed, ' if per_seed else ''}{_workload_label(args, trace)}",
         f"Engine:    simulated, cost model {cost.name!r}" + (f" ({cost.description})" if cost.description else ""),
         "           (duration, throughput, TTFT, TPOT, ITL, E2EL: simulated time; the scheduler",
         "           sections: real wall time of this machine's scheduler calls);",
@@ -448,7 +449,7 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
         label = label or _workload_label(a, trace)
         print(f"seed {sd}: " + ", ".join(f"{n} {s['digest'][:12]}" for n, s in got[0].items()), flush=True)
     spread = seed_spread(per_seed)
-    print(_run_header(args, trace, cost).replace("Workload:  ", "Workload:  per seed, ", 1))
+    print(_run_header(args, trace, cost, per_seed=True))
     print(format_seed_spread(spread, seeds))
     if args.out:
         from pathlib import Path
