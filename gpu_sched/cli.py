@@ -2,7 +2,8 @@
 
   gpu-sched replay [--trace PATH] [--policy POLICY] [--kv-tokens N] [--cost-model NAME] [--check]
                    [--out DIR] [--compare-policies fcfs,lpm,dfs-weight | --compare-backends reference,torch]
-                   [--scheduler-time free|blocking|overlap] [SGLang scheduler flags]
+                   [--scheduler-time free|blocking|overlap] [--rate-scales X1,X2,... | --seeds S1,S2,...]
+                   [SGLang scheduler flags]
   gpu-sched trace-stats PATH
   gpu-sched conformance FILE
 
@@ -258,10 +259,10 @@ def _scheduler_label(args, backend: str) -> str:
             + (f", recorded step (capture, queue capacity {args.capture})" if args.capture else ", eager step"))
 
 
-def _run_header(args, trace, cost, per_seed: bool = False) -> str:
+def _run_header(args, trace, cost, per_seed: bool = False, rate_swept: bool = False) -> str:
     """The lines printed above a replay's summary: what was replayed (`per_seed`: a workload
-    drawn again per seed), that its serving figures are simulated by the cost model (not
-    measured), and which scheduler decided."""
+    drawn again per seed; `rate_swept`: replayed at several rates), that its serving figures
+    are simulated by the cost model (not measured), and which scheduler decided."""
     if getattr(args, "compare_backends", None):
         sched = "; ".join(f"{b}: {_scheduler_label(args, b)}" for b in args.compare_backends)
     else:
@@ -272,7 +273,8 @@ def _run_header(args, trace, cost, per_seed: bool = False) -> str:
                "overlap": "each step also waits for what of the scheduler's calls outlasts the previous "
                           "forward (real time, --scheduler-time overlap)"}[mode]
     return "\n".join([
-        f"Workload:  {'per seed, ' if per_seed else ''}{_workload_label(args, trace)}",
+        f"Workload:  {'per seed, ' if per_seed else ''}{'rate swept, ' if rate_swept else ''}"
+        f"{_workload_label(args, trace)}",
         f"Engine:    simulated, cost model {cost.name!r}" + (f" ({cost.description})" if cost.description else ""),
         "           (duration, throughput, TTFT, TPOT, ITL, E2EL: simulated time; the scheduler",
         "           sections: real wall time of this machine's scheduler calls);",
@@ -355,6 +357,74 @@ def _parse_seeds(args):
     return seeds
 
 
+def _parse_rate_scales(args, seeds) -> Optional[list]:
+    """--rate-scales as a list of two or more distinct finite floats > 0, or None; ValueError
+    naming the flag otherwise, or with --rate-scale other than 1 (the rate given twice) or
+    --seeds (one sweep at a time)."""
+    raw = getattr(args, "rate_scales", None)
+    if raw is None:
+        return None
+    try:
+        rates = [float(x) for x in raw.split(",")]
+    except ValueError:
+        raise ValueError(f"--rate-scales takes comma-separated numbers, got {raw!r}") from None
+    if len(rates) < 2 or len(set(rates)) != len(rates) or not all(0 < x < float("inf") for x in rates):
+        raise ValueError(f"--rate-scales needs two or more distinct finite numbers > 0, got {raw!r}")
+    if args.rate_scale != 1.0:
+        raise ValueError(f"--rate-scale {args.rate_scale:g} and --rate-scales {raw} give the rate twice: "
+                         f"give one of them")
+    if seeds is not None:
+        raise ValueError("--rate-scales and --seeds: sweep one of them at a time")
+    return rates
+
+
+def _offered_rate(trace) -> Optional[float]:
+    """The trace's offered request rate [req/s]: requests over the span of their arrivals
+    (None for a single arrival time)."""
+    ts = [r.arrival_s for r in trace.requests]
+    span = max(ts) - min(ts) if ts else 0.0
+    return (len(ts) - 1) / span if span > 0 else None
+
+
+def _replay_rates(args, configs: dict, base, cost, rates, policies) -> int:
+    """--rate-scales: every config replayed once per rate scale (arrivals as --rate-scale X
+    makes them), then each metric by offered request rate; with --out, each scale's runs as
+    --out writes one replay (in rate_x<X>/), and sweep.json / sweep.png."""
+    from pathlib import Path
+
+    from .sim.metrics import format_rate_sweep
+    from .sim.plots import plot_rate_sweep
+
+    per_rate, offered = {}, {}
+    for x in rates:
+        a, trace, got = _replay_with(args, configs, cost, "rate_scale", x, notes=x == rates[0])
+        if isinstance(got, int):
+            return got
+        per_rate[x], offered[x] = got[0], _offered_rate(trace)
+        print(f"rate x{x:g}: " + ", ".join(f"{n} {s['digest'][:12]}" for n, s in got[0].items()), flush=True)
+        if args.out:  # as the sweep goes: a scale's per-request records are not kept past it
+            _write_runs(a, Path(args.out) / f"rate_x{x:g}", trace, configs, base, cost, got, policies)
+    a = argparse.Namespace(**vars(args))
+    a.rate_scale = 1.0
+    label = _workload_label(a, trace)
+    print(_run_header(a, trace, cost, rate_swept=True))
+    print(format_rate_sweep(per_rate, offered))
+    if args.out:
+        info = {k: v for k, v in _run_info(a, trace, base, cost).items() if k not in ("scheduler", "rate_scale")}
+        if args.compare_backends:
+            info["backend"] = list(args.compare_backends)
+        doc = {"workload": label, "rate_scales": list(rates), "offered_request_rate": [offered[x] for x in rates],
+               "runs": list(configs), "summaries": {f"{x:g}": per_rate[x] for x in rates},
+               "config": dict(info, schedulers={n: dataclasses.asdict(c) for n, c in configs.items()})}
+        try:
+            plot_rate_sweep(args.out, per_rate, offered, title=label)
+            (Path(args.out) / "sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
+        except OSError as e:
+            raise CliError(f"cannot write results to {args.out}: {e}") from None
+        print(f"results written to {args.out}")
+    return 0
+
+
 def _replay_trace(args, configs: dict, notes: bool = True):
     """The trace a replay runs (`load_trace`; CliError when it cannot be read or holds no
     request), and with `notes`, a note on stderr for each policy with nothing to order by."""
@@ -432,6 +502,15 @@ def _replay_runs(args, configs: dict, trace, cost):
     return summaries, runs
 
 
+def _replay_with(args, configs: dict, cost, option: str, value, notes: bool):
+    """One replay of `configs` with one option of `args` set to `value` (a sweep's point:
+    "seed", "rate_scale"): (its args, its trace, `_replay_runs`' result)."""
+    a = argparse.Namespace(**vars(args))
+    setattr(a, option, value)
+    trace = _replay_trace(a, configs, notes=notes)
+    return a, trace, _replay_runs(a, configs, trace, cost)
+
+
 def _replay_seeds(args, configs: dict, cost, seeds) -> int:
     """--seeds: every config replayed once per seed (the synthetic workload and the key and
     priority draws re-seeded), then each metric's mean and spread over the seeds."""
@@ -439,10 +518,7 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
 
     per_seed, label = {}, None
     for sd in seeds:
-        a = argparse.Namespace(**vars(args))
-        a.seed = sd
-        trace = _replay_trace(a, configs, notes=sd == seeds[0])
-        got = _replay_runs(a, configs, trace, cost)
+        a, trace, got = _replay_with(args, configs, cost, "seed", sd, notes=sd == seeds[0])
         if isinstance(got, int):
             return got
         per_seed[sd] = got[0]
@@ -468,6 +544,40 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
             raise CliError(f"cannot write results to {args.out}: {e}") from None
         print(f"results written to {args.out}")
     return 0
+
+
+def _write_runs(args, out, trace, configs: dict, base, cost, got, policies) -> None:
+    """--out for one replay of `configs` (`_replay_runs`' result `got`): each run's results.json
+    and plots (in out/<run>/ when several are compared), and with several, comparison.json and
+    comparison.png in `out`. CliError when a file cannot be written."""
+    from pathlib import Path
+
+    from .sim.metrics import write_results
+    from .sim.plots import plot_comparison, plot_run
+
+    summaries, runs = got
+    compared = policies or args.compare_backends
+    backends = _run_backends(args, configs)
+    try:
+        for name, (requests, steps) in runs.items():
+            d = Path(out) / name if compared else Path(out)
+            write_results(d, summaries[name], requests, steps,
+                          extra=_run_info(args, trace, configs[name], cost, backends[name]))
+            plot_run(d, requests, steps, title=f"{trace.name}, {name}")
+        if compared:
+            wl = _workload_label(args, trace)
+            plot_comparison(out, summaries, title=wl)
+            # the runs side by side in one file: each run's summary and the shared setting
+            shared = {k: v for k, v in _run_info(args, trace, base, cost).items() if k != "scheduler"}
+            if policies:
+                doc = {"workload": wl, "policies": list(summaries), "summaries": summaries, "config": shared}
+            else:
+                shared.pop("backend")
+                doc = {"workload": wl, "backends": list(summaries), "summaries": summaries,
+                       "config": dict(shared, scheduler=dataclasses.asdict(base))}
+            (Path(out) / "comparison.json").write_text(json.dumps(doc, indent=1) + "\n")
+    except OSError as e:
+        raise CliError(f"cannot write results to {out}: {e}") from None
 
 
 def unwritable_reason(folder) -> Optional[str]:
@@ -503,7 +613,7 @@ def _check_out_dir(out: str) -> None:
 
 def cmd_replay(args) -> int:
     from .sim.engine import get_cost_model
-    from .sim.metrics import format_comparison, format_summary, write_results
+    from .sim.metrics import format_comparison, format_summary
 
     try:
         if not 1 <= args.kv_tokens <= 2**40:
@@ -521,6 +631,7 @@ def cmd_replay(args) -> int:
         if args.compare_backends:
             configs = {b: base for b in args.compare_backends}
         seeds = _parse_seeds(args)
+        rates = _parse_rate_scales(args, seeds)
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise CliError(str(e)) from None
     if args.out is not None:  # before the run, not after it
@@ -533,38 +644,16 @@ def cmd_replay(args) -> int:
               f"charged runs without --check", file=sys.stderr)
     if seeds is not None:
         return _replay_seeds(args, configs, cost, seeds)
+    if rates is not None:
+        return _replay_rates(args, configs, base, cost, rates, policies)
     trace = _replay_trace(args, configs)
     got = _replay_runs(args, configs, trace, cost)
     if isinstance(got, int):
         return got
-    summaries, runs = got
+    summaries = got[0]
     compared = policies or args.compare_backends  # the runs' names, when several are compared
-    backends = _run_backends(args, configs)
     if args.out:
-        from pathlib import Path
-
-        from .sim.plots import plot_comparison, plot_run
-
-        try:
-            for name, (requests, steps) in runs.items():
-                d = Path(args.out) / name if compared else Path(args.out)
-                write_results(d, summaries[name], requests, steps,
-                              extra=_run_info(args, trace, configs[name], cost, backends[name]))
-                plot_run(d, requests, steps, title=f"{trace.name}, {name}")
-            if compared:
-                wl = _workload_label(args, trace)
-                plot_comparison(args.out, summaries, title=wl)
-                # the runs side by side in one file: each run's summary and the shared setting
-                shared = {k: v for k, v in _run_info(args, trace, base, cost).items() if k != "scheduler"}
-                if policies:
-                    doc = {"workload": wl, "policies": list(summaries), "summaries": summaries, "config": shared}
-                else:
-                    shared.pop("backend")
-                    doc = {"workload": wl, "backends": list(summaries), "summaries": summaries,
-                           "config": dict(shared, scheduler=dataclasses.asdict(base))}
-                (Path(args.out) / "comparison.json").write_text(json.dumps(doc, indent=1) + "\n")
-        except OSError as e:
-            raise CliError(f"cannot write results to {args.out}: {e}") from None
+        _write_runs(args, args.out, trace, configs, base, cost, got, policies)
     print(_run_header(args, trace, cost))
     if compared:
         print(format_comparison(summaries))
@@ -670,6 +759,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", default=None, metavar="PATH",
                    help="Mooncake .jsonl or Azure .csv trace (default: the built-in synthetic workload)")
     _add_trace_reading(r)
+    r.add_argument("--rate-scales", default=None, metavar="X1,X2,...",
+                   help="a load sweep: replay once per rate scale (each policy or backend with "
+                        "--compare-policies or --compare-backends) and print each metric by offered "
+                        "request rate; --out writes rate_x<X>/ per scale, sweep.json and sweep.png "
+                        "(not with --rate-scale or --seeds)")
     r.add_argument("--synthetic-requests", type=int, default=400, metavar="N",
                    help="requests of the synthetic workload (default %(default)s; without --trace)")
     r.add_argument("--routing-keys", type=int, default=0, metavar="N",

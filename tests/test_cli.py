@@ -175,6 +175,59 @@ def test_seeds_replay_each_seed_and_report_the_spread(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_rate_scales_sweep_the_load(tmp_path, capsys):
+    """--rate-scales replays every policy once per rate scale, each run the plain run with that
+    --rate-scale (same digest and simulated figures); the table gives each metric by scale with the
+    offered rate; --out keeps each scale's runs and sweep.json / sweep.png; bad values and
+    clashing flags are one-line errors (exit 2)."""
+    from gpu_sched.sim.metrics import _fmt
+
+    base = ["replay", "--synthetic-requests", "40", "--no-progress"]
+    assert main(base + ["--rate-scales", "0.5,4", "--compare-policies", "fcfs,lpm", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert doc["rate_scales"] == [0.5, 4.0] and doc["runs"] == ["fcfs", "lpm"]
+    assert "rate swept, synthetic, 40 requests" in out and "rate x" not in doc["workload"]
+    assert "rate_scale" not in doc["config"] and set(doc["config"]["schedulers"]) == {"fcfs", "lpm"}
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    for x, key in ((0.5, "0.5"), (4, "4")):
+        assert main(base + ["--rate-scale", str(x), "--policy", "lpm", "--out", str(tmp_path / f"plain{key}")]) == 0
+        plain = json.loads((tmp_path / f"plain{key}" / "results.json").read_text())
+        capsys.readouterr()
+        swept = json.loads((tmp_path / f"rate_x{key}" / "lpm" / "results.json").read_text())
+        assert doc["summaries"][key]["lpm"] == swept["summary"]
+        simulated = ("digest", "completed", "duration", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+                     "output_throughput", "prefix_cache_hit_rate", "mean_queue_len", "steps")
+        assert {k: swept["summary"][k] for k in simulated} == {k: plain["summary"][k] for k in simulated}
+        assert swept["config"]["rate_scale"] == x
+        arrivals = sorted(r["arrival_s"] for r in plain["requests"])
+        offered = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+        assert doc["offered_request_rate"][doc["rate_scales"].index(x)] == pytest.approx(offered)
+        # the scale's row in the TTFT group: its label with the offered rate, both runs' values
+        row = f"x{key} ({offered:.3g} req/s)"
+        cells = [_fmt(doc["summaries"][key][p]["mean_ttft_ms"]) for p in ("fcfs", "lpm")]
+        assert re.search(rf"{re.escape(row)} +{re.escape(cells[0])} +{re.escape(cells[1])}$", out, re.M), row
+        assert (tmp_path / f"rate_x{key}" / "comparison.json").exists()
+    assert out.index("Mean TTFT (ms)") < out.index("x4 (", out.index("Mean TTFT (ms)"))
+    # a trace's arrivals scale exactly: 5 requests 1 s apart offer 1 req/s, times each scale
+    trace = tmp_path / "azure.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     + "".join(f"2023-11-16 18:17:0{i}.0000000,{100 + i},4\n" for i in range(5)))
+    assert main(["replay", "--trace", str(trace), "--no-progress", "--rate-scales", "0.5,3"]) == 0
+    out = capsys.readouterr().out
+    assert "x0.5 (0.5 req/s)" in out and "x3 (3 req/s)" in out
+    for extra, message in ((["--rate-scales", "2"], "two or more distinct finite numbers > 0"),
+                           (["--rate-scales", "1,1"], "two or more distinct"),
+                           (["--rate-scales", "0,1"], "> 0, got '0,1'"),
+                           (["--rate-scales", "1,nan"], "> 0"), (["--rate-scales", "1,inf"], "finite"),
+                           (["--rate-scales", "1,x"], "--rate-scales takes comma-separated numbers"),
+                           (["--rate-scales", "1,2", "--rate-scale", "3"], "give the rate twice"),
+                           (["--rate-scales", "1,2", "--seeds", "0,1"], "sweep one of them at a time")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+
 def test_compare_policies_prints_one_table(tmp_path, capsys):
     argv = ["replay", "--synthetic-requests", "30", "--no-progress", "--compare-policies", "fcfs,lpm",
             "--out", str(tmp_path)]

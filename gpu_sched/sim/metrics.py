@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["RequestRecord", "StepRecord", "summarize", "format_summary", "format_comparison",
-           "write_results", "queue_bucket"]
+           "format_rate_sweep", "write_results", "queue_bucket"]
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = (("ttft", "Time to First Token", "TTFT"),
@@ -327,6 +327,33 @@ def format_seed_spread(spread: dict, seeds) -> str:
                f"{_fmt(spread[n][key]['mean'])} +- {_fmt(spread[n][key]['std'])}") for n in names] for _, key in rows]
     return _table([label for label, _ in rows], names, cells, 16,
                   title=f"mean +- std (population, ddof=0) over seeds {', '.join(str(sd) for sd in seeds)}")
+
+
+#: the rows of a rate sweep's table (`format_rate_sweep`): how serving changes with the load
+SWEEP_ROWS = (("Request throughput (req/s)", "request_throughput"), ("Output throughput (tok/s)", "output_throughput"),
+              ("Prefix cache hit rate (%)", "hit%"), ("Mean TTFT (ms)", "mean_ttft_ms"),
+              ("P99 TTFT (ms)", "p99_ttft_ms"), ("Mean TPOT (ms)", "mean_tpot_ms"),
+              ("Mean E2EL (ms)", "mean_e2el_ms"), ("Mean queue length", "mean_queue_len"),
+              ("Sched mean (us/step)", "mean_sched_us"))
+
+
+def format_rate_sweep(per_rate: dict, offered: dict) -> str:
+    """A rate sweep (`gpu-sched replay --rate-scales`) as one table: a column per run, a group
+    of rows per metric of `SWEEP_ROWS` (and the simulated time charged for the scheduler, for
+    charged runs), one row per rate scale in each group, labelled with the offered request rate
+    [req/s]. per_rate: {rate scale: {run name: summary}}; offered: {rate scale: req/s or None}."""
+    rates = list(per_rate)
+    names = list(per_rate[rates[0]]) if rates else []
+    rows = SWEEP_ROWS
+    if any(s.get("scheduler_time") not in (None, "free") for by_run in per_rate.values() for s in by_run.values()):
+        rows = rows + (CHARGED_ROW,)
+    at = {x: f"x{x:g}" + (f" ({offered[x]:.3g} req/s)" if offered.get(x) is not None else "") for x in rates}
+    labels, cells = [], []
+    for label, key in rows:
+        for i, x in enumerate(rates):
+            labels.append(f"{label if i == 0 else '':<28}{at[x]}")
+            cells.append([_fmt(_metric(per_rate[x][n], key)) for n in names])
+    return _table(labels, names, cells, 12, title="by load (xN: as --rate-scale N; in brackets the offered rate, requests over their arrivals' span)")
 
 
 def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict] = None) -> Path:

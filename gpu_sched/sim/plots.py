@@ -2,7 +2,8 @@
 
 `plot_run` draws one run: queue length and KV usage over simulated time (seconds), the TTFT
 CDF (milliseconds) and the scheduler's own time per step (microseconds) against queue length.
-`plot_comparison` draws a bar chart per metric across runs (e.g. per policy).
+`plot_comparison` draws a bar chart per metric across runs (e.g. per policy), `plot_rate_sweep`
+latency and throughput against the offered request rate, a line per run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["plot_run", "plot_comparison"]
+__all__ = ["plot_run", "plot_comparison", "plot_rate_sweep"]
 
 
 def _save(fig, path: Path) -> Path:
@@ -116,3 +117,35 @@ def plot_comparison(out_dir, summaries: dict, title: Optional[str] = None) -> Pa
     if title:
         fig.suptitle(title, fontsize=10)
     return _save(fig, out / "comparison.png")
+
+
+def plot_rate_sweep(out_dir, per_rate: dict, offered: dict, title: Optional[str] = None) -> Path:
+    """Serving against load for a rate sweep (`gpu-sched replay --rate-scales`): mean and p99
+    TTFT (s, log scale), mean TPOT (ms) and output throughput (tok/s) against the offered
+    request rate (req/s; the rate scale where the trace gives no rate), a line per run.
+    per_rate: {rate scale: {run name: summarize() dict}}; offered: {rate scale: req/s or None}.
+    Writes and returns `out_dir/sweep.png`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rates = sorted(per_rate)
+    names = list(per_rate[rates[0]]) if rates else []
+    by_rate = all(offered.get(x) is not None for x in rates)
+    xs = [offered[x] if by_rate else x for x in rates]
+    panels = (("Mean TTFT (s)", "mean_ttft_ms", 1e-3, True), ("P99 TTFT (s)", "p99_ttft_ms", 1e-3, True),
+              ("Mean TPOT (ms)", "mean_tpot_ms", 1.0, False), ("Output throughput (tok/s)", "output_throughput", 1.0,
+                                                               False))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    for ax, (label, key, f, log) in zip(axes, panels):
+        for i, n in enumerate(names):
+            ys = [np.nan if per_rate[x][n].get(key) is None else f * per_rate[x][n][key] for x in rates]
+            ax.plot(xs, ys, marker="o", color=f"C{i % 10}", label=n)
+        if log and any(f * per_rate[x][n].get(key, 0) > 0 for x in rates for n in names
+                       if per_rate[x][n].get(key) is not None):
+            ax.set_yscale("log")
+        ax.set_xlabel("offered request rate (req/s)" if by_rate else "rate scale (x the trace's)")
+        ax.set_title(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return _save(fig, out / "sweep.png")
