@@ -358,9 +358,9 @@ def _parse_seeds(args):
 
 
 def _parse_rate_scales(args, seeds) -> Optional[list]:
-    """--rate-scales as a list of two or more distinct finite floats > 0, or None; ValueError
-    naming the flag otherwise, or with --rate-scale other than 1 (the rate given twice) or
-    --seeds (one sweep at a time)."""
+    """--rate-scales as an increasing list of two or more distinct finite floats > 0, or None;
+    ValueError naming the flag otherwise, or with --rate-scale other than 1 (the rate given
+    twice) or --seeds (one sweep at a time)."""
     raw = getattr(args, "rate_scales", None)
     if raw is None:
         return None
@@ -375,12 +375,20 @@ def _parse_rate_scales(args, seeds) -> Optional[list]:
                          f"give one of them")
     if seeds is not None:
         raise ValueError("--rate-scales and --seeds: sweep one of them at a time")
-    return rates
+    return sorted(rates)
+
+
+def scale_label(x: float) -> str:
+    """A rate scale as the sweep names it (folders `rate_x<label>`, sweep.json's keys, table
+    rows): Python's shortest repr that reads back as the same float, without a trailing ".0",
+    so distinct scales never share a name (1.0000001 is not "1")."""
+    r = repr(float(x))
+    return r[:-2] if r.endswith(".0") else r
 
 
 def _offered_rate(trace) -> Optional[float]:
-    """The trace's offered request rate [req/s]: requests over the span of their arrivals
-    (None for a single arrival time)."""
+    """The trace's offered request rate [req/s]: its mean arrival rate, (requests - 1) over the
+    span of their arrival times (None when they all arrive at one time)."""
     ts = [r.arrival_s for r in trace.requests]
     span = max(ts) - min(ts) if ts else 0.0
     return (len(ts) - 1) / span if span > 0 else None
@@ -401,20 +409,28 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies) -> int:
         if isinstance(got, int):
             return got
         per_rate[x], offered[x] = got[0], _offered_rate(trace)
-        print(f"rate x{x:g}: " + ", ".join(f"{n} {s['digest'][:12]}" for n, s in got[0].items()), flush=True)
+        if x == rates[0] and offered[x] is None:
+            print("gpu-sched: note: the requests all arrive at one time, which no rate scale changes: every "
+                  "scale replays the same arrivals", file=sys.stderr)
+        print(f"rate x{scale_label(x)}: " + ", ".join(f"{n} {s['digest'][:12]}" for n, s in got[0].items()),
+              flush=True)
         if args.out:  # as the sweep goes: a scale's per-request records are not kept past it
-            _write_runs(a, Path(args.out) / f"rate_x{x:g}", trace, configs, base, cost, got, policies)
+            _write_runs(a, Path(args.out) / f"rate_x{scale_label(x)}", trace, configs, base, cost, got, policies)
     a = argparse.Namespace(**vars(args))
     a.rate_scale = 1.0
     label = _workload_label(a, trace)
     print(_run_header(a, trace, cost, rate_swept=True))
-    print(format_rate_sweep(per_rate, offered))
+    print(format_rate_sweep(per_rate, offered, scale_label))
+    if args.compare_backends:
+        print(_backends_agreement(args, base, list(per_rate.values())))
+    if args.check:
+        print(_check_passed(list(configs) if len(configs) > 1 else None, sweep=True))
     if args.out:
         info = {k: v for k, v in _run_info(a, trace, base, cost).items() if k not in ("scheduler", "rate_scale")}
         if args.compare_backends:
             info["backend"] = list(args.compare_backends)
         doc = {"workload": label, "rate_scales": list(rates), "offered_request_rate": [offered[x] for x in rates],
-               "runs": list(configs), "summaries": {f"{x:g}": per_rate[x] for x in rates},
+               "runs": list(configs), "summaries": {scale_label(x): per_rate[x] for x in rates},
                "config": dict(info, schedulers={n: dataclasses.asdict(c) for n, c in configs.items()})}
         try:
             plot_rate_sweep(args.out, per_rate, offered, title=label)
@@ -607,8 +623,37 @@ def _check_out_dir(out: str) -> None:
     """CliError unless `out` is a folder this run can write into, or one it can make there
     (made when the results are written: a run that fails leaves no empty folder)."""
     why = unwritable_reason(out)  # a file at `out` itself included
+    if why is None:
+        why = _write_probe(out)
     if why:
         raise CliError(f"cannot write results to {out}: {why}")
+
+
+def _write_probe(folder) -> Optional[str]:
+    """Why a file cannot be made in `folder` by trying (permission bits say nothing to root, nor
+    about a read-only or special file system such as /proc): a temporary file made and removed
+    in it, or where it is missing, its first missing folder made and removed. None when that
+    works."""
+    import tempfile
+    from pathlib import Path
+
+    path = Path(folder).absolute()
+    if path.is_dir():
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as e:
+            return f"a file cannot be made in it ({e.strerror or e})"
+        return None
+    first = path
+    while not first.parent.exists():
+        first = first.parent
+    try:
+        first.mkdir()
+        first.rmdir()
+    except OSError as e:
+        return f"the folder {first} cannot be made ({e.strerror or e})"
+    return None
 
 
 def cmd_replay(args) -> int:
@@ -659,28 +704,41 @@ def cmd_replay(args) -> int:
         print(format_comparison(summaries))
         for name, s in summaries.items():
             print(f"decision digest [{name}]: {s['digest']}")
-        if args.compare_backends and args.scheduler_time != "free":
-            print(f"the digests are not compared: with --scheduler-time {args.scheduler_time} each run's "
-                  f"decisions depend on its scheduler's timing")
-        elif args.compare_backends:
-            same = len({s["digest"] for s in summaries.values()}) == 1
-            print("the backends made the same decisions (equal digests)" if same else
-                  "the backends' decisions differ (their digests differ)"
-                  + ("; random draws its permutation per backend (SPEC R-ORD-6)" if base.effective_policy == "random"
-                     else ""))
+        if args.compare_backends:
+            print(_backends_agreement(args, base, [summaries]))
     else:
         (name, s), = summaries.items()
         label = name + (" + priority" if configs[name].enable_priority_scheduling else "")
         print(format_summary(s, title=f"Replay: {trace.name}, {label}, {args.backend}"))
         print(f"decision digest: {s['digest']}")
     if args.check:
-        # a violation stops the replay (exit 1), so reaching here means every check held
-        runs_checked = f" [{', '.join(summaries)}]" if compared else ""
-        print(f"integrity check passed{runs_checked}: tree, lock and KV-pool invariants held "
-              "after every scheduler step")
+        print(_check_passed(summaries if compared else None))
     if args.out:
         print(f"results written to {args.out}")
     return 0
+
+
+def _backends_agreement(args, base, points) -> str:
+    """--compare-backends' closing line: whether the backends made the same decisions (equal
+    digests) in every one of `points` ([{backend: summary}], one per replay of a sweep), or
+    why their digests are not compared (charged runs)."""
+    if args.scheduler_time != "free":
+        return (f"the digests are not compared: with --scheduler-time {args.scheduler_time} each run's "
+                f"decisions depend on its scheduler's timing")
+    same = all(len({s["digest"] for s in p.values()}) == 1 for p in points)
+    where = "" if len(points) == 1 else " at every rate scale" if same else " at some rate scale"
+    return ((f"the backends made the same decisions{where} (equal digests)" if same else
+             f"the backends' decisions differ{where} (their digests differ)")
+            + ("; random draws its permutation per backend (SPEC R-ORD-6)"
+               if not same and base.effective_policy == "random" else ""))
+
+
+def _check_passed(runs, sweep: bool = False) -> str:
+    """--check's closing line (a violation stops the replay with exit 1, so reaching it means
+    every check held); `runs`: the compared runs' names, or None for one run."""
+    names = f" [{', '.join(runs)}]" if runs else ""
+    return (f"integrity check passed{names}{' at every rate scale' if sweep else ''}: tree, lock and KV-pool "
+            f"invariants held after every scheduler step")
 
 
 def cmd_trace_stats(args) -> int:

@@ -179,7 +179,7 @@ def test_rate_scales_sweep_the_load(tmp_path, capsys):
     """--rate-scales replays every policy once per rate scale, each run the plain run with that
     --rate-scale (same digest and simulated figures); the table gives each metric by scale with the
     offered rate; --out keeps each scale's runs and sweep.json / sweep.png; bad values and
-    clashing flags are one-line errors (exit 2)."""
+    clashing flags are one-line errors (exit 2), before any replay."""
     from gpu_sched.sim.metrics import _fmt
 
     base = ["replay", "--synthetic-requests", "40", "--no-progress"]
@@ -213,9 +213,27 @@ def test_rate_scales_sweep_the_load(tmp_path, capsys):
     trace = tmp_path / "azure.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                      + "".join(f"2023-11-16 18:17:0{i}.0000000,{100 + i},4\n" for i in range(5)))
-    assert main(["replay", "--trace", str(trace), "--no-progress", "--rate-scales", "0.5,3"]) == 0
+    assert main(["replay", "--trace", str(trace), "--no-progress", "--rate-scales", "3,0.5"]) == 0
     out = capsys.readouterr().out
     assert "x0.5 (0.5 req/s)" in out and "x3 (3 req/s)" in out
+    assert out.index("x0.5 (") < out.index("x3 (")  # in increasing order, as given or not
+    # scales that differ past 6 digits keep their own names; the backends' agreement and
+    # --check's outcome are said for the whole sweep
+    argv = base + ["--rate-scales", "1,1.0000001", "--compare-backends", "reference,torch", "--check",
+                   "--out", str(tmp_path / "close")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "close" / "sweep.json").read_text())
+    assert list(doc["summaries"]) == ["1", "1.0000001"] and doc["rate_scales"] == [1.0, 1.0000001]
+    assert (tmp_path / "close" / "rate_x1.0000001" / "torch" / "results.json").exists()
+    assert "the backends made the same decisions at every rate scale (equal digests)" in out
+    assert "integrity check passed [reference, torch] at every rate scale" in out
+    # arrivals at one time: no offered rate, and a note that every scale replays the same
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "2023-11-16 18:17:00.0000000,100,4\n" * 3)
+    assert main(["replay", "--trace", str(trace), "--no-progress", "--rate-scales", "1,2"]) == 0
+    captured = capsys.readouterr()
+    assert "every scale replays the same arrivals" in captured.err and "in brackets" not in captured.out
+    assert re.search(r"^ +x2 +[0-9.]+$", captured.out, re.M)  # no offered rate beside the scale
     for extra, message in ((["--rate-scales", "2"], "two or more distinct finite numbers > 0"),
                            (["--rate-scales", "1,1"], "two or more distinct"),
                            (["--rate-scales", "0,1"], "> 0, got '0,1'"),
@@ -224,8 +242,20 @@ def test_rate_scales_sweep_the_load(tmp_path, capsys):
                            (["--rate-scales", "1,2", "--rate-scale", "3"], "give the rate twice"),
                            (["--rate-scales", "1,2", "--seeds", "0,1"], "sweep one of them at a time")):
         assert main(base + extra) == 2
-        err = capsys.readouterr().err
-        assert message in err and err.count("\n") == 1, err
+        captured = capsys.readouterr()
+        assert message in captured.err and captured.err.count("\n") == 1 and captured.out == "", captured
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_out_that_cannot_be_made_is_refused_before_the_run(capsys):
+    """--out is tried, not only checked by permission bits (which root passes): a folder that
+    cannot be made (in /proc) or one a file cannot be made in (/proc itself) is refused before
+    any replay (exit 2, nothing on stdout)."""
+    for out, message in (("/proc/gpu_sched_out", "the folder /proc/gpu_sched_out cannot be made"),
+                         ("/proc", "a file cannot be made in it")):
+        assert main(["replay", "--synthetic-requests", "5", "--no-progress", "--out", out]) == 2
+        captured = capsys.readouterr()
+        assert f"cannot write results to {out}: {message}" in captured.err and captured.out == ""
 
 
 def test_compare_policies_prints_one_table(tmp_path, capsys):

@@ -337,23 +337,27 @@ SWEEP_ROWS = (("Request throughput (req/s)", "request_throughput"), ("Output thr
               ("Sched mean (us/step)", "mean_sched_us"))
 
 
-def format_rate_sweep(per_rate: dict, offered: dict) -> str:
+def format_rate_sweep(per_rate: dict, offered: dict, label=lambda x: f"{x:g}") -> str:
     """A rate sweep (`gpu-sched replay --rate-scales`) as one table: a column per run, a group
     of rows per metric of `SWEEP_ROWS` (and the simulated time charged for the scheduler, for
-    charged runs), one row per rate scale in each group, labelled with the offered request rate
-    [req/s]. per_rate: {rate scale: {run name: summary}}; offered: {rate scale: req/s or None}."""
+    charged runs), one row per rate scale in each group, `x<label(scale)>` with the offered
+    request rate [req/s] where there is one. per_rate: {rate scale: {run name: summary}};
+    offered: {rate scale: req/s or None}."""
     rates = list(per_rate)
     names = list(per_rate[rates[0]]) if rates else []
     rows = SWEEP_ROWS
     if any(s.get("scheduler_time") not in (None, "free") for by_run in per_rate.values() for s in by_run.values()):
         rows = rows + (CHARGED_ROW,)
-    at = {x: f"x{x:g}" + (f" ({offered[x]:.3g} req/s)" if offered.get(x) is not None else "") for x in rates}
+    at = {x: f"x{label(x)}" + (f" ({offered[x]:.3g} req/s)" if offered.get(x) is not None else "") for x in rates}
+    width = max(28, *(len(lb) + 2 for lb, _ in rows))
     labels, cells = [], []
-    for label, key in rows:
+    for name, key in rows:
         for i, x in enumerate(rates):
-            labels.append(f"{label if i == 0 else '':<28}{at[x]}")
+            labels.append(f"{name if i == 0 else '':<{width}}{at[x]}")
             cells.append([_fmt(_metric(per_rate[x][n], key)) for n in names])
-    return _table(labels, names, cells, 12, title="by load (xN: as --rate-scale N; in brackets the offered rate, requests over their arrivals' span)")
+    brackets = ("; in brackets the offered rate, the mean arrival rate (requests - 1) / (last - first arrival)"
+                if any(offered.get(x) is not None for x in rates) else "")
+    return _table(labels, names, cells, 12, title=f"by load (xN: as --rate-scale N{brackets})")
 
 
 def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict] = None) -> Path:

@@ -138,7 +138,8 @@ def plot_rate_sweep(out_dir, per_rate: dict, offered: dict, title: Optional[str]
     for ax, (label, key, f, log) in zip(axes, panels):
         for i, n in enumerate(names):
             ys = [np.nan if per_rate[x][n].get(key) is None else f * per_rate[x][n][key] for x in rates]
-            ax.plot(xs, ys, marker="o", color=f"C{i % 10}", label=n)
+            ax.plot(xs, ys, marker="osD^vP*X"[i % 8], linestyle=("-", "--", ":", "-.")[i % 4],
+                    markersize=7 - 1.5 * (i % 3), color=f"C{i % 10}", label=n)  # equal runs stay visible
         if log and any(f * per_rate[x][n].get(key, 0) > 0 for x in rates for n in names
                        if per_rate[x][n].get(key) is not None):
             ax.set_yscale("log")
