@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import functools
 import gc
-import json
 import math
 import os
 import sys
@@ -220,12 +219,13 @@ def load_trace(args):
     else:
         if args.synthetic_requests < 0:
             raise ValueError(f"--synthetic-requests must be >= 0, got {args.synthetic_requests}")
+        flag = getattr(args, "rate_flag", "--rate-scale")  # a sweep's scale names its own flag
         if not math.isfinite(8.0 * args.rate_scale):
-            raise ValueError(f"--rate-scale {args.rate_scale} makes the synthetic workload's rate "
+            raise ValueError(f"{flag} {args.rate_scale} makes the synthetic workload's rate "
                              f"(8 requests/s x it) overflow")
         tr = synthetic_workload(args.synthetic_requests, seed=args.seed, request_rate=8.0 * args.rate_scale)
         if not all(math.isfinite(r.arrival_s) for r in tr.requests):  # a tiny rate: arrivals past a float
-            raise ValueError(f"--rate-scale {args.rate_scale} puts arrivals past a float's range")
+            raise ValueError(f"{flag} {args.rate_scale} puts arrivals past a float's range")
         if args.limit is not None:
             tr = Trace(name=tr.name, requests=tr.requests[: args.limit], source=tr.source)
     if keys or levels:
@@ -388,24 +388,33 @@ def scale_label(x: float) -> str:
 
 def _offered_rate(trace) -> Optional[float]:
     """The trace's offered request rate [req/s]: its mean arrival rate, (requests - 1) over the
-    span of their arrival times (None when they all arrive at one time)."""
+    span of their arrival times (None when they all arrive at one time, or so close together
+    that the rate overflows a float)."""
     ts = [r.arrival_s for r in trace.requests]
     span = max(ts) - min(ts) if ts else 0.0
-    return (len(ts) - 1) / span if span > 0 else None
+    rate = (len(ts) - 1) / span if span > 0 else None
+    return rate if rate is None or math.isfinite(rate) else None  # a span below 1 / float max
 
 
 def _replay_rates(args, configs: dict, base, cost, rates, policies) -> int:
     """--rate-scales: every config replayed once per rate scale (arrivals as --rate-scale X
-    makes them), then each metric by offered request rate; with --out, each scale's runs as
-    --out writes one replay (in rate_x<X>/), and sweep.json / sweep.png."""
+    makes them; every scale's trace read before the first run, so that a scale that cannot be
+    replayed stops the sweep before it starts), then each metric by offered request rate; with
+    --out, each scale's runs as --out writes one replay (in rate_x<X>/), and sweep.json /
+    sweep.png."""
     from pathlib import Path
 
-    from .sim.metrics import format_rate_sweep
+    from .sim.metrics import format_rate_sweep, strict_json
     from .sim.plots import plot_rate_sweep
 
-    per_rate, offered = {}, {}
+    per_rate, offered, points = {}, {}, {}
+    for x in rates:  # every scale's trace read first: one that cannot be replayed stops the sweep before any run
+        a = argparse.Namespace(**vars(args))
+        a.rate_scale, a.rate_flag = x, "--rate-scales' scale"
+        points[x] = (a, _replay_trace(a, configs, notes=x == rates[0]))
     for x in rates:
-        a, trace, got = _replay_with(args, configs, cost, "rate_scale", x, notes=x == rates[0])
+        a, trace = points.pop(x)
+        got = _replay_runs(a, configs, trace, cost)
         if isinstance(got, int):
             return got
         per_rate[x], offered[x] = got[0], _offered_rate(trace)
@@ -424,7 +433,7 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies) -> int:
     if args.compare_backends:
         print(_backends_agreement(args, base, list(per_rate.values())))
     if args.check:
-        print(_check_passed(list(configs) if len(configs) > 1 else None, sweep=True))
+        print(_check_passed(list(configs) if policies or args.compare_backends else None, sweep=True))
     if args.out:
         info = {k: v for k, v in _run_info(a, trace, base, cost).items() if k not in ("scheduler", "rate_scale")}
         if args.compare_backends:
@@ -434,7 +443,7 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies) -> int:
                "config": dict(info, schedulers={n: dataclasses.asdict(c) for n, c in configs.items()})}
         try:
             plot_rate_sweep(args.out, per_rate, offered, title=label)
-            (Path(args.out) / "sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
+            (Path(args.out) / "sweep.json").write_text(strict_json(doc) + "\n")
         except OSError as e:
             raise CliError(f"cannot write results to {args.out}: {e}") from None
         print(f"results written to {args.out}")
@@ -519,8 +528,8 @@ def _replay_runs(args, configs: dict, trace, cost):
 
 
 def _replay_with(args, configs: dict, cost, option: str, value, notes: bool):
-    """One replay of `configs` with one option of `args` set to `value` (a sweep's point:
-    "seed", "rate_scale"): (its args, its trace, `_replay_runs`' result)."""
+    """One replay of `configs` with one option of `args` set to `value` (a point of a sweep,
+    such as --seeds' "seed"): (its args, its trace, `_replay_runs`' result)."""
     a = argparse.Namespace(**vars(args))
     setattr(a, option, value)
     trace = _replay_trace(a, configs, notes=notes)
@@ -530,7 +539,7 @@ def _replay_with(args, configs: dict, cost, option: str, value, notes: bool):
 def _replay_seeds(args, configs: dict, cost, seeds) -> int:
     """--seeds: every config replayed once per seed (the synthetic workload and the key and
     priority draws re-seeded), then each metric's mean and spread over the seeds."""
-    from .sim.metrics import format_seed_spread, seed_spread
+    from .sim.metrics import format_seed_spread, seed_spread, strict_json
 
     per_seed, label = {}, None
     for sd in seeds:
@@ -555,7 +564,7 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
                "config": dict(info, schedulers={n: dataclasses.asdict(c) for n, c in configs.items()})}
         try:
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "seeds.json").write_text(json.dumps(doc, indent=1) + "\n")
+            (Path(args.out) / "seeds.json").write_text(strict_json(doc) + "\n")
         except OSError as e:
             raise CliError(f"cannot write results to {args.out}: {e}") from None
         print(f"results written to {args.out}")
@@ -568,7 +577,7 @@ def _write_runs(args, out, trace, configs: dict, base, cost, got, policies) -> N
     comparison.png in `out`. CliError when a file cannot be written."""
     from pathlib import Path
 
-    from .sim.metrics import write_results
+    from .sim.metrics import strict_json, write_results
     from .sim.plots import plot_comparison, plot_run
 
     summaries, runs = got
@@ -591,7 +600,7 @@ def _write_runs(args, out, trace, configs: dict, base, cost, got, policies) -> N
                 shared.pop("backend")
                 doc = {"workload": wl, "backends": list(summaries), "summaries": summaries,
                        "config": dict(shared, scheduler=dataclasses.asdict(base))}
-            (Path(out) / "comparison.json").write_text(json.dumps(doc, indent=1) + "\n")
+            (Path(out) / "comparison.json").write_text(strict_json(doc) + "\n")
     except OSError as e:
         raise CliError(f"cannot write results to {out}: {e}") from None
 
@@ -820,8 +829,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rate-scales", default=None, metavar="X1,X2,...",
                    help="a load sweep: replay once per rate scale (each policy or backend with "
                         "--compare-policies or --compare-backends) and print each metric by offered "
-                        "request rate; --out writes rate_x<X>/ per scale, sweep.json and sweep.png "
-                        "(not with --rate-scale or --seeds)")
+                        "request rate (the synthetic workload's grows less than the scale: its "
+                        "think times do not scale); --out writes rate_x<X>/ per scale, sweep.json and "
+                        "sweep.png (not with --rate-scale or --seeds)")
     r.add_argument("--synthetic-requests", type=int, default=400, metavar="N",
                    help="requests of the synthetic workload (default %(default)s; without --trace)")
     r.add_argument("--routing-keys", type=int, default=0, metavar="N",

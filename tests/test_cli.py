@@ -234,6 +234,20 @@ def test_rate_scales_sweep_the_load(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "every scale replays the same arrivals" in captured.err and "in brackets" not in captured.out
     assert re.search(r"^ +x2 +[0-9.]+$", captured.out, re.M)  # no offered rate beside the scale
+    # a scale that cannot be replayed stops the sweep before any run, naming --rate-scales; an
+    # offered rate past a float's range is left out (sweep.json stays strict JSON)
+    assert main(base + ["--rate-scales", "1,1e308", "--out", str(tmp_path / "big")]) == 2
+    captured = capsys.readouterr()
+    assert "--rate-scales' scale 1e+308 makes the synthetic workload's rate" in captured.err
+    assert captured.out == "" and not (tmp_path / "big").exists()
+    close = tmp_path / "close.csv"  # 5 requests 0.1 s apart: at x1e308 their span is subnormal
+    close.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     + "".join(f"2023-11-16 18:17:00.{i}000000,{100 + i},4\n" for i in range(5)))
+    assert main(["replay", "--trace", str(close), "--no-progress", "--rate-scales", "1,1e308",
+                 "--out", str(tmp_path / "huge")]) == 0
+    text = (tmp_path / "huge" / "sweep.json").read_text()
+    assert "Infinity" not in text and json.loads(text)["offered_request_rate"][1] is None
+    capsys.readouterr()
     for extra, message in ((["--rate-scales", "2"], "two or more distinct finite numbers > 0"),
                            (["--rate-scales", "1,1"], "two or more distinct"),
                            (["--rate-scales", "0,1"], "> 0, got '0,1'"),
@@ -250,12 +264,14 @@ def test_rate_scales_sweep_the_load(tmp_path, capsys):
 def test_out_that_cannot_be_made_is_refused_before_the_run(capsys):
     """--out is tried, not only checked by permission bits (which root passes): a folder that
     cannot be made (in /proc) or one a file cannot be made in (/proc itself) is refused before
-    any replay (exit 2, nothing on stdout)."""
+    any replay (exit 2, nothing on stdout); for other users the bits refuse it first."""
+    root = os.geteuid() == 0  # others are refused by /proc's permission bits, before the probe
     for out, message in (("/proc/gpu_sched_out", "the folder /proc/gpu_sched_out cannot be made"),
                          ("/proc", "a file cannot be made in it")):
         assert main(["replay", "--synthetic-requests", "5", "--no-progress", "--out", out]) == 2
         captured = capsys.readouterr()
-        assert f"cannot write results to {out}: {message}" in captured.err and captured.out == ""
+        assert f"cannot write results to {out}: {message if root else '/proc is not writable'}" in captured.err
+        assert captured.out == ""
 
 
 def test_compare_policies_prints_one_table(tmp_path, capsys):

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["RequestRecord", "StepRecord", "summarize", "format_summary", "format_comparison",
-           "format_rate_sweep", "write_results", "queue_bucket"]
+           "format_rate_sweep", "strict_json", "write_results", "queue_bucket"]
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = (("ttft", "Time to First Token", "TTFT"),
@@ -360,6 +360,12 @@ def format_rate_sweep(per_rate: dict, offered: dict, label=lambda x: f"{x:g}") -
     return _table(labels, names, cells, 12, title=f"by load (xN: as --rate-scale N{brackets})")
 
 
+def strict_json(doc) -> str:
+    """`doc` as strict JSON text (NaN and inf as null, numpy values as Python's: `_clean`),
+    indented one space, as every file `gpu-sched replay --out` writes."""
+    return json.dumps(_clean(doc), allow_nan=False, indent=1)
+
+
 def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict] = None) -> Path:
     """Write `out_dir/results.json` (strict JSON, no NaN) and return its path.
 
@@ -386,5 +392,5 @@ def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict]
     doc = {"summary": summary, "config": extra or {},
            "steps": {c: [getattr(t, c) for t in steps] for c in cols}, "requests": rows}
     path = out / "results.json"
-    path.write_text(json.dumps(_clean(doc), allow_nan=False, indent=1))
+    path.write_text(strict_json(doc))
     return path

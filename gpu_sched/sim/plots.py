@@ -122,7 +122,8 @@ def plot_comparison(out_dir, summaries: dict, title: Optional[str] = None) -> Pa
 def plot_rate_sweep(out_dir, per_rate: dict, offered: dict, title: Optional[str] = None) -> Path:
     """Serving against load for a rate sweep (`gpu-sched replay --rate-scales`): mean and p99
     TTFT (s, log scale), mean TPOT (ms) and output throughput (tok/s) against the offered
-    request rate (req/s; the rate scale where the trace gives no rate), a line per run.
+    request rate (req/s; the rate scale where the trace gives no rate; a log axis where the
+    points span more than 100x), a line per run.
     per_rate: {rate scale: {run name: summarize() dict}}; offered: {rate scale: req/s or None}.
     Writes and returns `out_dir/sweep.png`."""
     out = Path(out_dir)
@@ -134,19 +135,22 @@ def plot_rate_sweep(out_dir, per_rate: dict, offered: dict, title: Optional[str]
     panels = (("Mean TTFT (s)", "mean_ttft_ms", 1e-3, True), ("P99 TTFT (s)", "p99_ttft_ms", 1e-3, True),
               ("Mean TPOT (ms)", "mean_tpot_ms", 1.0, False), ("Output throughput (tok/s)", "output_throughput", 1.0,
                                                                False))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
-    for ax, (label, key, f, log) in zip(axes, panels):
-        for i, n in enumerate(names):
-            ys = [np.nan if per_rate[x][n].get(key) is None else f * per_rate[x][n][key] for x in rates]
-            ax.plot(xs, ys, marker="osD^vP*X"[i % 8], linestyle=("-", "--", ":", "-.")[i % 4],
-                    markersize=7 - 1.5 * (i % 3), color=f"C{i % 10}", label=n)  # equal runs stay visible
-        if log and any(f * per_rate[x][n].get(key, 0) > 0 for x in rates for n in names
-                       if per_rate[x][n].get(key) is not None):
-            ax.set_yscale("log")
-        ax.set_xlabel("offered request rate (req/s)" if by_rate else "rate scale (x the trace's)")
-        ax.set_title(label)
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return _save(fig, out / "sweep.png")
+    with np.errstate(over="ignore"):  # axis limits near a float's range (scales up to ~1e308)
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+        for ax, (label, key, f, log) in zip(axes, panels):
+            for i, n in enumerate(names):
+                ys = [np.nan if per_rate[x][n].get(key) is None else f * per_rate[x][n][key] for x in rates]
+                ax.plot(xs, ys, marker="osD^vP*X"[i % 8], linestyle=("-", "--", ":", "-.")[i % 4],
+                        markersize=7 - 1.5 * (i % 3), color=f"C{i % 10}", label=n)  # equal runs stay visible
+            if log and any(f * per_rate[x][n].get(key, 0) > 0 for x in rates for n in names
+                           if per_rate[x][n].get(key) is not None):
+                ax.set_yscale("log")
+            if xs and max(xs) > 100 * min(xs):  # scales spread over decades
+                ax.set_xscale("log")
+            ax.set_xlabel("offered request rate (req/s)" if by_rate else "rate scale (x the trace's)")
+            ax.set_title(label)
+            ax.grid(True, alpha=0.3)
+        axes[0].legend(fontsize=8)
+        if title:
+            fig.suptitle(title, fontsize=10)
+        return _save(fig, out / "sweep.png")
