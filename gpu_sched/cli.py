@@ -431,7 +431,7 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies) -> int:
     print(_run_header(a, trace, cost, rate_swept=True))
     print(format_rate_sweep(per_rate, offered, scale_label))
     if args.compare_backends:
-        print(_backends_agreement(args, base, list(per_rate.values())))
+        print(_backends_agreement(args, base, {f"x{scale_label(x)}": per_rate[x] for x in rates}))
     if args.check:
         print(_check_passed(list(configs) if policies or args.compare_backends else None, sweep=True))
     if args.out:
@@ -714,7 +714,7 @@ def cmd_replay(args) -> int:
         for name, s in summaries.items():
             print(f"decision digest [{name}]: {s['digest']}")
         if args.compare_backends:
-            print(_backends_agreement(args, base, [summaries]))
+            print(_backends_agreement(args, base, {None: summaries}))
     else:
         (name, s), = summaries.items()
         label = name + (" + priority" if configs[name].enable_priority_scheduling else "")
@@ -729,13 +729,16 @@ def cmd_replay(args) -> int:
 
 def _backends_agreement(args, base, points) -> str:
     """--compare-backends' closing line: whether the backends made the same decisions (equal
-    digests) in every one of `points` ([{backend: summary}], one per replay of a sweep), or
-    why their digests are not compared (charged runs)."""
+    digests) in every one of `points` ({point name: {backend: summary}}, one replay of a sweep
+    each, or {None: ...} for one replay; a sweep names the points where they differ), or why
+    their digests are not compared (charged runs)."""
     if args.scheduler_time != "free":
         return (f"the digests are not compared: with --scheduler-time {args.scheduler_time} each run's "
                 f"decisions depend on its scheduler's timing")
-    same = all(len({s["digest"] for s in p.values()}) == 1 for p in points)
-    where = "" if len(points) == 1 else " at every rate scale" if same else " at some rate scale"
+    differ = [k for k, p in points.items() if len({s["digest"] for s in p.values()}) > 1]
+    same = not differ
+    where = ("" if list(points) == [None] else " at every rate scale" if same else
+             f" at {', '.join(differ)}")
     return ((f"the backends made the same decisions{where} (equal digests)" if same else
              f"the backends' decisions differ{where} (their digests differ)")
             + ("; random draws its permutation per backend (SPEC R-ORD-6)"

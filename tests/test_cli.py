@@ -228,6 +228,9 @@ def test_rate_scales_sweep_the_load(tmp_path, capsys):
     assert (tmp_path / "close" / "rate_x1.0000001" / "torch" / "results.json").exists()
     assert "the backends made the same decisions at every rate scale (equal digests)" in out
     assert "integrity check passed [reference, torch] at every rate scale" in out
+    # where they differ (random draws its permutation per backend), the sweep names the scales
+    assert main(base + ["--policy", "random", "--compare-backends", "reference,torch", "--rate-scales", "10,40"]) == 0
+    assert "the backends' decisions differ at x10, x40 (their digests differ); random" in capsys.readouterr().out
     # arrivals at one time: no offered rate, and a note that every scale replays the same
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "2023-11-16 18:17:00.0000000,100,4\n" * 3)
     assert main(["replay", "--trace", str(trace), "--no-progress", "--rate-scales", "1,2"]) == 0
