@@ -2,7 +2,7 @@
 
   gpu-sched replay [--trace PATH] [--policy POLICY] [--kv-tokens N] [--cost-model NAME] [--check]
                    [--out DIR] [--compare-policies fcfs,lpm,dfs-weight | --compare-backends reference,torch]
-                   [--scheduler-time free|blocking|overlap] [--rate-scales X1,X2,... | --seeds S1,S2,...]
+                   [--scheduler-time free|blocking|overlap] [--rate-scales X1,X2,...] [--seeds S1,S2,...]
                    [SGLang scheduler flags]
   gpu-sched trace-stats PATH
   gpu-sched conformance FILE
@@ -357,10 +357,10 @@ def _parse_seeds(args):
     return seeds
 
 
-def _parse_rate_scales(args, seeds) -> Optional[list]:
+def _parse_rate_scales(args) -> Optional[list]:
     """--rate-scales as an increasing list of two or more distinct finite floats > 0, or None;
     ValueError naming the flag otherwise, or with --rate-scale other than 1 (the rate given
-    twice) or --seeds (one sweep at a time)."""
+    twice)."""
     raw = getattr(args, "rate_scales", None)
     if raw is None:
         return None
@@ -373,8 +373,6 @@ def _parse_rate_scales(args, seeds) -> Optional[list]:
     if args.rate_scale != 1.0:
         raise ValueError(f"--rate-scale {args.rate_scale:g} and --rate-scales {raw} give the rate twice: "
                          f"give one of them")
-    if seeds is not None:
-        raise ValueError("--rate-scales and --seeds: sweep one of them at a time")
     return sorted(rates)
 
 
@@ -396,53 +394,77 @@ def _offered_rate(trace) -> Optional[float]:
     return rate if rate is None or math.isfinite(rate) else None  # a span below 1 / float max
 
 
-def _replay_rates(args, configs: dict, base, cost, rates, policies) -> int:
+def _replay_rates(args, configs: dict, base, cost, rates, policies, seeds=None) -> int:
     """--rate-scales: every config replayed once per rate scale (arrivals as --rate-scale X
-    makes them; every scale's trace read before the first run, so that a scale that cannot be
-    replayed stops the sweep before it starts), then each metric by offered request rate; with
-    --out, each scale's runs as --out writes one replay (in rate_x<X>/), and sweep.json /
-    sweep.png."""
+    makes them) and, with --seeds, per seed at each scale (each point the plain run with that
+    --rate-scale and --seed); every point's trace read before the first run, so that one that
+    cannot be replayed stops the sweep before it starts. Then each metric by offered request
+    rate (with seeds, mean +- std over them). With --out: each scale's runs as --out writes
+    one replay, in rate_x<X>/ (not with seeds, as --seeds writes no per-run files), and
+    sweep.json / sweep.png."""
     from pathlib import Path
 
-    from .sim.metrics import format_rate_sweep, strict_json
+    from .sim.metrics import format_rate_sweep, seed_spread, strict_json, sweep_rows
     from .sim.plots import plot_rate_sweep
 
-    per_rate, offered, points = {}, {}, {}
-    for x in rates:  # every scale's trace read first: one that cannot be replayed stops the sweep before any run
-        a = argparse.Namespace(**vars(args))
-        a.rate_scale, a.rate_flag = x, "--rate-scales' scale"
-        points[x] = (a, _replay_trace(a, configs, notes=x == rates[0]))
+    sds = seeds or [None]
+    points = {}
+    for x in rates:  # every point's trace read first: one that cannot be replayed stops the sweep before any run
+        for sd in sds:
+            a = argparse.Namespace(**vars(args))
+            a.rate_scale, a.rate_flag = x, "--rate-scales' scale"
+            if sd is not None:
+                a.seed = sd
+            points[x, sd] = (a, _replay_trace(a, configs, notes=(x, sd) == (rates[0], sds[0])))
+    per_point, offered = {}, {}
     for x in rates:
-        a, trace = points.pop(x)
-        got = _replay_runs(a, configs, trace, cost)
-        if isinstance(got, int):
-            return got
-        per_rate[x], offered[x] = got[0], _offered_rate(trace)
-        if x == rates[0] and offered[x] is None:
+        for sd in sds:
+            a, trace = points.pop((x, sd))
+            got = _replay_runs(a, configs, trace, cost)
+            if isinstance(got, int):
+                return got
+            per_point[x, sd] = got[0]
+            offered.setdefault(x, []).append(_offered_rate(trace))
+            print(f"rate x{scale_label(x)}{'' if sd is None else f', seed {sd}'}: "
+                  + ", ".join(f"{n} {s['digest'][:12]}" for n, s in got[0].items()), flush=True)
+            if args.out and sd is None:  # as the sweep goes: a scale's per-request records are not kept past it
+                _write_runs(a, Path(args.out) / f"rate_x{scale_label(x)}", trace, configs, base, cost, got, policies)
+        rs = offered[x]
+        offered[x] = None if None in rs else sum(rs) / len(rs)  # the mean over the seeds
+        if x == rates[0] and all(r is None for r in rs):
             print("gpu-sched: note: the requests all arrive at one time, which no rate scale changes: every "
                   "scale replays the same arrivals", file=sys.stderr)
-        print(f"rate x{scale_label(x)}: " + ", ".join(f"{n} {s['digest'][:12]}" for n, s in got[0].items()),
-              flush=True)
-        if args.out:  # as the sweep goes: a scale's per-request records are not kept past it
-            _write_runs(a, Path(args.out) / f"rate_x{scale_label(x)}", trace, configs, base, cost, got, policies)
+    if seeds is None:
+        per_rate = {x: per_point[x, None] for x in rates}
+    else:
+        rows = sweep_rows([s for by_run in per_point.values() for s in by_run.values()])
+        per_rate = {x: seed_spread({sd: per_point[x, sd] for sd in seeds}, rows) for x in rates}
     a = argparse.Namespace(**vars(args))
     a.rate_scale = 1.0
     label = _workload_label(a, trace)
-    print(_run_header(a, trace, cost, rate_swept=True))
-    print(format_rate_sweep(per_rate, offered, scale_label))
+    print(_run_header(a, trace, cost, per_seed=seeds is not None, rate_swept=True))
+    print(format_rate_sweep(per_rate, offered, scale_label, seeds))
     if args.compare_backends:
-        print(_backends_agreement(args, base, {f"x{scale_label(x)}": per_rate[x] for x in rates}))
+        print(_backends_agreement(args, base, {f"x{scale_label(x)}" + ("" if sd is None else f" seed {sd}"): s
+                                               for (x, sd), s in per_point.items()}))
     if args.check:
         print(_check_passed(list(configs) if policies or args.compare_backends else None, sweep=True))
     if args.out:
         info = {k: v for k, v in _run_info(a, trace, base, cost).items() if k not in ("scheduler", "rate_scale")}
+        if seeds is not None:
+            for k in ("synthetic_seed", "key_seed"):
+                info.pop(k)
         if args.compare_backends:
             info["backend"] = list(args.compare_backends)
         doc = {"workload": label, "rate_scales": list(rates), "offered_request_rate": [offered[x] for x in rates],
-               "runs": list(configs), "summaries": {scale_label(x): per_rate[x] for x in rates},
+               "runs": list(configs),
+               "summaries": {scale_label(x): (per_rate[x] if seeds is None else
+                                              {str(sd): per_point[x, sd] for sd in seeds}) for x in rates},
                "config": dict(info, schedulers={n: dataclasses.asdict(c) for n, c in configs.items()})}
+        if seeds is not None:
+            doc.update(seeds=list(seeds), spread={scale_label(x): per_rate[x] for x in rates})
         try:
-            plot_rate_sweep(args.out, per_rate, offered, title=label)
+            plot_rate_sweep(args.out, per_rate, offered, title=label, spread=seeds is not None)
             (Path(args.out) / "sweep.json").write_text(strict_json(doc) + "\n")
         except OSError as e:
             raise CliError(f"cannot write results to {args.out}: {e}") from None
@@ -685,7 +707,7 @@ def cmd_replay(args) -> int:
         if args.compare_backends:
             configs = {b: base for b in args.compare_backends}
         seeds = _parse_seeds(args)
-        rates = _parse_rate_scales(args, seeds)
+        rates = _parse_rate_scales(args)
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise CliError(str(e)) from None
     if args.out is not None:  # before the run, not after it
@@ -696,10 +718,10 @@ def cmd_replay(args) -> int:
         print(f"gpu-sched: note: --check's walks between steps leave the scheduler's next calls on cold "
               f"caches, so --scheduler-time {args.scheduler_time} charges more than without it: compare "
               f"charged runs without --check", file=sys.stderr)
+    if rates is not None:
+        return _replay_rates(args, configs, base, cost, rates, policies, seeds)
     if seeds is not None:
         return _replay_seeds(args, configs, cost, seeds)
-    if rates is not None:
-        return _replay_rates(args, configs, base, cost, rates, policies)
     trace = _replay_trace(args, configs)
     got = _replay_runs(args, configs, trace, cost)
     if isinstance(got, int):
@@ -834,7 +856,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--compare-policies or --compare-backends) and print each metric by offered "
                         "request rate (the synthetic workload's grows less than the scale: its "
                         "think times do not scale); --out writes rate_x<X>/ per scale, sweep.json and "
-                        "sweep.png (not with --rate-scale or --seeds)")
+                        "sweep.png; with --seeds, each scale once per seed, mean +- std (not with --rate-scale)")
     r.add_argument("--synthetic-requests", type=int, default=400, metavar="N",
                    help="requests of the synthetic workload (default %(default)s; without --trace)")
     r.add_argument("--routing-keys", type=int, default=0, metavar="N",

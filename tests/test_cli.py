@@ -257,10 +257,41 @@ def test_rate_scales_sweep_the_load(tmp_path, capsys):
                            (["--rate-scales", "1,nan"], "> 0"), (["--rate-scales", "1,inf"], "finite"),
                            (["--rate-scales", "1,x"], "--rate-scales takes comma-separated numbers"),
                            (["--rate-scales", "1,2", "--rate-scale", "3"], "give the rate twice"),
-                           (["--rate-scales", "1,2", "--seeds", "0,1"], "sweep one of them at a time")):
+                           (["--rate-scales", "1,2", "--seeds", "0,1", "--check"], "--seeds and --check")):
         assert main(base + extra) == 2
         captured = capsys.readouterr()
         assert message in captured.err and captured.err.count("\n") == 1 and captured.out == "", captured
+
+
+def test_rate_scales_with_seeds_give_mean_and_spread_by_scale(tmp_path, capsys):
+    """--rate-scales with --seeds replays each scale once per seed, each point the plain run
+    with that --rate-scale and --seed; the table and sweep.json give mean +- std over the
+    seeds at each scale; no per-run folders (as --seeds alone)."""
+    base = ["replay", "--synthetic-requests", "30", "--no-progress"]
+    assert main(base + ["--compare-policies", "fcfs,lpm", "--rate-scales", "4,40", "--seeds", "0,1",
+                        "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert doc["seeds"] == [0, 1] and doc["rate_scales"] == [4.0, 40.0] and doc["runs"] == ["fcfs", "lpm"]
+    assert "synthetic_seed" not in doc["config"] and sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json",
+                                                                                                  "sweep.png"]
+    assert "mean +- std (population) over seeds 0, 1" in out and "per seed, rate swept, synthetic" in out
+    for x in ("4", "40"):
+        ttft = []
+        for sd in (0, 1):
+            assert main(base + ["--rate-scale", x, "--seed", str(sd), "--policy", "lpm"]) == 0
+            plain = re.search(r"^decision digest: ([0-9a-f]{64})$", capsys.readouterr().out, re.M).group(1)
+            point = doc["summaries"][x][str(sd)]["lpm"]
+            assert point["digest"] == plain
+            assert f"rate x{x}, seed {sd}: fcfs " in out and f"lpm {plain[:12]}" in out
+            ttft.append(point["mean_ttft_ms"])
+        spread = doc["spread"][x]["lpm"]["mean_ttft_ms"]
+        assert spread["n"] == 2 and spread["mean"] == pytest.approx(sum(ttft) / 2)
+        assert spread["std"] == pytest.approx(abs(ttft[0] - ttft[1]) / 2)
+    from gpu_sched.sim.metrics import _fmt
+
+    s = doc["spread"]["40"]["lpm"]["mean_ttft_ms"]
+    assert f"{_fmt(s['mean'])} +- {_fmt(s['std'])}" in out
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")

@@ -299,13 +299,14 @@ def _metric(s: dict, key: str):
     return s.get(key)
 
 
-def seed_spread(per_seed: dict) -> dict:
-    """Across seeds, per run and metric of `_comparison_rows` (the digest aside): mean, std
-    (population; 0 for one seed), min, max and n over the seeds where the metric exists.
-    per_seed: {seed: {run name: summary}}; returns {run name: {key: {...}}} (key "hit%" is the
-    prefix-cache hit rate in percent)."""
+def seed_spread(per_seed: dict, rows=None) -> dict:
+    """Across seeds, per run and metric of `rows` ((label, key) pairs; default
+    `_comparison_rows`; the digest aside): mean, std (population; 0 for one seed), min, max and
+    n over the seeds where the metric exists. per_seed: {seed: {run name: summary}}; returns
+    {run name: {key: {...}}} (key "hit%" is the prefix-cache hit rate in percent)."""
     runs = list(next(iter(per_seed.values()))) if per_seed else []
-    rows = _comparison_rows([s for by_run in per_seed.values() for s in by_run.values()])
+    if rows is None:
+        rows = _comparison_rows([s for by_run in per_seed.values() for s in by_run.values()])
     out = {}
     for run in runs:
         out[run] = {}
@@ -337,27 +338,41 @@ SWEEP_ROWS = (("Request throughput (req/s)", "request_throughput"), ("Output thr
               ("Sched mean (us/step)", "mean_sched_us"))
 
 
-def format_rate_sweep(per_rate: dict, offered: dict, label=lambda x: f"{x:g}") -> str:
+def sweep_rows(summaries) -> tuple:
+    """`SWEEP_ROWS`, with the simulated time charged for the scheduler when any of `summaries`
+    was charged."""
+    if any(s.get("scheduler_time") not in (None, "free") for s in summaries):
+        return SWEEP_ROWS + (CHARGED_ROW,)
+    return SWEEP_ROWS
+
+
+def format_rate_sweep(per_rate: dict, offered: dict, label=lambda x: f"{x:g}", seeds=None) -> str:
     """A rate sweep (`gpu-sched replay --rate-scales`) as one table: a column per run, a group
-    of rows per metric of `SWEEP_ROWS` (and the simulated time charged for the scheduler, for
-    charged runs), one row per rate scale in each group, `x<label(scale)>` with the offered
-    request rate [req/s] where there is one. per_rate: {rate scale: {run name: summary}};
-    offered: {rate scale: req/s or None}."""
+    of rows per metric of `sweep_rows`, one row per rate scale in each group, `x<label(scale)>`
+    with the offered request rate [req/s] where there is one. per_rate: {rate scale: {run
+    name: summary}}, or with `seeds` (--seeds too) {rate scale: `seed_spread` over them}, whose
+    cells read `mean +- std`; offered: {rate scale: req/s or None} (the mean over the seeds)."""
     rates = list(per_rate)
     names = list(per_rate[rates[0]]) if rates else []
-    rows = SWEEP_ROWS
-    if any(s.get("scheduler_time") not in (None, "free") for by_run in per_rate.values() for s in by_run.values()):
-        rows = rows + (CHARGED_ROW,)
+    if seeds is None:
+        rows = sweep_rows([s for by_run in per_rate.values() for s in by_run.values()])
+        cell = lambda x, n, key: _fmt(_metric(per_rate[x][n], key))  # noqa: E731
+    else:
+        rows = tuple(r for r in SWEEP_ROWS + (CHARGED_ROW,) if r[1] in per_rate[rates[0]][names[0]])
+        cell = lambda x, n, key: ("n/a" if per_rate[x][n][key] is None else  # noqa: E731
+                                  f"{_fmt(per_rate[x][n][key]['mean'])} +- {_fmt(per_rate[x][n][key]['std'])}")
     at = {x: f"x{label(x)}" + (f" ({offered[x]:.3g} req/s)" if offered.get(x) is not None else "") for x in rates}
     width = max(28, *(len(lb) + 2 for lb, _ in rows))
     labels, cells = [], []
     for name, key in rows:
         for i, x in enumerate(rates):
             labels.append(f"{name if i == 0 else '':<{width}}{at[x]}")
-            cells.append([_fmt(_metric(per_rate[x][n], key)) for n in names])
+            cells.append([cell(x, n, key) for n in names])
     brackets = ("; in brackets the offered rate, the mean arrival rate (requests - 1) / (last - first arrival)"
                 if any(offered.get(x) is not None for x in rates) else "")
-    return _table(labels, names, cells, 12, title=f"by load (xN: as --rate-scale N{brackets})")
+    over = "" if seeds is None else f"; mean +- std (population) over seeds {', '.join(str(sd) for sd in seeds)}"
+    return _table(labels, names, cells, 12 if seeds is None else 16,
+                  title=f"by load (xN: as --rate-scale N{brackets}{over})")
 
 
 def strict_json(doc) -> str:

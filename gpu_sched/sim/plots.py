@@ -119,13 +119,15 @@ def plot_comparison(out_dir, summaries: dict, title: Optional[str] = None) -> Pa
     return _save(fig, out / "comparison.png")
 
 
-def plot_rate_sweep(out_dir, per_rate: dict, offered: dict, title: Optional[str] = None) -> Path:
+def plot_rate_sweep(out_dir, per_rate: dict, offered: dict, title: Optional[str] = None,
+                    spread: bool = False) -> Path:
     """Serving against load for a rate sweep (`gpu-sched replay --rate-scales`): mean and p99
     TTFT (s, log scale), mean TPOT (ms) and output throughput (tok/s) against the offered
     request rate (req/s; the rate scale where the trace gives no rate; a log axis where the
     points span more than 100x), a line per run.
-    per_rate: {rate scale: {run name: summarize() dict}}; offered: {rate scale: req/s or None}.
-    Writes and returns `out_dir/sweep.png`."""
+    per_rate: {rate scale: {run name: summarize() dict}}, or with `spread` {rate scale:
+    `metrics.seed_spread` dict}, drawn as means with +- std error bars; offered: {rate scale:
+    req/s or None}. Writes and returns `out_dir/sweep.png`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rates = sorted(per_rate)
@@ -138,12 +140,16 @@ def plot_rate_sweep(out_dir, per_rate: dict, offered: dict, title: Optional[str]
     with np.errstate(over="ignore"):  # axis limits near a float's range (scales up to ~1e308)
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
         for ax, (label, key, f, log) in zip(axes, panels):
+            ymax = 0.0
             for i, n in enumerate(names):
-                ys = [np.nan if per_rate[x][n].get(key) is None else f * per_rate[x][n][key] for x in rates]
-                ax.plot(xs, ys, marker="osD^vP*X"[i % 8], linestyle=("-", "--", ":", "-.")[i % 4],
-                        markersize=7 - 1.5 * (i % 3), color=f"C{i % 10}", label=n)  # equal runs stay visible
-            if log and any(f * per_rate[x][n].get(key, 0) > 0 for x in rates for n in names
-                           if per_rate[x][n].get(key) is not None):
+                vals = [per_rate[x][n].get(key) for x in rates]
+                ys = [np.nan if v is None else f * (v["mean"] if spread else v) for v in vals]
+                err = [np.nan if v is None else f * v["std"] for v in vals] if spread else None
+                ax.errorbar(xs, ys, yerr=err, marker="osD^vP*X"[i % 8], linestyle=("-", "--", ":", "-.")[i % 4],
+                            markersize=7 - 1.5 * (i % 3), color=f"C{i % 10}", capsize=3,
+                            label=n)  # equal runs stay visible
+                ymax = max([ymax, *(y for y in ys if y > 0)])
+            if log and ymax > 0:
                 ax.set_yscale("log")
             if xs and max(xs) > 100 * min(xs):  # scales spread over decades
                 ax.set_xscale("log")
