@@ -430,7 +430,8 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies, seeds=None) 
             if args.out and sd is None:  # as the sweep goes: a scale's per-request records are not kept past it
                 _write_runs(a, Path(args.out) / f"rate_x{scale_label(x)}", trace, configs, base, cost, got, policies)
         rs = offered[x]
-        offered[x] = None if None in rs else sum(rs) / len(rs)  # the mean over the seeds
+        mean = None if None in rs else sum(r / len(rs) for r in rs)  # the mean over the seeds (no overflow in a sum)
+        offered[x] = mean if mean is None or math.isfinite(mean) else None
         if x == rates[0] and all(r is None for r in rs):
             print("gpu-sched: note: the requests all arrive at one time, which no rate scale changes: every "
                   "scale replays the same arrivals", file=sys.stderr)
@@ -856,7 +857,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--compare-policies or --compare-backends) and print each metric by offered "
                         "request rate (the synthetic workload's grows less than the scale: its "
                         "think times do not scale); --out writes rate_x<X>/ per scale, sweep.json and "
-                        "sweep.png; with --seeds, each scale once per seed, mean +- std (not with --rate-scale)")
+                        "sweep.png; with --seeds, each scale once per seed, mean +- std over them, and --out "
+                        "writes only sweep.json and sweep.png (not with --rate-scale)")
     r.add_argument("--synthetic-requests", type=int, default=400, metavar="N",
                    help="requests of the synthetic workload (default %(default)s; without --trace)")
     r.add_argument("--routing-keys", type=int, default=0, metavar="N",
@@ -871,7 +873,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay once per seed (each policy or backend with --compare-policies or "
                         "--compare-backends) and print each "
                         "metric's mean +- std over the seeds (population std, ddof=0: with a few seeds "
-                        "it reads ~0.8x the sample std); --out writes seeds.json")
+                        "it reads ~0.8x the sample std); --out writes seeds.json (with --rate-scales: "
+                        "sweep.json)")
     r.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic workload and of the --routing-keys / --priority-levels "
                         "draws (default %(default)s)")

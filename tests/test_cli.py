@@ -276,22 +276,31 @@ def test_rate_scales_with_seeds_give_mean_and_spread_by_scale(tmp_path, capsys):
     assert "synthetic_seed" not in doc["config"] and sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json",
                                                                                                   "sweep.png"]
     assert "mean +- std (population) over seeds 0, 1" in out and "per seed, rate swept, synthetic" in out
-    for x in ("4", "40"):
-        ttft = []
+    from gpu_sched.sim.metrics import SWEEP_ROWS, _fmt
+    from gpu_sched.sim.traces import synthetic_workload
+
+    for i, x in enumerate(("4", "40")):
+        ttft, rates = [], []
         for sd in (0, 1):
-            assert main(base + ["--rate-scale", x, "--seed", str(sd), "--policy", "lpm"]) == 0
-            plain = re.search(r"^decision digest: ([0-9a-f]{64})$", capsys.readouterr().out, re.M).group(1)
-            point = doc["summaries"][x][str(sd)]["lpm"]
-            assert point["digest"] == plain
-            assert f"rate x{x}, seed {sd}: fcfs " in out and f"lpm {plain[:12]}" in out
-            ttft.append(point["mean_ttft_ms"])
+            assert main(base + ["--rate-scale", x, "--seed", str(sd), "--compare-policies", "fcfs,lpm"]) == 0
+            plain = dict(re.findall(r"^decision digest \[(\w+)\]: ([0-9a-f]{64})$", capsys.readouterr().out, re.M))
+            for p in ("fcfs", "lpm"):
+                assert doc["summaries"][x][str(sd)][p]["digest"] == plain[p]
+            assert f"rate x{x}, seed {sd}: fcfs {plain['fcfs'][:12]}, lpm {plain['lpm'][:12]}\n" in out
+            ttft.append(doc["summaries"][x][str(sd)]["lpm"]["mean_ttft_ms"])
+            arrivals = [r.arrival_s for r in synthetic_workload(30, seed=sd, request_rate=8.0 * float(x)).requests]
+            rates.append(29 / (max(arrivals) - min(arrivals)))
         spread = doc["spread"][x]["lpm"]["mean_ttft_ms"]
         assert spread["n"] == 2 and spread["mean"] == pytest.approx(sum(ttft) / 2)
         assert spread["std"] == pytest.approx(abs(ttft[0] - ttft[1]) / 2)
-    from gpu_sched.sim.metrics import _fmt
-
-    s = doc["spread"]["40"]["lpm"]["mean_ttft_ms"]
-    assert f"{_fmt(s['mean'])} +- {_fmt(s['std'])}" in out
+        assert doc["offered_request_rate"][i] == pytest.approx(sum(rates) / 2)  # the seeds' mean
+    # every row of the sweep's table, each cell mean +- std
+    assert set(doc["spread"]["40"]["fcfs"]) == {key for _, key in SWEEP_ROWS}
+    for label, key in SWEEP_ROWS:
+        cells = [f"{_fmt(doc['spread']['40'][p][key]['mean'])} +- {_fmt(doc['spread']['40'][p][key]['std'])}"
+                 for p in ("fcfs", "lpm")]
+        assert re.search(rf"x40 \([0-9.]+ req/s\) +{re.escape(cells[0])} +{re.escape(cells[1])}$", out, re.M), label
+        assert label in out
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")

@@ -370,7 +370,8 @@ def format_rate_sweep(per_rate: dict, offered: dict, label=lambda x: f"{x:g}", s
             cells.append([cell(x, n, key) for n in names])
     brackets = ("; in brackets the offered rate, the mean arrival rate (requests - 1) / (last - first arrival)"
                 if any(offered.get(x) is not None for x in rates) else "")
-    over = "" if seeds is None else f"; mean +- std (population) over seeds {', '.join(str(sd) for sd in seeds)}"
+    over = ("" if seeds is None else f"; mean +- std (population) over seeds {', '.join(str(sd) for sd in seeds)}"
+            + ("; the offered rate their mean" if brackets else ""))
     return _table(labels, names, cells, 12 if seeds is None else 16,
                   title=f"by load (xN: as --rate-scale N{brackets}{over})")
 
