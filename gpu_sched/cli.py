@@ -15,6 +15,7 @@ under --check, a request that never fits) exits 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -411,10 +412,7 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies, seeds=None) 
     points = {}
     for x in rates:  # every point's trace read first: one that cannot be replayed stops the sweep before any run
         for sd in sds:
-            a = argparse.Namespace(**vars(args))
-            a.rate_scale, a.rate_flag = x, "--rate-scales' scale"
-            if sd is not None:
-                a.seed = sd
+            a = _args_with(args, rate_scale=x, rate_flag="--rate-scales' scale", seed=args.seed if sd is None else sd)
             points[x, sd] = (a, _replay_trace(a, configs, notes=(x, sd) == (rates[0], sds[0])))
     per_point, offered = {}, {}
     for x in rates:
@@ -440,8 +438,7 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies, seeds=None) 
     else:
         rows = sweep_rows([s for by_run in per_point.values() for s in by_run.values()])
         per_rate = {x: seed_spread({sd: per_point[x, sd] for sd in seeds}, rows) for x in rates}
-    a = argparse.Namespace(**vars(args))
-    a.rate_scale = 1.0
+    a = _args_with(args, rate_scale=1.0)
     label = _workload_label(a, trace)
     print(_run_header(a, trace, cost, per_seed=seeds is not None, rate_swept=True))
     print(format_rate_sweep(per_rate, offered, scale_label, seeds))
@@ -451,24 +448,17 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies, seeds=None) 
     if args.check:
         print(_check_passed(list(configs) if policies or args.compare_backends else None, sweep=True))
     if args.out:
-        info = {k: v for k, v in _run_info(a, trace, base, cost).items() if k not in ("scheduler", "rate_scale")}
-        if seeds is not None:
-            for k in ("synthetic_seed", "key_seed"):
-                info.pop(k)
-        if args.compare_backends:
-            info["backend"] = list(args.compare_backends)
+        drop = ("rate_scale",) + (("synthetic_seed", "key_seed") if seeds is not None else ())
         doc = {"workload": label, "rate_scales": list(rates), "offered_request_rate": [offered[x] for x in rates],
                "runs": list(configs),
                "summaries": {scale_label(x): (per_rate[x] if seeds is None else
                                               {str(sd): per_point[x, sd] for sd in seeds}) for x in rates},
-               "config": dict(info, schedulers={n: dataclasses.asdict(c) for n, c in configs.items()})}
+               "config": _sweep_config(a, trace, configs, cost, drop)}
         if seeds is not None:
             doc.update(seeds=list(seeds), spread={scale_label(x): per_rate[x] for x in rates})
-        try:
-            plot_rate_sweep(args.out, per_rate, offered, title=label, spread=seeds is not None)
-            (Path(args.out) / "sweep.json").write_text(strict_json(doc) + "\n")
-        except OSError as e:
-            raise CliError(f"cannot write results to {args.out}: {e}") from None
+        with _writing(args.out) as out:
+            plot_rate_sweep(out, per_rate, offered, title=label, spread=seeds is not None)
+            (out / "sweep.json").write_text(strict_json(doc) + "\n")
         print(f"results written to {args.out}")
     return 0
 
@@ -550,13 +540,33 @@ def _replay_runs(args, configs: dict, trace, cost):
     return summaries, runs
 
 
-def _replay_with(args, configs: dict, cost, option: str, value, notes: bool):
-    """One replay of `configs` with one option of `args` set to `value` (a point of a sweep,
-    such as --seeds' "seed"): (its args, its trace, `_replay_runs`' result)."""
-    a = argparse.Namespace(**vars(args))
-    setattr(a, option, value)
-    trace = _replay_trace(a, configs, notes=notes)
-    return a, trace, _replay_runs(a, configs, trace, cost)
+def _args_with(args, **changes) -> argparse.Namespace:
+    """A copy of `args` with `changes` (a sweep's point: its seed, its rate scale)."""
+    return argparse.Namespace(**dict(vars(args), **changes))
+
+
+def _sweep_config(args, trace, configs: dict, cost, drop=()) -> dict:
+    """The "config" of seeds.json / sweep.json: `_run_info` without what varies over the sweep
+    (`drop`) nor the one run's scheduler, with every run's scheduler configuration and, with
+    --compare-backends, the backends."""
+    info = {k: v for k, v in _run_info(args, trace, next(iter(configs.values())), cost).items()
+            if k not in ("scheduler", *drop)}
+    if args.compare_backends:  # the runs are the backends
+        info["backend"] = list(args.compare_backends)
+    return dict(info, schedulers={n: dataclasses.asdict(c) for n, c in configs.items()})
+
+
+@contextlib.contextmanager
+def _writing(out):
+    """`out` as a Path, made if missing, for the files --out writes; an OSError while writing
+    them becomes one CliError naming the folder."""
+    from pathlib import Path
+
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        yield Path(out)
+    except OSError as e:
+        raise CliError(f"cannot write results to {out}: {e}") from None
 
 
 def _replay_seeds(args, configs: dict, cost, seeds) -> int:
@@ -566,7 +576,9 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
 
     per_seed, label = {}, None
     for sd in seeds:
-        a, trace, got = _replay_with(args, configs, cost, "seed", sd, notes=sd == seeds[0])
+        a = _args_with(args, seed=sd)
+        trace = _replay_trace(a, configs, notes=sd == seeds[0])
+        got = _replay_runs(a, configs, trace, cost)
         if isinstance(got, int):
             return got
         per_seed[sd] = got[0]
@@ -576,20 +588,11 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
     print(_run_header(args, trace, cost, per_seed=True))
     print(format_seed_spread(spread, seeds))
     if args.out:
-        from pathlib import Path
-
-        info = {k: v for k, v in _run_info(args, trace, next(iter(configs.values())), cost).items()
-                if k not in ("scheduler", "synthetic_seed", "key_seed")}
-        if args.compare_backends:  # the runs are the backends
-            info["backend"] = list(args.compare_backends)
         doc = {"workload": label, "seeds": list(seeds), "runs": list(configs), "spread": spread,
                "summaries": {str(sd): v for sd, v in per_seed.items()},
-               "config": dict(info, schedulers={n: dataclasses.asdict(c) for n, c in configs.items()})}
-        try:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "seeds.json").write_text(strict_json(doc) + "\n")
-        except OSError as e:
-            raise CliError(f"cannot write results to {args.out}: {e}") from None
+               "config": _sweep_config(args, trace, configs, cost, ("synthetic_seed", "key_seed"))}
+        with _writing(args.out) as out:
+            (out / "seeds.json").write_text(strict_json(doc) + "\n")
         print(f"results written to {args.out}")
     return 0
 
@@ -598,17 +601,15 @@ def _write_runs(args, out, trace, configs: dict, base, cost, got, policies) -> N
     """--out for one replay of `configs` (`_replay_runs`' result `got`): each run's results.json
     and plots (in out/<run>/ when several are compared), and with several, comparison.json and
     comparison.png in `out`. CliError when a file cannot be written."""
-    from pathlib import Path
-
     from .sim.metrics import strict_json, write_results
     from .sim.plots import plot_comparison, plot_run
 
     summaries, runs = got
     compared = policies or args.compare_backends
     backends = _run_backends(args, configs)
-    try:
+    with _writing(out) as folder:
         for name, (requests, steps) in runs.items():
-            d = Path(out) / name if compared else Path(out)
+            d = folder / name if compared else folder
             write_results(d, summaries[name], requests, steps,
                           extra=_run_info(args, trace, configs[name], cost, backends[name]))
             plot_run(d, requests, steps, title=f"{trace.name}, {name}")
@@ -623,9 +624,7 @@ def _write_runs(args, out, trace, configs: dict, base, cost, got, policies) -> N
                 shared.pop("backend")
                 doc = {"workload": wl, "backends": list(summaries), "summaries": summaries,
                        "config": dict(shared, scheduler=dataclasses.asdict(base))}
-            (Path(out) / "comparison.json").write_text(strict_json(doc) + "\n")
-    except OSError as e:
-        raise CliError(f"cannot write results to {out}: {e}") from None
+            (folder / "comparison.json").write_text(strict_json(doc) + "\n")
 
 
 def unwritable_reason(folder) -> Optional[str]:

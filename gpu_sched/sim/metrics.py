@@ -253,10 +253,16 @@ COMPARISON_ROWS = (("Requests completed", "completed"), ("Request throughput (re
 CHARGED_ROW = ("Sched charged to clock (ms)", "charged_ms")
 
 
+def _charged(summaries) -> bool:
+    """Whether any of `summaries` was charged for the scheduler's time
+    (`replay(scheduler_time=...)` other than "free")."""
+    return any(s.get("scheduler_time") not in (None, "free") for s in summaries)
+
+
 def _comparison_rows(summaries) -> tuple:
     """`COMPARISON_ROWS`, with the simulated time charged for the scheduler before the digest
-    when any of `summaries` was charged (`replay(scheduler_time=...)` other than "free")."""
-    if any(s.get("scheduler_time") not in (None, "free") for s in summaries):
+    when any of `summaries` was charged."""
+    if _charged(summaries):
         return COMPARISON_ROWS[:-1] + (CHARGED_ROW,) + COMPARISON_ROWS[-1:]
     return COMPARISON_ROWS
 
@@ -319,13 +325,17 @@ def seed_spread(per_seed: dict, rows=None) -> dict:
     return out
 
 
+def _spread_cell(stat: Optional[dict]) -> str:
+    """One `seed_spread` statistic as a table cell: `mean +- std`, or n/a."""
+    return "n/a" if stat is None else f"{_fmt(stat['mean'])} +- {_fmt(stat['std'])}"
+
+
 def format_seed_spread(spread: dict, seeds) -> str:
     """`seed_spread` as one table: a column per run, `mean +- std` over the seeds."""
     names = list(spread)
     keys = set(spread[names[0]]) if names else set()
     rows = [(label, key) for label, key in COMPARISON_ROWS[:-1] + (CHARGED_ROW,) if key in keys]
-    cells = [[("n/a" if spread[n][key] is None else
-               f"{_fmt(spread[n][key]['mean'])} +- {_fmt(spread[n][key]['std'])}") for n in names] for _, key in rows]
+    cells = [[_spread_cell(spread[n][key]) for n in names] for _, key in rows]
     return _table([label for label, _ in rows], names, cells, 16,
                   title=f"mean +- std (population, ddof=0) over seeds {', '.join(str(sd) for sd in seeds)}")
 
@@ -341,9 +351,7 @@ SWEEP_ROWS = (("Request throughput (req/s)", "request_throughput"), ("Output thr
 def sweep_rows(summaries) -> tuple:
     """`SWEEP_ROWS`, with the simulated time charged for the scheduler when any of `summaries`
     was charged."""
-    if any(s.get("scheduler_time") not in (None, "free") for s in summaries):
-        return SWEEP_ROWS + (CHARGED_ROW,)
-    return SWEEP_ROWS
+    return SWEEP_ROWS + (CHARGED_ROW,) if _charged(summaries) else SWEEP_ROWS
 
 
 def format_rate_sweep(per_rate: dict, offered: dict, label=lambda x: f"{x:g}", seeds=None) -> str:
@@ -359,8 +367,7 @@ def format_rate_sweep(per_rate: dict, offered: dict, label=lambda x: f"{x:g}", s
         cell = lambda x, n, key: _fmt(_metric(per_rate[x][n], key))  # noqa: E731
     else:
         rows = tuple(r for r in SWEEP_ROWS + (CHARGED_ROW,) if r[1] in per_rate[rates[0]][names[0]])
-        cell = lambda x, n, key: ("n/a" if per_rate[x][n][key] is None else  # noqa: E731
-                                  f"{_fmt(per_rate[x][n][key]['mean'])} +- {_fmt(per_rate[x][n][key]['std'])}")
+        cell = lambda x, n, key: _spread_cell(per_rate[x][n][key])  # noqa: E731
     at = {x: f"x{label(x)}" + (f" ({offered[x]:.3g} req/s)" if offered.get(x) is not None else "") for x in rates}
     width = max(28, *(len(lb) + 2 for lb, _ in rows))
     labels, cells = [], []
