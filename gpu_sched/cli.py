@@ -249,6 +249,7 @@ def _run_info(args, trace, config, cost, backend: Optional[str] = None) -> dict:
             "capture": 0 if backend == "reference" else args.capture, "kv_tokens": args.kv_tokens,
             "cost_model": dataclasses.asdict(cost), "check": args.check,
             "scheduler_time": getattr(args, "scheduler_time", "free"),
+            "max_new_tokens": getattr(args, "max_new_tokens", None),
             "scheduler": dataclasses.asdict(config), "argv": getattr(args, "argv", None),
             "version": _version(), "commit": _commit()}
 
@@ -292,6 +293,8 @@ def _workload_label(args, trace) -> str:
         parts.append(f"{args.routing_keys} routing keys")
     if getattr(args, "priority_levels", 0):
         parts.append(f"{args.priority_levels} priority levels")
+    if getattr(args, "max_new_tokens", None) is not None:
+        parts.append(f"max_new_tokens {args.max_new_tokens}")
     parts.append(f"KV {args.kv_tokens} tokens")
     return ", ".join(parts)
 
@@ -488,7 +491,8 @@ def _replay_trace(args, configs: dict, notes: bool = True):
             continue
         seen.add(name)
         if name == "routing-key" and not any(r.routing_key for r in reqs):
-            print("gpu-sched: note: no request has a routing key, so routing-key orders as fcfs; "
+            how = "plain fcfs (no priority sort)" if cfg.enable_priority_scheduling else "fcfs"
+            print(f"gpu-sched: note: no request has a routing key, so routing-key orders as {how}; "
                   "--routing-keys N gives them keys", file=sys.stderr)
         if cfg.enable_priority_scheduling and all(r.priority is None for r in reqs):
             print("gpu-sched: note: no request has a priority, so priority scheduling changes nothing; "
@@ -496,7 +500,48 @@ def _replay_trace(args, configs: dict, notes: bool = True):
         if name in ("lpm", "dfs-weight") and getattr(args, "trace", None) and not any(r.hash_ids for r in reqs):
             print(f"gpu-sched: note: {trace.name} records no prompt contents (each prompt is a unique "
                   f"stream), so nothing is shared and {name} finds no prefix to reuse", file=sys.stderr)
+    for note in _ignored_options_notes(args, configs, trace) if notes else ():
+        print(f"gpu-sched: note: {note}", file=sys.stderr)
     return trace
+
+
+def _ignored_options_notes(args, configs: dict, trace) -> List[str]:
+    """Notes for options this replay reads nowhere (each given on the command line,
+    `args.given`), and for priorities that a policy's order does not read."""
+    given = getattr(args, "given", frozenset())
+    notes = []
+    if getattr(args, "trace", None):
+        if "synthetic_requests" in given:
+            notes.append("--synthetic-requests sizes the synthetic workload: with --trace it changes nothing")
+        if "seed" in given and not (args.routing_keys or args.priority_levels):
+            notes.append("--seed seeds the synthetic workload and the --routing-keys / --priority-levels draws: "
+                         "with --trace and neither of those it changes nothing")
+    backends = set(_run_backends(args, configs).values())
+    if backends == {"reference"} and "threads" in given:  # (a --device other than cpu is refused)
+        notes.append("--threads sets torch's threads for the torch and triton backends: the reference "
+                     "scheduler ignores it")
+    cfgs = list(configs.values())
+    if "schedule_low_priority_values_first" in given and not any(
+            c.enable_priority_scheduling or c.enable_priority_preemption for c in cfgs):
+        notes.append("--schedule-low-priority-values-first sets the priority direction, which only "
+                     "--enable-priority-scheduling and --enable-priority-preemption read: it changes nothing here")
+    if getattr(args, "routing_keys", 0) and not any(c.schedule_policy == "routing-key" for c in cfgs):
+        notes.append("--routing-keys gives requests routing keys, which only the routing-key policy reads: "
+                     "they change nothing here")
+    if any(r.priority is not None for r in trace.requests):
+        deaf = sorted({c.schedule_policy for c in cfgs if c.enable_priority_scheduling
+                       and c.schedule_policy not in ("fcfs", "lof")})
+        if deaf:
+            notes.append(f"{', '.join(deaf)} {'does' if len(deaf) == 1 else 'do'} not sort by priority (SPEC R-ORD: "
+                         f"only fcfs and lof do, with --enable-priority-scheduling); priorities change "
+                         f"{'its' if len(deaf) == 1 else 'their'} decisions only through "
+                         f"--enable-priority-preemption's choice of victims")
+    if any(c.schedule_policy == "lof" for c in cfgs) and getattr(args, "max_new_tokens", None) is None:
+        notes.append("each request's max_new_tokens is its trace output length, so lof sorts by the true output "
+                     "length (an oracle no engine has) and the KV budgets reserve exactly what each request "
+                     "generates; --max-new-tokens N gives every request the same max_new_tokens, as clients "
+                     "that leave max_tokens at a default")
+    return notes
 
 
 def _run_backends(args, configs: dict) -> dict:
@@ -514,7 +559,7 @@ def _replay_runs(args, configs: dict, trace, cost):
 
     # after the trace: a device backend imports torch (seconds), a wrong path should not wait
     # a request's fill is its prompt and at most max(output_len, 1) generated tokens (engine.py)
-    max_len = max((r.input_len + max(r.output_len, 1) for r in trace.requests), default=1)
+    max_len = max((r.input_len + max(r.output_len, 1) for r in trace.requests), default=1)  # --max-new-tokens only cuts
     backends = _run_backends(args, configs)
     factories = {}
     for b in dict.fromkeys(backends.values()):
@@ -531,7 +576,8 @@ def _replay_runs(args, configs: dict, trace, cost):
             summary, requests, steps = replay(trace, cfg, kv_tokens=args.kv_tokens,
                                               make_scheduler=lambda c, kv, f=factory: f(c, kv),
                                               cost_model=cost, check=args.check, progress=progress,
-                                              scheduler_time=getattr(args, "scheduler_time", "free"))
+                                              scheduler_time=getattr(args, "scheduler_time", "free"),
+                                              max_new_tokens=getattr(args, "max_new_tokens", None))
         except SimulationError as e:
             print(f"gpu-sched: error: replay ({name}) stopped at {e}", file=sys.stderr)
             return 1
@@ -587,6 +633,9 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
     spread = seed_spread(per_seed)
     print(_run_header(args, trace, cost, per_seed=True))
     print(format_seed_spread(spread, seeds))
+    if args.compare_backends:
+        print(_backends_agreement(args, next(iter(configs.values())), {f"seed {sd}": per_seed[sd] for sd in seeds},
+                                  every="with every seed"))
     if args.out:
         doc = {"workload": label, "seeds": list(seeds), "runs": list(configs), "spread": spread,
                "summaries": {str(sd): v for sd, v in per_seed.items()},
@@ -619,7 +668,8 @@ def _write_runs(args, out, trace, configs: dict, base, cost, got, policies) -> N
             # the runs side by side in one file: each run's summary and the shared setting
             shared = {k: v for k, v in _run_info(args, trace, base, cost).items() if k != "scheduler"}
             if policies:
-                doc = {"workload": wl, "policies": list(summaries), "summaries": summaries, "config": shared}
+                doc = {"workload": wl, "policies": list(summaries), "summaries": summaries,
+                       "config": dict(shared, schedulers={n: dataclasses.asdict(c) for n, c in configs.items()})}
             else:
                 shared.pop("backend")
                 doc = {"workload": wl, "backends": list(summaries), "summaries": summaries,
@@ -689,11 +739,14 @@ def _write_probe(folder) -> Optional[str]:
 
 def cmd_replay(args) -> int:
     from .sim.engine import get_cost_model
+    from .sim.traces import MAX_TRACE_TOKENS
     from .sim.metrics import format_comparison, format_summary
 
     try:
         if not 1 <= args.kv_tokens <= 2**40:
             raise ValueError(f"--kv-tokens must be in [1, 2^40], got {args.kv_tokens}")
+        if args.max_new_tokens is not None and not 1 <= args.max_new_tokens <= MAX_TRACE_TOKENS:
+            raise ValueError(f"--max-new-tokens must be in [1, {MAX_TRACE_TOKENS}], got {args.max_new_tokens}")
         cost = get_cost_model(args.cost_model)
         base = config_from_args(args)
         policies = [p.strip() for p in args.compare_policies.split(",")] if args.compare_policies else None
@@ -702,7 +755,13 @@ def cmd_replay(args) -> int:
         if policies is not None and args.schedule_policy is not None:  # one of them would be ignored
             raise ValueError(f"--policy {args.schedule_policy} and --compare-policies {args.compare_policies} "
                              f"name the policies twice: give one of them")
-        configs = {p: base.replace(schedule_policy=p) for p in policies} if policies else {base.schedule_policy: base}
+        configs = {}
+        for p in policies or ():
+            try:
+                configs[p] = base.replace(schedule_policy=p)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"--compare-policies {args.compare_policies}: {e}") from None
+        configs = configs or {base.schedule_policy: base}
         args.compare_backends = _parse_backends(args, policies)
         if args.compare_backends:
             configs = {b: base for b in args.compare_backends}
@@ -749,17 +808,17 @@ def cmd_replay(args) -> int:
     return 0
 
 
-def _backends_agreement(args, base, points) -> str:
+def _backends_agreement(args, base, points, every: str = "at every rate scale") -> str:
     """--compare-backends' closing line: whether the backends made the same decisions (equal
     digests) in every one of `points` ({point name: {backend: summary}}, one replay of a sweep
-    each, or {None: ...} for one replay; a sweep names the points where they differ), or why
-    their digests are not compared (charged runs)."""
+    each, or {None: ...} for one replay; a sweep names the points where they differ, and says
+    `every` where they do not), or why their digests are not compared (charged runs)."""
     if args.scheduler_time != "free":
         return (f"the digests are not compared: with --scheduler-time {args.scheduler_time} each run's "
                 f"decisions depend on its scheduler's timing")
     differ = [k for k, p in points.items() if len({s["digest"] for s in p.values()}) > 1]
     same = not differ
-    where = ("" if list(points) == [None] else " at every rate scale" if same else
+    where = ("" if list(points) == [None] else f" {every}" if same else
              f" at {', '.join(differ)}")
     return ((f"the backends made the same decisions{where} (equal digests)" if same else
              f"the backends' decisions differ{where} (their digests differ)")
@@ -773,6 +832,12 @@ def _check_passed(runs, sweep: bool = False) -> str:
     names = f" [{', '.join(runs)}]" if runs else ""
     return (f"integrity check passed{names}{' at every rate scale' if sweep else ''}: tree, lock and KV-pool "
             f"invariants held after every scheduler step")
+
+
+#: trace-stats' units by key (input_* / output_* by their prefix)
+_STAT_UNITS = {"duration_s": "s", "request_rate": "req/s", "max_gap_s": "s", "peak_rate_60s": "req/s",
+               "input": "tokens", "output": "tokens", "total_input_tokens": "tokens",
+               "total_output_tokens": "tokens"}
 
 
 def cmd_trace_stats(args) -> int:
@@ -795,8 +860,11 @@ def cmd_trace_stats(args) -> int:
         elif isinstance(v, int):
             s = str(v)
         else:
-            s = f"{v:.4f}" if k == "repeat_block_frac" else f"{v:.2f}"
-        print(f"  {k:<{width}}{s:>16}")
+            s = f"{v:.4f}" if k in ("repeat_block_frac", "interarrival_cv") else f"{v:.2f}"
+        unit = _STAT_UNITS.get(k.rsplit("_", 1)[0] if k.startswith(("input_", "output_")) else k, "")
+        print(f"  {k:<{width}}{s:>16}" + (f"  {unit}" if unit else ""))
+    print("  interarrival_cv: std / mean of the gaps between arrivals (1 for Poisson arrivals, above 1 "
+          "for bursts); peak_rate_60s: the busiest 60 s window's arrivals / 60")
     if stats["repeat_block_frac"] is not None:
         print("  repeat_block_frac: the share of prompt blocks equal to an earlier one (an upper bound "
               "on the block hit rate of an infinite cache)")
@@ -879,6 +947,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "draws (default %(default)s)")
     r.add_argument("--kv-tokens", type=int, default=1_000_000, metavar="N",
                    help="KV pool size [tokens] (default %(default)s)")
+    r.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help="give every request max_new_tokens N, as clients that leave max_tokens at a default; "
+                        "each still stops at its trace output length (as at an EOS), cut at N. Default: each "
+                        "request's max_new_tokens is its own output length, which the scheduler then knows "
+                        "in advance (lof sorts by the true output length, the KV budgets reserve exactly "
+                        "what each request generates)")
     _add_backend_flags(r)
     r.add_argument("--cost-model", default=DEFAULT_COST_MODEL,
                    help=f"step-cost preset: {', '.join(COST_MODELS)} (default {DEFAULT_COST_MODEL}), or a "
@@ -921,11 +995,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _given_options(argv: List[str]) -> frozenset:
+    """The dests of the options the command line gives (abbreviated or `--flag=value` forms
+    included), from a second parse in which no option has a default: what a note may call
+    ignored (its default value given explicitly counts as given)."""
+    parser = build_parser()
+    for action in parser._actions:  # the subcommands' parsers
+        for sub in getattr(action, "choices", None).values() if isinstance(action, argparse._SubParsersAction) else ():
+            for a in sub._actions:
+                if a.dest not in ("help", "command"):
+                    a.default = argparse.SUPPRESS
+            sub.set_defaults(func=None)
+    try:
+        return frozenset(vars(parser.parse_args(argv)))
+    except SystemExit:  # cannot happen after the first parse succeeded
+        return frozenset()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = ["gpu-sched"] + argv  # recorded in results.json
+    args.given = _given_options(argv)
     try:
         return args.func(args)
     except CliError as e:

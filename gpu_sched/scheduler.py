@@ -462,6 +462,8 @@ class GpuScheduler(ReferenceScheduler):
     # ---- the waiting queue as table rows ---------------------------------------------------------
     @property
     def queue(self) -> RowQueue:
+        """The waiting queue in its current order (R-STEP-4 keeps the last step's order): a
+        `RowQueue` of rows of the request table, read like a list of `ReqState`s."""
         return self._queue
 
     @queue.setter

@@ -335,6 +335,7 @@ def test_compare_policies_prints_one_table(tmp_path, capsys):
     for p in ("fcfs", "lpm"):
         assert doc["summaries"][p] == json.loads((tmp_path / p / "results.json").read_text())["summary"]
     assert doc["config"]["num_requests"] == 30 and "scheduler" not in doc["config"]
+    assert {p: c["schedule_policy"] for p, c in doc["config"]["schedulers"].items()} == {"fcfs": "fcfs", "lpm": "lpm"}
 
 
 def test_cost_model_from_a_json_file(tmp_path, capsys):
@@ -407,6 +408,8 @@ def test_trace_stats_azure(capsys):
     assert re.search(r"repeat_block_frac\s+n/a\n", out)
     assert "repeat_block_frac n/a: the trace has no prompt block hashes" in out  # says why
     assert "total_output_tokens" in out
+    assert re.search(r"request_rate\s+2\.57  req/s\n", out) and re.search(r"input_p50\s+\S+  tokens\n", out)
+    assert re.search(r"interarrival_cv\s+\d+\.\d{4}\n", out) and "peak_rate_60s" in out
 
 
 def _bad_rows(tmp_path):
@@ -591,6 +594,49 @@ def test_priority_levels_without_priority_scheduling_is_noted(capsys):
     assert "only --enable-priority-scheduling reads" in capsys.readouterr().err
 
 
+def test_options_a_replay_does_not_read_are_noted(capsys):
+    """Each option given that this replay reads nowhere gets a note naming it, and so do
+    priorities under a policy that does not sort by them, and lof's oracle (each request's
+    max_new_tokens is its true output length) unless --max-new-tokens sets one for all."""
+    base = ["replay", "--synthetic-requests", "20", "--no-progress"]
+    assert main(base + ["--threads", "2", "--routing-keys", "3", "--schedule-low-priority-values-first"]) == 0
+    err = capsys.readouterr().err
+    assert "--threads sets torch's threads" in err and "--routing-keys gives requests routing keys" in err
+    assert "--schedule-low-priority-values-first sets the priority direction" in err
+    assert main(base + ["--compare-policies", "fcfs,lpm,routing-key", "--enable-priority-scheduling",
+                        "--priority-levels", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "lpm, routing-key do not sort by priority" in err and "orders as plain fcfs (no priority sort)" in err
+    assert "fcfs, lpm" not in err and "oracle" not in err
+    assert main(base + ["--policy", "lof"]) == 0
+    assert "lof sorts by the true output length (an oracle" in capsys.readouterr().err
+    assert main(base + ["--policy", "lof", "--max-new-tokens", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert "oracle" not in err and "Workload:  synthetic, 20 requests, max_new_tokens 64, KV" in out
+    assert main(base + ["--threads", "1", "--backend", "torch", "--routing-keys", "3", "--policy", "routing-key"]) == 0
+    assert "note" not in capsys.readouterr().err  # each of those read
+    if AZURE.exists():
+        assert main(["replay", "--trace", str(AZURE), "--limit", "20", "--no-progress", "--synthetic-requests", "5",
+                     "--seed", "3"]) == 0
+        err = capsys.readouterr().err
+        assert "--synthetic-requests sizes the synthetic workload" in err and "--seed seeds the synthetic" in err
+
+
+def test_max_new_tokens_is_recorded_and_cuts_outputs(tmp_path, capsys):
+    argv = ["replay", "--synthetic-requests", "30", "--no-progress", "--max-new-tokens", "8", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["config"]["max_new_tokens"] == 8 and doc["summary"]["max_new_tokens"] == 8
+    assert max(r["output_len"] for r in doc["requests"]) == 8
+    assert all(k in doc["requests"][0] for k in ("queued_s", "preemptions", "priority", "routing_key"))
+
+
+def test_seeds_with_compare_backends_say_whether_they_agree(capsys):
+    assert main(["replay", "--synthetic-requests", "20", "--no-progress", "--compare-backends", "reference,torch",
+                 "--seeds", "0,1"]) == 0
+    assert "the backends made the same decisions with every seed (equal digests)" in capsys.readouterr().out
+
+
 def test_output_closed_early_is_not_a_traceback():
     """`gpu-sched ... | head`: the closed pipe ends the command quietly (more output than a
     pipe holds, so the write meets the closed pipe whatever the timing)."""
@@ -621,6 +667,8 @@ def test_argparse_errors_exit_2():
     (["--routing-keys", str(2**64)], "--routing-keys must be in [0, 2^62]"),
     (["--priority-levels", str(2**64)], "--priority-levels must be in [0, 2^62]"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be in [1, 16777216], got 0"),
+    (["--compare-policies", "fcfs,foo"], "--compare-policies fcfs,foo: schedule_policy must be one of"),
     # the scheduler config's own checks, with the flag that set the field in front
     (["--policy", "foo"], "--policy 'foo': schedule_policy must be one of"),
     (["--schedule-policy", "foo"], "--policy 'foo': schedule_policy must be one of"),

@@ -506,3 +506,75 @@ def test_scheduler_time_blocking_charges_what_an_idle_gap_cannot_absorb():
     assert late >= 1
     free, _, _ = _timed_run("free", step_s, finish_s, trace=sparse)
     assert summary["mean_e2el_ms"] > free["mean_e2el_ms"] + 1e3
+
+
+class _Seen:
+    """make_scheduler that records every submitted Request's max_new_tokens."""
+
+    def __init__(self):
+        self.max_new = []
+
+    def __call__(self, config, kv):
+        sched = ReferenceScheduler(config, kv)
+        submit = sched.submit
+
+        def spy(reqs, now=None):
+            reqs = list(reqs)
+            self.max_new += [r.max_new_tokens for r in reqs]
+            return submit(reqs, now=now)
+
+        sched.submit = spy
+        return sched
+
+
+def test_max_new_tokens_is_one_cap_for_all_and_cuts_outputs():
+    """replay(max_new_tokens=N): every request is submitted with max_new_tokens N and
+    generates min(its output length, N) tokens; lof, whose key is max_new_tokens, then has
+    nothing to sort by and decides as fcfs, where with each request's own output length it
+    does not."""
+    tr = _burst(30, output_len=(20, 60))
+    seen = _Seen()
+    cfg = SchedulerConfig(schedule_policy="lof")
+    s, reqs, _ = replay(tr, cfg, kv_tokens=20_000, make_scheduler=seen, max_new_tokens=32, check=True)
+    assert seen.max_new == [32] * len(tr) and s["max_new_tokens"] == 32
+    assert [r.output_len for r in reqs] == [min(max(t.output_len, 1), 32) for t in tr]
+    assert s["total_output_tokens"] == sum(min(max(t.output_len, 1), 32) for t in tr)
+    fcfs = replay(tr, SchedulerConfig(), kv_tokens=20_000, make_scheduler=ReferenceScheduler, max_new_tokens=32)[0]
+    assert s["digest"] == fcfs["digest"]
+    own = replay(tr, cfg, kv_tokens=20_000, make_scheduler=ReferenceScheduler)[0]
+    assert own["digest"] != replay(tr, SchedulerConfig(), kv_tokens=20_000, make_scheduler=ReferenceScheduler)[0]["digest"]
+    assert own["max_new_tokens"] is None
+    for bad, err in ((0, ValueError), (2**24 + 1, ValueError), (True, TypeError), (2.5, TypeError)):
+        with pytest.raises(err, match="max_new_tokens"):
+            replay(tr, cfg, kv_tokens=20_000, make_scheduler=ReferenceScheduler, max_new_tokens=bad)
+
+
+def test_queueing_delay_ends_where_a_prefill_starts():
+    """Each request's queued_s runs from its arrival to the start of the prefill step that
+    first admits it (without retractions: one wait), never past its TTFT; the time-average
+    queue length is their sum over the duration (Little's law)."""
+    tr = _burst(40)
+    s, reqs, steps = _run(tr, check=False, schedule_policy="lpm", chunked_prefill_size=512)
+    starts = np.array([t.t_s - t.duration_s for t in steps if t.kind == "prefill"])
+    waited = 0
+    for r in reqs:
+        assert 0.0 <= r.queued_s <= r.first_token_s - r.arrival_s + 1e-12
+        assert np.abs(starts - (r.arrival_s + r.queued_s)).min() < 1e-9
+        waited += r.queued_s > 0
+    assert waited > len(reqs) // 2  # a burst: most requests wait
+    assert s["time_avg_queue_len"] * s["duration"] == pytest.approx(sum(r.queued_s for r in reqs))
+    assert s["mean_queue_delay_ms"] == pytest.approx(1e3 * np.mean([r.queued_s for r in reqs]))
+
+
+def test_priority_preemptions_are_counted_apart_from_retractions():
+    from gpu_sched.sim.traces import assign_keys
+
+    tr = assign_keys(_burst(40, output_len=(40, 80)), priority_levels=4, seed=0)
+    s, reqs, _ = _run(tr, schedule_policy="fcfs", enable_priority_scheduling=True, enable_priority_preemption=True,
+                      priority_scheduling_preemption_threshold=0, max_running_requests=4)
+    assert s["preemptions"] > 0 and s["preemptions"] == sum(r.preemptions for r in reqs)
+    assert s["retractions"] == sum(r.retractions for r in reqs) == 0
+    assert [r.priority for r in reqs] == [t.priority for t in tr]
+    assert set(s["by_priority"]) == {str(p) for p in {t.priority for t in tr}}
+    # a preempted request waits again: its queueing delay counts both waits
+    assert all(r.queued_s > 0 for r in reqs if r.preemptions)

@@ -184,3 +184,35 @@ def test_tiny_duration_gives_no_throughput_and_no_warning():
         warnings.simplefilter("error")
         s = summarize(_requests(), _steps(), duration_s=np.float64(5e-324))
     assert s["request_throughput"] is None and s["output_throughput"] is None
+
+
+def test_queueing_delay_time_averages_preemptions_and_priority_levels():
+    """Hand-checked: the queueing delay's statistics over completed requests, the time-average
+    queue length as Little's law gives it (every request's queued_s / duration), the KV usage
+    and held share weighted by step duration, preemptions apart from retractions, and the
+    per-priority table."""
+    reqs = [
+        RequestRecord("a", 0.0, 100, 2, 0, 0.3, 0.5, [0.3, 0.5], queued_s=0.1, priority=1),
+        RequestRecord("b", 0.5, 100, 1, 0, 1.5, 1.5, [1.5], queued_s=0.7, preemptions=2, priority=0),
+        RequestRecord("c", 1.0, 100, 1, 0, 2.0, 2.0, [2.0], queued_s=0.4, retractions=1, priority=1),
+        RequestRecord("d", 1.5, 100, 0, 0, None, None, [], queued_s=0.3),  # unfinished: only in the time average
+    ]
+    steps = [StepRecord(0.5, "prefill", 0.5, 1, 1, 400, 1000, 100, 0, 1e-5, kv_evictable_tokens=100),
+             StepRecord(2.0, "decode", 1.5, 2, 1, 800, 1000, 0, 0, 1e-5, kv_evictable_tokens=600)]
+    s = summarize(reqs, steps)
+    assert s["duration"] == approx(2.0)
+    assert s["mean_queue_delay_ms"] == approx(400) and s["p99_queue_delay_ms"] == approx(np.percentile([100, 700, 400], 99))
+    assert s["time_avg_queue_len"] == approx((0.1 + 0.7 + 0.4 + 0.3) / 2.0)
+    assert s["time_avg_kv_usage"] == approx((0.4 * 0.5 + 0.8 * 1.5) / 2.0)
+    assert s["time_avg_kv_held"] == approx((0.3 * 0.5 + 0.2 * 1.5) / 2.0)
+    assert s["mean_kv_usage"] == approx(0.6) and s["mean_queue_len"] == approx(1.5)  # per step, unweighted
+    assert (s["retractions"], s["retracted_requests"], s["preemptions"], s["preempted_requests"]) == (1, 1, 2, 1)
+    assert s["by_priority"] == {
+        "0": {"completed": 1, "mean_ttft_ms": approx(1000), "p99_ttft_ms": approx(1000), "mean_queue_delay_ms": approx(700)},
+        "1": {"completed": 2, "mean_ttft_ms": approx(650), "p99_ttft_ms": approx(np.percentile([300, 1000], 99)),
+              "mean_queue_delay_ms": approx(250)}}
+    text = format_summary(s)
+    for label in ("Mean QD (ms):", "Priority preemptions (R-ADM-7):", "Queue length, time avg:",
+                  "KV held by requests, time avg (%):", "priority 0 (n=1) TTFT mean/p99 (ms):"):
+        assert label in text
+    assert "by_priority" not in summarize(_requests(), _steps())  # no request has a priority

@@ -346,3 +346,32 @@ def test_assign_keys_groups_by_prefix_and_session():
         assign_keys(tr, routing_keys=-1)
     with pytest.raises(TypeError, match="priority_levels must be an int"):
         assign_keys(tr, priority_levels=2.0)
+
+
+def test_azure_timestamps_with_utc_offsets(tmp_path):
+    """The 2024 Azure files write `+00:00` after each timestamp: an offset is taken to UTC, so
+    rows written in different zones order by their instants; `Z` is UTC; malformed ones are
+    refused with the row named."""
+    p = tmp_path / "az.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2024-05-10 00:00:00.009930+00:00,10,2\n"
+                 "2024-05-10 02:00:01.5+02:00,10,2\n"  # 00:00:01.5 UTC
+                 "2024-05-10 00:00:03Z,10,2\n"
+                 "2024-05-09 22:30:04-01:30,10,2\n")  # 00:00:04 UTC, the next day
+    tr = read_azure(p)
+    assert [r.arrival_s for r in tr.requests] == pytest.approx([0.0, 1.49007, 2.99007, 3.99007])
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00+0,10,2\n")
+    with pytest.raises(ValueError, match="line 2.*unparsable TIMESTAMP"):
+        read_azure(bad)
+
+
+def test_trace_stats_burstiness():
+    reqs = [TraceRequest(i, t, 10, 1) for i, t in enumerate([0.0, 1.0, 2.0, 10.0, 70.0, 71.0])]
+    s = trace_stats(Trace("b", reqs))
+    gaps = np.array([1.0, 1.0, 8.0, 60.0, 1.0])
+    assert s["interarrival_cv"] == pytest.approx(gaps.std() / gaps.mean()) and s["max_gap_s"] == 60.0
+    assert s["peak_rate_60s"] == pytest.approx(4 / 60)  # [0, 60) holds 4; [10, 70) 1; [70, 130) 2
+    short = trace_stats(Trace("s", reqs[:3]))
+    assert math.isnan(short["peak_rate_60s"]) and short["interarrival_cv"] == pytest.approx(0.0)
+    assert math.isnan(trace_stats(Trace("one", reqs[:1]))["interarrival_cv"])

@@ -119,14 +119,17 @@ class ReferenceScheduler:
     # ---- sizes -----------------------------------------------------------------------------
     @property
     def available(self) -> int:
+        """Free KV slots of the token pool [tokens]: neither cached nor held by a request."""
         return self.pool.available
 
     @property
     def evictable(self) -> int:
+        """Cached tokens no request locks [tokens]: what eviction can free (R-RC-6)."""
         return self.cache.evictable_size
 
     @property
     def protected(self) -> int:
+        """Cached tokens locked by a waiting-for-prefill, chunked or running request [tokens] (R-RC-6)."""
         return self.cache.protected_size
 
     def flush_cache(self) -> int:
@@ -140,6 +143,7 @@ class ReferenceScheduler:
 
     @property
     def kv_used(self) -> int:
+        """Slots of the token pool in use [tokens]: kv_pool_size - available (cached or held)."""
         return self.pool.size - self.pool.available
 
     def _state(self, req: Request, now: Optional[float]) -> ReqState:
@@ -733,6 +737,8 @@ class ReferenceScheduler:
 
     # ---- invariants ------------------------------------------------------------------------
     def holders(self) -> List[ReqState]:
+        """The request states that hold KV slots and cache locks: running, in the prefill being
+        run (between `step()` and `complete_prefill()`), and the chunked request."""
         hs = list(self.running) + list(self.prefilling)
         if self.chunked is not None and self.chunked not in hs:
             hs.append(self.chunked)

@@ -4,7 +4,12 @@ How a replay works (read this first):
   * Requests arrive by their trace timestamps: request `i` of the trace becomes
     `Request(rid=f"r{i}", prompt=TraceRequest.prompt_ids(), max_new_tokens=max(output_len, 1),
     enqueue_time=arrival)` and is submitted when simulated time reaches its arrival. When
-    nothing is running or waiting the clock jumps to the next arrival (an "idle" step).
+    nothing is running or waiting the clock jumps to the next arrival (an "idle" step). So by
+    default each request's max_new_tokens is exactly what it will generate: lof orders by
+    the true output length and the KV budgets reserve exactly the tokens each request will
+    need, which no engine knows in advance. `replay(max_new_tokens=N)` gives every request
+    max_new_tokens N instead, as clients that leave max_tokens at a default: it still stops at
+    its trace output length (as at an EOS), cut at N.
   * Each iteration is one engine step, as in SGLang's event loop: `plan = sched.step(ratio,
     now=t)` (its wall-clock time is the scheduler's own time per step). If the plan admitted
     requests, the engine runs a prefill step and calls `complete_prefill`; requests whose extend
@@ -256,7 +261,7 @@ class _Replay:
 
     def __init__(self, trace: Trace, config: SchedulerConfig, kv_tokens: int, make_scheduler,
                  cost: CostModel, check: bool, progress: bool, scheduler_time: str = "free",
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, max_new_tokens: Optional[int] = None):
         self.trace = trace
         self.config = config
         self.kv_tokens = kv_tokens
@@ -269,13 +274,18 @@ class _Replay:
         n = len(reqs)
         self.rids = [f"r{i}" for i in range(n)]
         self.index = {rid: i for i, rid in enumerate(self.rids)}
-        self.target = [max(int(r.output_len), 1) for r in reqs]
+        self.target = [max(int(r.output_len), 1) for r in reqs]  # output tokens it generates
+        if max_new_tokens is not None:  # one cap for all (a client default): outputs past it are cut there
+            self.target = [min(t, max_new_tokens) for t in self.target]
+        self.max_new = self.target if max_new_tokens is None else [max_new_tokens] * n
+        self.wait_from: List[Optional[float]] = [None] * n  # start of the current wait in the queue
         self.prompt_len = [int(r.input_len) for r in reqs]
         self.gen = [0] * n  # output tokens generated so far
         self.tokens: List[Optional[list]] = [None] * n  # planned output tokens, made on first use
         self.admitted_once = [False] * n
         self.records = [RequestRecord(rid=self.rids[i], arrival_s=float(r.arrival_s), input_len=int(r.input_len),
-                                      output_len=0, cached_tokens=0, first_token_s=None, finish_s=None)
+                                      output_len=0, cached_tokens=0, first_token_s=None, finish_s=None,
+                                      priority=r.priority, routing_key=r.routing_key)
                         for i, r in enumerate(reqs)]
         self.steps: List[StepRecord] = []
         self.running: Dict[str, int] = {}  # rid -> i, engine-side view of the running batch
@@ -324,7 +334,7 @@ class _Replay:
     # ---- per-request helpers ---------------------------------------------------------------
     def _request(self, i: int) -> Request:
         tr = self.trace.requests[i]
-        return Request(rid=self.rids[i], prompt_ids=tr.prompt_ids(), max_new_tokens=self.target[i],
+        return Request(rid=self.rids[i], prompt_ids=tr.prompt_ids(), max_new_tokens=self.max_new[i],
                        enqueue_time=float(tr.arrival_s), routing_key=tr.routing_key, priority=tr.priority)
 
     def _next_token(self, i: int) -> int:
@@ -417,10 +427,11 @@ class _Replay:
             self.ratio.decay()
         else:
             for rid in self.sched.retract_decode():
-                self._leave_running(rid)
-                self.records[self.index[rid]].retractions += 1
+                i = self._leave_running(rid)
+                self.records[i].retractions += 1
+                self.wait_from[i] = self.t
             out = sum(self.gen[i] for i in self.running.values())
-            max_new = sum(self.target[i] for i in self.running.values())
+            max_new = sum(self.max_new[i] for i in self.running.values())
             self.ratio.after_retraction(out, len(self.running), max_new)
             if not self.sched.decode_fits():
                 rid = next(iter(self.running))
@@ -458,7 +469,7 @@ class _Replay:
             why = f"the KV pool holds {self.kv_tokens} tokens"
         raise self._fail(
             f"request {waiting} ({self.prompt_len[i]} prompt + {self.gen[i]} output tokens, max_new_tokens "
-            f"{self.target[i]}) can never be admitted: nothing is running, no request will arrive, and "
+            f"{self.max_new[i]}) can never be admitted: nothing is running, no request will arrive, and "
             f"{why} (scheduler stop: {plan.stop})")
 
     # ---- main loop -------------------------------------------------------------------------
@@ -478,6 +489,7 @@ class _Replay:
                     batch = []
                     while nxt < n and arrivals[nxt] <= self.t:
                         batch.append(self._request(nxt))
+                        self.wait_from[nxt] = arrivals[nxt]
                         nxt += 1
                     sched.submit(batch, now=self.t)
                     self.outstanding += len(batch)
@@ -488,9 +500,11 @@ class _Replay:
                     gap = arrivals[nxt] - self.t
                     self._absorb(gap)
                     self.t = arrivals[nxt]
-                    self.steps.append(StepRecord(self.t, "idle", gap, 0, 0, sched.kv_used, self.kv_tokens, 0, 0, 0.0))
+                    self.steps.append(StepRecord(self.t, "idle", gap, 0, 0, sched.kv_used, self.kv_tokens, 0, 0, 0.0,
+                                                 kv_evictable_tokens=sched.evictable))
                     continue
                 t0 = perf()
+                t_plan = self.t
                 plan = sched.step(self.ratio.value, now=self.t)
                 wall = perf() - t0
                 self.sched_wall += wall
@@ -499,9 +513,15 @@ class _Replay:
                 if plan.admitted or plan.preempted:
                     self.digest.update(plan)
                 for rid in plan.preempted:
-                    self._leave_running(rid)
-                    self.records[self.index[rid]].retractions += 1
+                    i = self._leave_running(rid)
+                    self.records[i].preemptions += 1
+                    self.wait_from[i] = t_plan
                 extend = 0  # tokens prefilled by this step
+                for rid, _, _ in plan.admitted:  # a wait ends as the forward that prefills it starts
+                    i = self.index[rid]
+                    if self.wait_from[i] is not None:
+                        self.records[i].queued_s += self.t - self.wait_from[i]
+                        self.wait_from[i] = None
                 if plan.admitted:
                     kind, (duration, extend) = "prefill", self._prefill(plan)
                 elif self.running:
@@ -519,7 +539,7 @@ class _Replay:
                     self.check_wall += perf() - t1
                 self.steps.append(StepRecord(self.t, kind, duration, len(plan.queue_order), len(self.running),
                                              sched.kv_used, self.kv_tokens, extend, plan.log_hit_tokens, wall,
-                                             len(sched.queue), charged))
+                                             len(sched.queue), charged, sched.evictable))
                 if not self.running and self.outstanding == 0:
                     self.ratio.reset()
                 if bar is not None and len(self.steps) - shown_steps >= 200:
@@ -605,7 +625,8 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
            make_scheduler: Callable[[SchedulerConfig, int], object],
            cost_model: Union[str, CostModel] = DEFAULT_COST_MODEL, check: bool = False,
            progress: bool = False, scheduler_time: str = "free",
-           clock: Callable[[], float] = time.perf_counter) -> Tuple[dict, List[RequestRecord], List[StepRecord]]:
+           clock: Callable[[], float] = time.perf_counter,
+           max_new_tokens: Optional[int] = None) -> Tuple[dict, List[RequestRecord], List[StepRecord]]:
     """Replay `trace` through `make_scheduler(config, kv_tokens)` and a simulated engine.
 
     Args:
@@ -634,6 +655,10 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
             to run.
         clock: the real-time clock [seconds] that times the scheduler's calls (default
             `time.perf_counter`; a test gives a fake one to charge known times).
+        max_new_tokens: None (the default): each request's max_new_tokens is its trace
+            output length (at least 1), so the scheduler knows every output length (lof's key,
+            the KV reservation). An int >= 1: every request gets max_new_tokens N and
+            generates min(its output length, N) tokens, stopping early as at an EOS.
 
     Returns:
         (summary, requests, steps): `metrics.summarize` plus "digest" (SHA-256 hex of every
@@ -643,7 +668,7 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
         "check_wall_s", "kv_tokens", "cost_model", "policy", "scheduler_time" and
         "charged_sched_s" (simulated seconds added for the scheduler); one `RequestRecord` per trace
         request in trace order (rid f"r{i}"; `output_len` = tokens generated, planned
-        max(output_len, 1); `cached_tokens` = extend_start of the request's first admission,
+        max(output_len, 1), cut at max_new_tokens; `cached_tokens` = extend_start of the request's first admission,
         i.e. its prefix-cache hit when first prefilled; later chunks and re-prefills after a
         retraction are not counted); one `StepRecord` per engine step.
 
@@ -660,10 +685,17 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
         raise ValueError(f"scheduler_time must be one of {', '.join(SCHEDULER_TIME_MODES)}, got {scheduler_time!r}")
     if not callable(clock):
         raise TypeError(f"clock must be a callable returning seconds, got {clock!r}")
+    if max_new_tokens is not None:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens must be an int or None, got {max_new_tokens!r}")
+        if not 1 <= max_new_tokens <= MAX_TRACE_TOKENS:
+            raise ValueError(f"max_new_tokens must be in [1, {MAX_TRACE_TOKENS}], got {max_new_tokens}")
+        max_new_tokens = int(max_new_tokens)
     cost = get_cost_model(cost_model)
     _check_requests(trace)
     wall0 = time.perf_counter()
-    sim = _Replay(trace, config, kv_tokens, make_scheduler, cost, check, progress, scheduler_time, clock)
+    sim = _Replay(trace, config, kv_tokens, make_scheduler, cost, check, progress, scheduler_time, clock,
+                  max_new_tokens)
     sim.run()
     for rec, g in zip(sim.records, sim.gen):
         rec.output_len = g
@@ -674,5 +706,6 @@ def replay(trace: Trace, config: SchedulerConfig, *, kv_tokens: int,
                     "sched_calls_n": {"step": sim.step_calls, **sim.sched.counts},
                     "check_wall_s": sim.check_wall if check else None, "kv_tokens": kv_tokens,
                     "cost_model": cost.name, "policy": config.schedule_policy,
-                    "scheduler_time": scheduler_time, "charged_sched_s": sim.charged})
+                    "scheduler_time": scheduler_time, "charged_sched_s": sim.charged,
+                    "max_new_tokens": max_new_tokens})
     return summary, sim.records, sim.steps

@@ -38,7 +38,12 @@ class RequestRecord:
     first_token_s: Optional[float]   # first output token time (None = never)
     finish_s: Optional[float]        # last token time (None = unfinished)
     token_times: list = field(default_factory=list)  # time of each output token (len == output_len)
-    retractions: int = 0             # times retracted/preempted
+    retractions: int = 0             # times retracted to free KV for decode (R-DEC-2)
+    preemptions: int = 0             # times preempted by a higher-priority request (R-ADM-7)
+    queued_s: float = 0.0            # time in the waiting queue: from arrival (and from each retraction or
+                                     # preemption) to the start of the forward that prefills its first chunk
+    priority: Optional[int] = None   # the request's priority (None: none given)
+    routing_key: Optional[str] = None
 
 
 @dataclass
@@ -57,6 +62,7 @@ class StepRecord:
     waiting: int = 0        # waiting requests after the step (not admitted, or preempted back)
     charged_s: float = 0.0  # simulated seconds the step waited for the scheduler before its forward
                             # (`replay(scheduler_time=...)`; 0 with "free"); t_s includes them
+    kv_evictable_tokens: int = 0  # of kv_used_tokens, cached tokens no request holds (reusable, evictable)
 
 
 def _num(x) -> Optional[float]:
@@ -117,10 +123,19 @@ def summarize(requests, steps, *, duration_s: Optional[float] = None) -> dict:
     per simulated second (None if the duration is 0). Token totals count completed requests.
     `prefix_cache_hit_rate` = sum cached_tokens / sum input_len over prefilled requests (those
     with a first token); `step_cache_hit_rate` = sum hit_tokens / (hit + prefill tokens) over
-    steps. Queue/KV stats are per-step means/maxima, not averages over time (an idle gap
-    counts as one step): `mean_queue_len` / `max_queue_len` over each step's `queue_len`, the
-    requests waiting when the scheduler ran (a request admitted at once still counts once);
-    KV as a fraction of the pool, the prefix cache's reusable tokens included. Scheduler
+    steps. Queueing delay (`*_queue_delay_ms`, completed requests) is each request's
+    `queued_s`: arrival to the start of the forward that prefills it (retried waits after a
+    retraction or preemption added), so TTFT = queueing delay + prefill time for a request
+    prefilled in one chunk. `time_avg_queue_len` is the mean number of waiting requests over
+    the duration (Little's law: the sum of every request's `queued_s` / duration);
+    `time_avg_kv_usage` and `time_avg_kv_held` the pool's used share and the share held by
+    requests (used minus the reusable, evictable cache), each step weighted by its simulated
+    duration (idle gaps included). `mean_queue_len` / `max_queue_len` (over each step's
+    `queue_len`, the requests waiting when the scheduler ran) and `mean_kv_usage` /
+    `max_kv_usage` are per-step figures, not averages over time: short decode steps
+    dominate them. `retractions` counts R-DEC-2's retractions, `preemptions` R-ADM-7's
+    priority preemptions. With priorities, `by_priority` gives per level (as a string key)
+    the completed requests' count, mean and p99 TTFT and mean queueing delay. Scheduler
     time (`*_sched_us`, microseconds of real time) is over non-idle steps, also broken down
     by power-of-two queue-length bucket in `sched_us_by_queue_len` ({"4-7": {lo, hi, count,
     mean_us, p99_us}}, ordered by lower bound).
@@ -154,15 +169,35 @@ def summarize(requests, steps, *, duration_s: Optional[float] = None) -> dict:
               "prefix_cache_hit_rate": _num(cached / prompt) if prompt else None,
               "step_cache_hit_rate": _num(hit / (hit + pre)) if hit + pre else None,
               "retractions": sum(int(r.retractions) for r in requests),
-              "retracted_requests": sum(1 for r in requests if r.retractions > 0)})
+              "retracted_requests": sum(1 for r in requests if r.retractions > 0),
+              "preemptions": sum(int(r.preemptions) for r in requests),
+              "preempted_requests": sum(1 for r in requests if r.preemptions > 0)})
+    s.update(_stats([r.queued_s for r in done], 1e3, "queue_delay", "ms"))
 
     q = np.asarray([t.queue_len for t in steps], dtype=float)
-    kv = np.asarray([t.kv_used_tokens / t.kv_pool_tokens for t in steps if t.kv_pool_tokens > 0], dtype=float)
+    pooled = [t for t in steps if t.kv_pool_tokens > 0]
+    kv = np.asarray([t.kv_used_tokens / t.kv_pool_tokens for t in pooled], dtype=float)
+    held = np.asarray([(t.kv_used_tokens - t.kv_evictable_tokens) / t.kv_pool_tokens for t in pooled], dtype=float)
+    w = np.asarray([t.duration_s for t in pooled], dtype=float)
+    timed = w.size and w.sum() > 0
     s.update({"steps": len(steps),
               "mean_queue_len": _num(q.mean()) if q.size else None,
               "max_queue_len": int(q.max()) if q.size else 0,
+              "time_avg_queue_len": _num(sum(r.queued_s for r in requests) / duration_s) if duration_s > 0 else None,
               "mean_kv_usage": _num(kv.mean()) if kv.size else None,
-              "max_kv_usage": _num(kv.max()) if kv.size else None})
+              "max_kv_usage": _num(kv.max()) if kv.size else None,
+              "time_avg_kv_usage": _num(np.average(kv, weights=w)) if timed else None,
+              "time_avg_kv_held": _num(np.average(held, weights=w)) if timed else None})
+    levels = sorted({r.priority for r in done if r.priority is not None})
+    if levels:
+        s["by_priority"] = {}
+        for lv in levels:
+            rs = [r for r in done if r.priority == lv]
+            tt = np.asarray([r.first_token_s - r.arrival_s for r in rs if r.first_token_s is not None], dtype=float)
+            s["by_priority"][str(lv)] = {
+                "completed": len(rs), "mean_ttft_ms": _num(1e3 * tt.mean()) if tt.size else None,
+                "p99_ttft_ms": _num(1e3 * np.percentile(tt, 99)) if tt.size else None,
+                "mean_queue_delay_ms": _num(1e3 * np.mean([r.queued_s for r in rs]))}
 
     sched = [t for t in steps if t.kind != "idle"]
     us = np.asarray([t.sched_wall_s for t in sched], dtype=float) * 1e6
@@ -206,18 +241,25 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result", width
                     ("Output token throughput (tok/s):", "output_throughput"),
                     ("Total token throughput (tok/s):", "total_token_throughput")):
         row(name, g(k))
-    for key, long, short in LATENCIES:
+    for key, long, short in LATENCIES + (("queue_delay", "Queueing Delay (arrival to prefill start)", "QD"),):
         sec(long)
         for stat, label in (("mean", "Mean"), ("median", "Median"), ("std", "Std"), ("p90", "P90"), ("p99", "P99")):
             row(f"{label} {short} (ms):", g(f"{stat}_{key}_ms"))
     sec("Prefix cache and queue")
     row("Prefix cache hit rate (%):", pct("prefix_cache_hit_rate"))
     row("Cached prompt tokens:", g("cached_tokens"))
-    row("Retractions:", g("retractions"))
-    row("Mean queue length:", g("mean_queue_len"))
+    row("Retractions (R-DEC-2):", g("retractions"))
+    row("Priority preemptions (R-ADM-7):", g("preemptions"))
+    row("Queue length, time avg:", g("time_avg_queue_len"))
+    row("Queue length, mean per step:", g("mean_queue_len"))
     row("Max queue length:", g("max_queue_len"))
-    row("Mean KV usage (%):", pct("mean_kv_usage"))
+    row("KV usage, time avg (%):", pct("time_avg_kv_usage"))
+    row("KV held by requests, time avg (%):", pct("time_avg_kv_held"))
+    row("KV usage, mean per step (%):", pct("mean_kv_usage"))
     row("Max KV usage (%):", pct("max_kv_usage"))
+    for lv, b in (g("by_priority") or {}).items():
+        row(f"  priority {lv} (n={b['completed']}) TTFT mean/p99 (ms):",
+            f"{_fmt(b['mean_ttft_ms'], 1)}/{_fmt(b['p99_ttft_ms'], 1)}")
     sec("Scheduler time per step")
     row("Scheduling steps:", g("sched_steps"))
     row("Mean sched time (us):", g("mean_sched_us"))
@@ -243,6 +285,7 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result", width
 COMPARISON_ROWS = (("Requests completed", "completed"), ("Request throughput (req/s)", "request_throughput"),
                    ("Output throughput (tok/s)", "output_throughput"), ("Prefix cache hit rate (%)", "hit%"),
                    ("Mean TTFT (ms)", "mean_ttft_ms"), ("P99 TTFT (ms)", "p99_ttft_ms"),
+                   ("Mean queueing delay (ms)", "mean_queue_delay_ms"),
                    ("Mean TPOT (ms)", "mean_tpot_ms"), ("Mean E2EL (ms)", "mean_e2el_ms"),
                    ("Sched mean (us/step)", "mean_sched_us"), ("Sched p99 (us/step)", "p99_sched_us"),
                    ("Sched calls, all (ms)", "calls_ms"),
@@ -344,7 +387,7 @@ def format_seed_spread(spread: dict, seeds) -> str:
 SWEEP_ROWS = (("Request throughput (req/s)", "request_throughput"), ("Output throughput (tok/s)", "output_throughput"),
               ("Prefix cache hit rate (%)", "hit%"), ("Mean TTFT (ms)", "mean_ttft_ms"),
               ("P99 TTFT (ms)", "p99_ttft_ms"), ("Mean TPOT (ms)", "mean_tpot_ms"),
-              ("Mean E2EL (ms)", "mean_e2el_ms"), ("Mean queue length", "mean_queue_len"),
+              ("Mean E2EL (ms)", "mean_e2el_ms"), ("Queue length, time avg", "time_avg_queue_len"),
               ("Sched mean (us/step)", "mean_sched_us"))
 
 
@@ -398,8 +441,8 @@ def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict]
     (simulated s) (every
     `StepRecord` field), "requests": rows
     rid, arrival_s, first_token_s, finish_s, ttft_s, e2el_s (simulated s, None if absent),
-    input_len, output_len, cached_tokens, retractions}: enough to recompute every summary
-    metric but ITL, whose per-token times (4M numbers for the Mooncake trace) stay in the
+    input_len, output_len, cached_tokens, retractions, preemptions, queued_s (simulated s),
+    priority, routing_key}: enough to recompute every summary metric but ITL, whose per-token times (4M numbers for the Mooncake trace) stay in the
     `RequestRecord`s that `replay()` returns.
     """
     out = Path(out_dir)
@@ -410,7 +453,8 @@ def write_results(out_dir, summary: dict, requests, steps, extra: Optional[dict]
              "ttft_s": None if r.first_token_s is None else r.first_token_s - r.arrival_s,
              "e2el_s": None if r.finish_s is None else r.finish_s - r.arrival_s,
              "input_len": r.input_len, "output_len": r.output_len, "cached_tokens": r.cached_tokens,
-             "retractions": r.retractions}
+             "retractions": r.retractions, "preemptions": r.preemptions, "queued_s": r.queued_s,
+             "priority": r.priority, "routing_key": r.routing_key}
             for r in requests]
     doc = {"summary": summary, "config": extra or {},
            "steps": {c: [getattr(t, c) for t in steps] for c in cols}, "requests": rows}

@@ -4,8 +4,10 @@ Formats:
   * Mooncake JSONL (FAST'25): one object per line ``{"timestamp": ms, "input_length": int,
     "output_length": int, "hash_ids": [int, ...]}``; each hash id names one 512-token prompt
     block, and equal ids mean equal blocks and equal full prefixes.
-  * Azure LLM inference CSV (2023): header ``TIMESTAMP,ContextTokens,GeneratedTokens`` with
-    wall-clock timestamps of 100 ns resolution; no prefix information.
+  * Azure LLM inference CSV (2023, and the 2024 week-long files): header
+    ``TIMESTAMP,ContextTokens,GeneratedTokens`` with wall-clock timestamps of up to 100 ns
+    resolution, optionally with a UTC offset (``+00:00``, as the 2024 files write them, or
+    ``Z``); no prefix information.
 
 Prompts are never stored: `TraceRequest.prompt_ids()` regenerates the int32 token ids on demand
 from a 64-bit hash (splitmix64) of a small description kept on the request (hash ids or token
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import re
 import math
 import numbers
 import zlib
@@ -285,16 +288,27 @@ def read_mooncake(path: PathLike, limit: Optional[int] = None, rate_scale: float
     return _finish(p.stem, p, good, bad, rate_scale)
 
 
+_UTC_OFFSET = re.compile(r"(?:Z|([+-])(\d\d):?(\d\d))$")
+
+
 def _parse_wallclock_ns(s: str) -> int:
-    """'YYYY-mm-dd HH:MM:SS[.fffffff]' -> integer ns since the epoch (naive, no tz)."""
-    whole, _, frac = s.strip().partition(".")
+    """'YYYY-mm-dd HH:MM:SS[.fffffff][+HH:MM | -HH:MM | Z]' -> integer ns since the epoch: in
+    UTC when an offset is given, else as written (naive; one trace's rows share a zone)."""
+    text = s.strip()
+    shift = 0  # seconds east of UTC
+    m = _UTC_OFFSET.search(text)
+    if m and len(text) > 19:  # past the seconds: a date's own '-' never ends the string
+        if m.group(1):
+            shift = (int(m.group(2)) * 3600 + int(m.group(3)) * 60) * (1 if m.group(1) == "+" else -1)
+        text = text[: m.start()]
+    whole, _, frac = text.partition(".")
     try:
         dt = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S")
     except ValueError:
         raise _Bad(f"unparsable TIMESTAMP {s!r}") from None
     if frac and (not frac.isdigit() or len(frac) > 9):
         raise _Bad(f"unparsable TIMESTAMP {s!r}")
-    secs = (dt.toordinal() * 86400 + dt.hour * 3600 + dt.minute * 60 + dt.second)
+    secs = (dt.toordinal() * 86400 + dt.hour * 3600 + dt.minute * 60 + dt.second) - shift
     # strptime's %f stops at 6 digits; keep all of the 7 (100 ns) digits exactly.
     return secs * 10**9 + (int(frac.ljust(9, "0")) if frac else 0)
 
@@ -480,9 +494,13 @@ def trace_stats(trace: Trace) -> dict:
     Keys: num_requests; duration_s (last - first arrival [s]); request_rate
     (num_requests / duration_s [req/s], nan if duration is 0); input_mean/p50/p99 and
     output_mean/p50/p99 [tokens] (numpy linear-interpolated percentiles; nan if empty);
-    total_input_tokens, total_output_tokens; repeat_block_frac: for traces whose requests all
-    have hash_ids, the fraction of prompt blocks (in arrival order) equal to an earlier block
-    -- an upper bound on the prefix-cache block hit rate with an infinite cache -- else None.
+    total_input_tokens, total_output_tokens; burstiness: interarrival_cv (std / mean of the
+    gaps between consecutive arrivals: 1 for Poisson arrivals, above 1 for bursts; nan with
+    fewer than two gaps or a zero mean), max_gap_s [s], peak_rate_60s (the most arrivals in
+    any 60 s window / 60 [req/s]; nan when the trace spans under 60 s); repeat_block_frac: for
+    traces whose requests all have hash_ids, the fraction of prompt blocks (in arrival order)
+    equal to an earlier block -- an upper bound on the prefix-cache block hit rate with an
+    infinite cache -- else None.
     """
     reqs = trace.requests
     n = len(reqs)
@@ -502,8 +520,17 @@ def trace_stats(trace: Trace) -> dict:
         ids = np.fromiter((h for r in reqs for h in r.hash_ids), dtype=np.int64)
         # Every occurrence after an id's first one is a block an infinite cache would hold.
         repeat = float(1.0 - len(np.unique(ids)) / len(ids)) if len(ids) else 0.0
+    gaps = np.diff(np.sort(arr))
+    cv = float(gaps.std() / gaps.mean()) if gaps.size >= 2 and gaps.mean() > 0 else math.nan
+    if duration >= 60:  # arrivals in [t, t + 60) for every arrival time t: the busiest minute
+        a = np.sort(arr)
+        peak = float((np.searchsorted(a, a + 60.0, side="left") - np.arange(n)).max() / 60.0)
+    else:
+        peak = math.nan
     return {"num_requests": n, "duration_s": duration,
             "request_rate": n / duration if duration > 0 else math.nan,
+            "interarrival_cv": cv, "max_gap_s": float(gaps.max()) if gaps.size else math.nan,
+            "peak_rate_60s": peak,
             **summ(inp, "input"), **summ(out, "output"),
             "total_input_tokens": int(inp.sum()), "total_output_tokens": int(out.sum()),
             "repeat_block_frac": repeat}
