@@ -408,7 +408,7 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies, seeds=None) 
     sweep.json / sweep.png."""
     from pathlib import Path
 
-    from .sim.metrics import format_rate_sweep, seed_spread, strict_json, sweep_rows
+    from .sim.metrics import DERIVED_KEYS, format_rate_sweep, seed_spread, strict_json, sweep_rows
     from .sim.plots import plot_rate_sweep
 
     sds = seeds or [None]
@@ -458,9 +458,11 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies, seeds=None) 
                                               {str(sd): per_point[x, sd] for sd in seeds}) for x in rates},
                "config": _sweep_config(a, trace, configs, cost, drop)}
         if seeds is not None:
-            doc.update(seeds=list(seeds), spread={scale_label(x): per_rate[x] for x in rates})
+            doc.update(seeds=list(seeds), spread={scale_label(x): per_rate[x] for x in rates},
+                       spread_keys=DERIVED_KEYS)
         with _writing(args.out) as out:
-            plot_rate_sweep(out, per_rate, offered, title=label, spread=seeds is not None)
+            over = "" if seeds is None else f"; mean +- std over seeds {', '.join(str(sd) for sd in seeds)}"
+            plot_rate_sweep(out, per_rate, offered, title=label + over, spread=seeds is not None)
             (out / "sweep.json").write_text(strict_json(doc) + "\n")
         print(f"results written to {args.out}")
     return 0
@@ -618,7 +620,7 @@ def _writing(out):
 def _replay_seeds(args, configs: dict, cost, seeds) -> int:
     """--seeds: every config replayed once per seed (the synthetic workload and the key and
     priority draws re-seeded), then each metric's mean and spread over the seeds."""
-    from .sim.metrics import format_seed_spread, seed_spread, strict_json
+    from .sim.metrics import DERIVED_KEYS, format_seed_spread, seed_spread, strict_json
 
     per_seed, label = {}, None
     for sd in seeds:
@@ -638,6 +640,7 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
                                   every="with every seed"))
     if args.out:
         doc = {"workload": label, "seeds": list(seeds), "runs": list(configs), "spread": spread,
+               "spread_keys": DERIVED_KEYS,
                "summaries": {str(sd): v for sd, v in per_seed.items()},
                "config": _sweep_config(args, trace, configs, cost, ("synthetic_seed", "key_seed"))}
         with _writing(args.out) as out:
@@ -651,20 +654,24 @@ def _write_runs(args, out, trace, configs: dict, base, cost, got, policies) -> N
     and plots (in out/<run>/ when several are compared), and with several, comparison.json and
     comparison.png in `out`. CliError when a file cannot be written."""
     from .sim.metrics import strict_json, write_results
-    from .sim.plots import plot_comparison, plot_run
+    from .sim.plots import plot_comparison, plot_run, plot_ttft_cdfs
 
     summaries, runs = got
     compared = policies or args.compare_backends
     backends = _run_backends(args, configs)
+    rate = f", rate x{scale_label(args.rate_scale)}" if args.rate_scale != 1.0 else ""
     with _writing(out) as folder:
         for name, (requests, steps) in runs.items():
             d = folder / name if compared else folder
             write_results(d, summaries[name], requests, steps,
                           extra=_run_info(args, trace, configs[name], cost, backends[name]))
-            plot_run(d, requests, steps, title=f"{trace.name}, {name}")
+            run = name if not args.compare_backends else f"{configs[name].schedule_policy}, {name}"
+            plot_run(d, requests, steps, title=f"{trace.name}, {run}{rate}")
         if compared:
             wl = _workload_label(args, trace)
-            plot_comparison(out, summaries, title=wl)
+            what = f", {base.schedule_policy}" if args.compare_backends else ""
+            plot_comparison(out, summaries, title=wl + what)
+            plot_ttft_cdfs(out, {name: requests for name, (requests, _) in runs.items()}, title=wl + what)
             # the runs side by side in one file: each run's summary and the shared setting
             shared = {k: v for k, v in _run_info(args, trace, base, cost).items() if k != "scheduler"}
             if policies:

@@ -160,6 +160,7 @@ def test_seeds_replay_each_seed_and_report_the_spread(tmp_path, capsys):
     assert "mean +- std (population, ddof=0) over seeds 3, 5" in out and re.search(r"Mean TTFT \(ms\) +[0-9.]+ \+- [0-9.]+", out)
     doc = json.loads((tmp_path / "seeds.json").read_text())
     assert doc["seeds"] == [3, 5] and doc["runs"] == ["fcfs", "lpm"]
+    assert set(doc["spread_keys"]) >= {k for k in doc["spread"]["fcfs"] if k not in doc["summaries"]["3"]["fcfs"]}
     for sd in (3, 5):
         assert main(base + ["--seed", str(sd), "--policy", "lpm"]) == 0
         plain = re.search(r"^decision digest: ([0-9a-f]{64})$", capsys.readouterr().out, re.M).group(1)
@@ -328,7 +329,7 @@ def test_compare_policies_prints_one_table(tmp_path, capsys):
     for p in ("fcfs", "lpm"):
         assert (tmp_path / p / "results.json").exists()
         assert (tmp_path / p / "ttft_cdf.png").exists()
-    assert (tmp_path / "comparison.png").exists()
+    assert (tmp_path / "comparison.png").exists() and (tmp_path / "ttft_cdf.png").exists()  # every run's CDF
     # the runs side by side in one file, with the workload they share
     doc = json.loads((tmp_path / "comparison.json").read_text())
     assert doc["policies"] == ["fcfs", "lpm"] and doc["workload"].startswith("synthetic, 30 requests")

@@ -338,6 +338,12 @@ def _table(labels, names, cells, min_width: int, title: Optional[str] = None) ->
     return "\n".join([rule, *([title] if title else []), head, "-" * len(head), *body, rule])
 
 
+#: the keys of a `seed_spread` that are not summary keys, as seeds.json / sweep.json explain them
+DERIVED_KEYS = {"hit%": "prefix_cache_hit_rate x 100 (percent)",
+                "calls_ms": "sum of sched_calls_s over every scheduler call, x 1000 (real milliseconds)",
+                "charged_ms": "charged_sched_s x 1000 (simulated milliseconds)"}
+
+
 def _metric(s: dict, key: str):
     if key == "charged_ms":
         return None if s.get("charged_sched_s") is None else 1e3 * s["charged_sched_s"]

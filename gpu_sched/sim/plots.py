@@ -2,8 +2,9 @@
 
 `plot_run` draws one run: queue length and KV usage over simulated time (seconds), the TTFT
 CDF (milliseconds) and the scheduler's own time per step (microseconds) against queue length.
-`plot_comparison` draws a bar chart per metric across runs (e.g. per policy), `plot_rate_sweep`
-latency and throughput against the offered request rate, a line per run.
+`plot_comparison` draws a bar chart per metric across runs (e.g. per policy), `plot_ttft_cdfs`
+the runs' TTFT CDFs on one axis, `plot_rate_sweep` latency and throughput against the offered
+request rate, a line per run.
 """
 
 from __future__ import annotations
@@ -16,8 +17,29 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import textwrap  # noqa: E402
 
-__all__ = ["plot_run", "plot_comparison", "plot_rate_sweep"]
+__all__ = ["plot_run", "plot_comparison", "plot_ttft_cdfs", "plot_rate_sweep"]
+
+
+def _title(ax, text: str, width: int) -> None:
+    """An axis title wrapped to `width` characters (a long trace name is not cut off)."""
+    ax.set_title("\n".join(textwrap.wrap(text, width)) if len(text) > width else text)
+
+
+def _ttft_ms(requests) -> np.ndarray:
+    return np.sort([(r.first_token_s - r.arrival_s) * 1e3 for r in requests if r.first_token_s is not None])
+
+
+def _log_if_wide(ax, values) -> None:
+    """A log x axis when the positive values span more than 100x (a latency tail)."""
+    pos = [v for v in values if v > 0]
+    if pos and max(pos) > 100 * min(pos):
+        ax.set_xscale("log")
+
+
+def _bar_label(y: float) -> str:
+    return "n/a" if np.isnan(y) else f"{y:,.0f}" if abs(y) >= 1000 else f"{y:.3g}"
 
 
 def _save(fig, path: Path) -> Path:
@@ -52,7 +74,8 @@ def plot_run(out_dir, requests, steps, title: str = "") -> list[Path]:
         ax.legend(loc="upper right")
     else:
         _empty(ax, "steps")
-    ax.set(xlabel="simulated time (s)", ylabel="requests", title=f"Queue length{sfx}")
+    ax.set(xlabel="simulated time (s)", ylabel="requests")
+    _title(ax, f"Queue length{sfx}", 70)
     paths.append(_save(fig, out / "queue_len.png"))
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -62,17 +85,20 @@ def plot_run(out_dir, requests, steps, title: str = "") -> list[Path]:
         ax.set_ylim(0, 1.05)
     else:
         _empty(ax, "KV data")
-    ax.set(xlabel="simulated time (s)", ylabel="KV pool in use (fraction)", title=f"KV usage{sfx}")
+    ax.set(xlabel="simulated time (s)", ylabel="KV pool in use (fraction)")
+    _title(ax, f"KV usage{sfx}", 70)
     paths.append(_save(fig, out / "kv_usage.png"))
 
     fig, ax = plt.subplots(figsize=(5, 4))
-    ttft = np.sort([(r.first_token_s - r.arrival_s) * 1e3 for r in requests if r.first_token_s is not None])
+    ttft = _ttft_ms(requests)
     if ttft.size:
         ax.step(ttft, np.arange(1, ttft.size + 1) / ttft.size, where="post")
         ax.set_ylim(0, 1.02)
+        _log_if_wide(ax, ttft)
     else:
         _empty(ax, "first tokens")
-    ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title=f"TTFT CDF{sfx}")
+    ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests")
+    _title(ax, f"TTFT CDF{sfx}", 45)
     ax.grid(alpha=0.3)
     paths.append(_save(fig, out / "ttft_cdf.png"))
 
@@ -85,38 +111,71 @@ def plot_run(out_dir, requests, steps, title: str = "") -> list[Path]:
         ax.set_yscale("log")
     else:
         _empty(ax, "scheduling steps")
-    ax.set(xlabel="queue length (waiting requests)", ylabel="scheduler time per step (us)",
-           title=f"Scheduler time vs queue{sfx}")
+    ax.set(xlabel="queue length (waiting requests)", ylabel="scheduler time per step (us)")
+    _title(ax, f"Scheduler time vs queue{sfx}", 45)
     ax.grid(alpha=0.3, which="both")
     paths.append(_save(fig, out / "sched_time.png"))
     return paths
 
 
 def plot_comparison(out_dir, summaries: dict, title: Optional[str] = None) -> Path:
-    """Bar charts of prefix-cache hit rate (%), mean TTFT (ms) and output throughput (tok/s)
-    per run (`{run name: summarize() dict}`), under `title` (the workload) when given; writes
-    and returns `out_dir/comparison.png`."""
+    """Bar charts per run (`{run name: summarize() dict}`) of prefix-cache hit rate (%), mean
+    and p99 TTFT (ms), output throughput (tok/s) and the scheduler's calls (all of them, real
+    seconds on this machine: what differs between backends, whose decisions agree), under
+    `title` (the workload) when given; writes and returns `out_dir/comparison.png`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = list(summaries)
     val = lambda s, k, f=1.0: np.nan if s.get(k) is None else f * s[k]  # noqa: E731
     panels = (("Prefix cache hit rate (%)", "prefix_cache_hit_rate", 100.0),
-              ("Mean TTFT (ms)", "mean_ttft_ms", 1.0),
-              ("Output throughput (tok/s)", "output_throughput", 1.0))
-    fig, axes = plt.subplots(1, 3, figsize=(4 + 1.2 * max(len(names), 1) * 3, 3.8))
+              ("Mean TTFT (ms)", "mean_ttft_ms", 1.0), ("P99 TTFT (ms)", "p99_ttft_ms", 1.0),
+              ("Output throughput (tok/s)", "output_throughput", 1.0),
+              ("Scheduler calls, real time (s)", "sched_calls_total_s", 1.0))
+    rows = {n: dict(summaries[n], sched_calls_total_s=(sum(summaries[n]["sched_calls_s"].values())
+                                                       if summaries[n].get("sched_calls_s") else None))
+            for n in names}
+    fig, axes = plt.subplots(1, len(panels), figsize=(3 + 0.9 * max(len(names), 1) * len(panels), 3.8))
     x = np.arange(len(names))
     for ax, (label, key, f) in zip(axes, panels):
-        ys = [val(summaries[n], key, f) for n in names]
+        ys = [val(rows[n], key, f) for n in names]
         bars = ax.bar(x, np.nan_to_num(ys), color=[f"C{i % 10}" for i in range(len(names))])
         for b, y in zip(bars, ys):
-            ax.annotate("n/a" if np.isnan(y) else f"{y:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()),
+            ax.annotate(_bar_label(y), (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=8)
         ax.set_xticks(x, names, rotation=20)
-        ax.set_title(label)
-        ax.margins(y=0.15)
+        _title(ax, label, 28)
+        if not np.nansum(np.abs(ys)):  # all zero (or n/a): no axis around 0 +- 0.06
+            ax.set_ylim(0, 1)
+        else:
+            ax.margins(y=0.15)
     if title:
         fig.suptitle(title, fontsize=10)
     return _save(fig, out / "comparison.png")
+
+
+def plot_ttft_cdfs(out_dir, requests_by_run: dict, title: Optional[str] = None) -> Path:
+    """The TTFT CDF (ms) of every run (`{run name: RequestRecord list}`) on one axis, a log x
+    axis where the TTFTs span more than 100x; writes and returns `out_dir/ttft_cdf.png`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    seen = []
+    for i, (name, requests) in enumerate(requests_by_run.items()):
+        ttft = _ttft_ms(requests)
+        if ttft.size:
+            ax.step(ttft, np.arange(1, ttft.size + 1) / ttft.size, where="post", color=f"C{i % 10}",
+                    linestyle=("-", "--", ":", "-.")[i % 4], label=name)
+            seen.extend(ttft.tolist())
+    if seen:
+        ax.set_ylim(0, 1.02)
+        _log_if_wide(ax, seen)
+        ax.legend(fontsize=8, loc="lower right")
+    else:
+        _empty(ax, "first tokens")
+    ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests")
+    _title(ax, "TTFT CDF" + (f" - {title}" if title else ""), 60)
+    ax.grid(alpha=0.3)
+    return _save(fig, out / "ttft_cdf.png")
 
 
 def plot_rate_sweep(out_dir, per_rate: dict, offered: dict, title: Optional[str] = None,
