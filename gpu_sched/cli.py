@@ -408,7 +408,7 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies, seeds=None) 
     sweep.json / sweep.png."""
     from pathlib import Path
 
-    from .sim.metrics import DERIVED_KEYS, format_rate_sweep, seed_spread, strict_json, sweep_rows
+    from .sim.metrics import format_rate_sweep, seed_spread, strict_json, sweep_rows
     from .sim.plots import plot_rate_sweep
 
     sds = seeds or [None]
@@ -447,7 +447,8 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies, seeds=None) 
     print(format_rate_sweep(per_rate, offered, scale_label, seeds))
     if args.compare_backends:
         print(_backends_agreement(args, base, {f"x{scale_label(x)}" + ("" if sd is None else f" seed {sd}"): s
-                                               for (x, sd), s in per_point.items()}))
+                                               for (x, sd), s in per_point.items()},
+                                  every="at every rate scale" + ("" if seeds is None else " and seed")))
     if args.check:
         print(_check_passed(list(configs) if policies or args.compare_backends else None, sweep=True))
     if args.out:
@@ -459,7 +460,7 @@ def _replay_rates(args, configs: dict, base, cost, rates, policies, seeds=None) 
                "config": _sweep_config(a, trace, configs, cost, drop)}
         if seeds is not None:
             doc.update(seeds=list(seeds), spread={scale_label(x): per_rate[x] for x in rates},
-                       spread_keys=DERIVED_KEYS)
+                       spread_keys=_derived_keys(per_rate.values()))
         with _writing(args.out) as out:
             over = "" if seeds is None else f"; mean +- std over seeds {', '.join(str(sd) for sd in seeds)}"
             plot_rate_sweep(out, per_rate, offered, title=label + over, spread=seeds is not None)
@@ -518,16 +519,20 @@ def _ignored_options_notes(args, configs: dict, trace) -> List[str]:
         if "seed" in given and not (args.routing_keys or args.priority_levels):
             notes.append("--seed seeds the synthetic workload and the --routing-keys / --priority-levels draws: "
                          "with --trace and neither of those it changes nothing")
-    backends = set(_run_backends(args, configs).values())
-    if backends == {"reference"} and "threads" in given:  # (a --device other than cpu is refused)
-        notes.append("--threads sets torch's threads for the torch and triton backends: the reference "
-                     "scheduler ignores it")
+    if getattr(args, "seeds", None) and "seed" in given:
+        notes.append("--seed is replaced by each of --seeds in turn: it changes nothing here")
+    if set(_run_backends(args, configs).values()) == {"reference"}:  # (a --device other than cpu is refused)
+        for dest, what in (("threads", "--threads sets torch's threads"), ("device", "--device cpu picks the device")):
+            if dest in given:
+                notes.append(f"{what} of the torch and triton backends: the reference scheduler ignores it")
     cfgs = list(configs.values())
     if "schedule_low_priority_values_first" in given and not any(
             c.enable_priority_scheduling or c.enable_priority_preemption for c in cfgs):
         notes.append("--schedule-low-priority-values-first sets the priority direction, which only "
                      "--enable-priority-scheduling and --enable-priority-preemption read: it changes nothing here")
-    if getattr(args, "routing_keys", 0) and not any(c.schedule_policy == "routing-key" for c in cfgs):
+    # (with --priority-levels the key draws move the priority draws: keys then change them)
+    if getattr(args, "routing_keys", 0) and not getattr(args, "priority_levels", 0) and not any(
+            c.schedule_policy == "routing-key" for c in cfgs):
         notes.append("--routing-keys gives requests routing keys, which only the routing-key policy reads: "
                      "they change nothing here")
     if any(r.priority is not None for r in trace.requests):
@@ -604,6 +609,14 @@ def _sweep_config(args, trace, configs: dict, cost, drop=()) -> dict:
     return dict(info, schedulers={n: dataclasses.asdict(c) for n, c in configs.items()})
 
 
+def _derived_keys(spreads) -> dict:
+    """`metrics.DERIVED_KEYS` for the derived keys that `spreads` (`seed_spread` results) hold."""
+    from .sim.metrics import DERIVED_KEYS
+
+    held = {k for sp in spreads for by_key in sp.values() for k in by_key}
+    return {k: v for k, v in DERIVED_KEYS.items() if k in held}
+
+
 @contextlib.contextmanager
 def _writing(out):
     """`out` as a Path, made if missing, for the files --out writes; an OSError while writing
@@ -620,7 +633,7 @@ def _writing(out):
 def _replay_seeds(args, configs: dict, cost, seeds) -> int:
     """--seeds: every config replayed once per seed (the synthetic workload and the key and
     priority draws re-seeded), then each metric's mean and spread over the seeds."""
-    from .sim.metrics import DERIVED_KEYS, format_seed_spread, seed_spread, strict_json
+    from .sim.metrics import format_seed_spread, seed_spread, strict_json
 
     per_seed, label = {}, None
     for sd in seeds:
@@ -640,7 +653,7 @@ def _replay_seeds(args, configs: dict, cost, seeds) -> int:
                                   every="with every seed"))
     if args.out:
         doc = {"workload": label, "seeds": list(seeds), "runs": list(configs), "spread": spread,
-               "spread_keys": DERIVED_KEYS,
+               "spread_keys": _derived_keys([spread]),
                "summaries": {str(sd): v for sd, v in per_seed.items()},
                "config": _sweep_config(args, trace, configs, cost, ("synthetic_seed", "key_seed"))}
         with _writing(args.out) as out:

@@ -616,11 +616,19 @@ def test_options_a_replay_does_not_read_are_noted(capsys):
     assert "oracle" not in err and "Workload:  synthetic, 20 requests, max_new_tokens 64, KV" in out
     assert main(base + ["--threads", "1", "--backend", "torch", "--routing-keys", "3", "--policy", "routing-key"]) == 0
     assert "note" not in capsys.readouterr().err  # each of those read
-    if AZURE.exists():
-        assert main(["replay", "--trace", str(AZURE), "--limit", "20", "--no-progress", "--synthetic-requests", "5",
-                     "--seed", "3"]) == 0
-        err = capsys.readouterr().err
-        assert "--synthetic-requests sizes the synthetic workload" in err and "--seed seeds the synthetic" in err
+    # with --priority-levels the key draws move the priority draws: the keys are not noted as unused
+    assert main(base + ["--routing-keys", "3", "--priority-levels", "2", "--enable-priority-scheduling"]) == 0
+    assert "--routing-keys" not in capsys.readouterr().err
+    assert main(base + ["--seeds", "0,1", "--seed", "4"]) == 0
+    assert "--seed is replaced by each of --seeds" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not AZURE.exists(), reason="Azure trace not present")
+def test_synthetic_options_with_a_trace_are_noted(capsys):
+    assert main(["replay", "--trace", str(AZURE), "--limit", "20", "--no-progress", "--synthetic-requests", "5",
+                 "--seed", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "--synthetic-requests sizes the synthetic workload" in err and "--seed seeds the synthetic" in err
 
 
 def test_max_new_tokens_is_recorded_and_cuts_outputs(tmp_path, capsys):

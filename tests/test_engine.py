@@ -549,21 +549,109 @@ def test_max_new_tokens_is_one_cap_for_all_and_cuts_outputs():
             replay(tr, cfg, kv_tokens=20_000, make_scheduler=ReferenceScheduler, max_new_tokens=bad)
 
 
-def test_queueing_delay_ends_where_a_prefill_starts():
-    """Each request's queued_s runs from its arrival to the start of the prefill step that
-    first admits it (without retractions: one wait), never past its TTFT; the time-average
-    queue length is their sum over the duration (Little's law)."""
-    tr = _burst(40)
-    s, reqs, steps = _run(tr, check=False, schedule_policy="lpm", chunked_prefill_size=512)
-    starts = np.array([t.t_s - t.duration_s for t in steps if t.kind == "prefill"])
-    waited = 0
+class _Waits:
+    """make_scheduler that recomputes every request's queueing delay from the scheduler's own
+    calls: a wait starts at submission (its enqueue time, the arrival), at a preemption or a
+    retraction (the step's time), and ends at the step that admits the request (with
+    scheduler time free, its forward starts then)."""
+
+    def __init__(self):
+        self.start, self.total, self.now = {}, {}, None
+
+    def __call__(self, config, kv):
+        sched = ReferenceScheduler(config, kv)
+        submit, step, retract = sched.submit, sched.step, sched.retract_decode
+
+        def on_submit(reqs, now=None):
+            reqs = list(reqs)
+            for r in reqs:
+                self.start[r.rid] = r.enqueue_time
+            return submit(reqs, now=now)
+
+        def on_step(ratio, now=None):
+            plan = step(ratio, now=now)
+            self.now = now
+            for rid in plan.preempted:
+                self.start[rid] = now
+            for rid, _, _ in plan.admitted:
+                if rid in self.start:
+                    self.total[rid] = self.total.get(rid, 0.0) + now - self.start.pop(rid)
+            return plan
+
+        def on_retract():
+            rids = retract()
+            for rid in rids:
+                self.start[rid] = self.now
+            return rids
+
+        sched.submit, sched.step, sched.retract_decode = on_submit, on_step, on_retract
+        return sched
+
+
+@pytest.mark.parametrize("case", ["chunked", "retractions", "preemptions"])
+def test_queueing_delay_equals_the_waits_the_scheduler_saw(case):
+    """Each request's queued_s is the sum of its waits as the scheduler's calls show them
+    (from arrival, preemption or retraction to the admitting step), the time-average queue
+    length is their sum over the duration (Little's law), and the KV share held by requests
+    is the used share less the evictable cache, averaged over the steps' times."""
+    from gpu_sched.sim.traces import assign_keys
+
+    cfg = {"chunked": dict(schedule_policy="lpm", chunked_prefill_size=512),
+           "retractions": dict(schedule_policy="lpm", clip_max_new_tokens=8),
+           "preemptions": dict(enable_priority_scheduling=True, enable_priority_preemption=True,
+                               priority_scheduling_preemption_threshold=0, max_running_requests=4)}[case]
+    tr = _burst(40, output_len=(100, 200) if case == "retractions" else (20, 60))
+    if case == "preemptions":
+        tr = assign_keys(tr, priority_levels=4, seed=0)
+    waits = _Waits()
+    s, reqs, steps = replay(tr, SchedulerConfig(**cfg), kv_tokens=2000 if case == "retractions" else 20_000,
+                            make_scheduler=waits)
+    moved = {"chunked": 0, "retractions": s["retractions"], "preemptions": s["preemptions"]}[case]
+    assert case == "chunked" or moved > 0
+    assert sum(r.queued_s > 0 for r in reqs) > len(reqs) // 2  # a burst: most requests wait
     for r in reqs:
-        assert 0.0 <= r.queued_s <= r.first_token_s - r.arrival_s + 1e-12
-        assert np.abs(starts - (r.arrival_s + r.queued_s)).min() < 1e-9
-        waited += r.queued_s > 0
-    assert waited > len(reqs) // 2  # a burst: most requests wait
-    assert s["time_avg_queue_len"] * s["duration"] == pytest.approx(sum(r.queued_s for r in reqs))
-    assert s["mean_queue_delay_ms"] == pytest.approx(1e3 * np.mean([r.queued_s for r in reqs]))
+        assert r.queued_s == pytest.approx(waits.total.get(r.rid, 0.0), abs=1e-12), r.rid
+        if not (r.retractions or r.preemptions):
+            assert r.queued_s <= r.first_token_s - r.arrival_s + 1e-12
+    assert s["time_avg_queue_len"] == pytest.approx(sum(waits.total.values()) / s["duration"])
+    assert s["mean_queue_delay_ms"] == pytest.approx(1e3 * np.mean([waits.total.get(r.rid, 0.0) for r in reqs]))
+    assert any(t.kv_evictable_tokens > 0 for t in steps) and all(
+        0 <= t.kv_evictable_tokens <= t.kv_used_tokens for t in steps)
+    t0 = min(r.arrival_s for r in reqs)  # from the first arrival: the idle gap before it is outside the run
+    w = np.array([max(0.0, t.t_s - max(t.t_s - t.duration_s, t0)) for t in steps])
+    held = np.array([(t.kv_used_tokens - t.kv_evictable_tokens) / t.kv_pool_tokens for t in steps])
+    assert s["time_avg_kv_held"] == pytest.approx(float((w * held).sum() / w.sum()))
+
+
+def test_queueing_delay_ends_as_the_forward_starts_when_the_scheduler_is_charged():
+    """With the scheduler's time charged (blocking), a wait ends when the forward that
+    prefills the request starts, after the charge: at a prefill step's t_s - duration_s."""
+    ticks = iter(range(10**9))
+    tr = _burst(30)
+    s, reqs, steps = replay(tr, SchedulerConfig(schedule_policy="lpm"), kv_tokens=20_000,
+                            make_scheduler=ReferenceScheduler, scheduler_time="blocking",
+                            clock=lambda: next(ticks) * 1e-4)
+    assert s["charged_sched_s"] > 0
+    starts = np.array([t.t_s - t.duration_s for t in steps if t.kind == "prefill"])
+    for r in reqs:
+        assert np.abs(starts - (r.arrival_s + r.queued_s)).min() < 1e-9, r.rid
+
+
+def test_retraction_sums_use_the_requests_max_new_tokens(monkeypatch):
+    """After a retraction the new-token ratio is reset from the running requests' max_new_tokens
+    (R-DEC-1): with --max-new-tokens N, N for each of them, not their output lengths."""
+    seen = []
+    orig = NewTokenRatio.after_retraction
+
+    def spy(self, out, n, max_new):
+        seen.append((n, max_new))
+        return orig(self, out, n, max_new)
+
+    monkeypatch.setattr(NewTokenRatio, "after_retraction", spy)
+    tr = _burst(30, output_len=(100, 200))
+    s, _, _ = replay(tr, SchedulerConfig(schedule_policy="lpm", clip_max_new_tokens=8), kv_tokens=2000,
+                     make_scheduler=ReferenceScheduler, max_new_tokens=150)
+    assert s["retractions"] > 0 and seen and all(m == 150 * n for n, m in seen)
 
 
 def test_priority_preemptions_are_counted_apart_from_retractions():
@@ -576,5 +664,3 @@ def test_priority_preemptions_are_counted_apart_from_retractions():
     assert s["retractions"] == sum(r.retractions for r in reqs) == 0
     assert [r.priority for r in reqs] == [t.priority for t in tr]
     assert set(s["by_priority"]) == {str(p) for p in {t.priority for t in tr}}
-    # a preempted request waits again: its queueing delay counts both waits
-    assert all(r.queued_s > 0 for r in reqs if r.preemptions)

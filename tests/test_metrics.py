@@ -197,15 +197,20 @@ def test_queueing_delay_time_averages_preemptions_and_priority_levels():
         RequestRecord("c", 1.0, 100, 1, 0, 2.0, 2.0, [2.0], queued_s=0.4, retractions=1, priority=1),
         RequestRecord("d", 1.5, 100, 0, 0, None, None, [], queued_s=0.3),  # unfinished: only in the time average
     ]
-    steps = [StepRecord(0.5, "prefill", 0.5, 1, 1, 400, 1000, 100, 0, 1e-5, kv_evictable_tokens=100),
-             StepRecord(2.0, "decode", 1.5, 2, 1, 800, 1000, 0, 0, 1e-5, kv_evictable_tokens=600)]
+    # an idle gap, then two steps; the second waited 0.5 s for the scheduler (charged) before
+    # its 1 s forward; a step before the first arrival would count only from it
+    steps = [StepRecord(0.5, "idle", 0.5, 0, 0, 400, 1000, 0, 0, 0.0, kv_evictable_tokens=400),
+             StepRecord(0.5, "prefill", 0.0, 1, 1, 400, 1000, 100, 0, 1e-5, kv_evictable_tokens=100),
+             StepRecord(2.0, "decode", 1.0, 2, 1, 800, 1000, 0, 0, 1e-5, charged_s=0.5, kv_evictable_tokens=600)]
     s = summarize(reqs, steps)
     assert s["duration"] == approx(2.0)
     assert s["mean_queue_delay_ms"] == approx(400) and s["p99_queue_delay_ms"] == approx(np.percentile([100, 700, 400], 99))
     assert s["time_avg_queue_len"] == approx((0.1 + 0.7 + 0.4 + 0.3) / 2.0)
     assert s["time_avg_kv_usage"] == approx((0.4 * 0.5 + 0.8 * 1.5) / 2.0)
-    assert s["time_avg_kv_held"] == approx((0.3 * 0.5 + 0.2 * 1.5) / 2.0)
-    assert s["mean_kv_usage"] == approx(0.6) and s["mean_queue_len"] == approx(1.5)  # per step, unweighted
+    assert s["time_avg_kv_held"] == approx((0.0 * 0.5 + 0.2 * 1.5) / 2.0)
+    assert s["mean_kv_usage"] == approx(1.6 / 3) and s["mean_queue_len"] == approx(1.0)  # per step, unweighted
+    late = [dataclasses.replace(r, arrival_s=r.arrival_s + 0.25) for r in reqs]  # the first arrival at 0.25 s
+    assert summarize(late, steps)["time_avg_kv_usage"] == approx((0.4 * 0.25 + 0.8 * 1.5) / 1.75)
     assert (s["retractions"], s["retracted_requests"], s["preemptions"], s["preempted_requests"]) == (1, 1, 2, 1)
     assert s["by_priority"] == {
         "0": {"completed": 1, "mean_ttft_ms": approx(1000), "p99_ttft_ms": approx(1000), "mean_queue_delay_ms": approx(700)},

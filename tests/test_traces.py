@@ -361,9 +361,18 @@ def test_azure_timestamps_with_utc_offsets(tmp_path):
     tr = read_azure(p)
     assert [r.arrival_s for r in tr.requests] == pytest.approx([0.0, 1.49007, 2.99007, 3.99007])
     bad = tmp_path / "bad.csv"
-    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00+0,10,2\n")
-    with pytest.raises(ValueError, match="line 2.*unparsable TIMESTAMP"):
+    for row, why in (("2024-05-10 00:00:00+0", "unparsable TIMESTAMP"),
+                     ("2024-05-10 00:00:00+24:00", "UTC offset out of range"),
+                     ("2024-05-10 00:00:00-00:75", "UTC offset out of range")):
+        bad.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n{row},10,2\n")
+        with pytest.raises(ValueError, match=f"line 2.*{why}"):
+            read_azure(bad)
+    # a naive time among zoned ones (or the other way round) has no instant to order by
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00+00:00,10,2\n"
+                   "2024-05-10 00:00:01,10,2\n2024-05-10 00:00:02+00:00,10,2\n")
+    with pytest.raises(ValueError, match="line 3.*lacks a UTC offset, unlike the first row's"):
         read_azure(bad)
+    assert [r.arrival_s for r in read_azure(bad, skip_bad_rows=True).requests] == [0.0, 2.0]
 
 
 def test_trace_stats_burstiness():
@@ -372,6 +381,8 @@ def test_trace_stats_burstiness():
     gaps = np.array([1.0, 1.0, 8.0, 60.0, 1.0])
     assert s["interarrival_cv"] == pytest.approx(gaps.std() / gaps.mean()) and s["max_gap_s"] == 60.0
     assert s["peak_rate_60s"] == pytest.approx(4 / 60)  # [0, 60) holds 4; [10, 70) 1; [70, 130) 2
+    edge = trace_stats(Trace("e", [TraceRequest(0, 0.0, 10, 1), TraceRequest(1, 60.0, 10, 1)]))
+    assert edge["peak_rate_60s"] == pytest.approx(1 / 60)  # [t, t + 60): the arrival at 60 s is the next window's
     short = trace_stats(Trace("s", reqs[:3]))
     assert math.isnan(short["peak_rate_60s"]) and short["interarrival_cv"] == pytest.approx(0.0)
     assert math.isnan(trace_stats(Trace("one", reqs[:1]))["interarrival_cv"])

@@ -126,11 +126,12 @@ def summarize(requests, steps, *, duration_s: Optional[float] = None) -> dict:
     steps. Queueing delay (`*_queue_delay_ms`, completed requests) is each request's
     `queued_s`: arrival to the start of the forward that prefills it (retried waits after a
     retraction or preemption added), so TTFT = queueing delay + prefill time for a request
-    prefilled in one chunk. `time_avg_queue_len` is the mean number of waiting requests over
+    prefilled in one chunk and never retracted or preempted (waits after a request's first
+    token count too: its queueing delay may then exceed its TTFT). `time_avg_queue_len` is the mean number of waiting requests over
     the duration (Little's law: the sum of every request's `queued_s` / duration);
     `time_avg_kv_usage` and `time_avg_kv_held` the pool's used share and the share held by
     requests (used minus the reusable, evictable cache), each step weighted by its simulated
-    duration (idle gaps included). `mean_queue_len` / `max_queue_len` (over each step's
+    time (its wait for the scheduler and idle gaps included, from the first arrival on). `mean_queue_len` / `max_queue_len` (over each step's
     `queue_len`, the requests waiting when the scheduler ran) and `mean_kv_usage` /
     `max_kv_usage` are per-step figures, not averages over time: short decode steps
     dominate them. `retractions` counts R-DEC-2's retractions, `preemptions` R-ADM-7's
@@ -178,7 +179,10 @@ def summarize(requests, steps, *, duration_s: Optional[float] = None) -> dict:
     pooled = [t for t in steps if t.kv_pool_tokens > 0]
     kv = np.asarray([t.kv_used_tokens / t.kv_pool_tokens for t in pooled], dtype=float)
     held = np.asarray([(t.kv_used_tokens - t.kv_evictable_tokens) / t.kv_pool_tokens for t in pooled], dtype=float)
-    w = np.asarray([t.duration_s for t in pooled], dtype=float)
+    # each step's simulated time, its wait for the scheduler included, from the first arrival on
+    # (the idle gap before it is outside the duration)
+    t0 = min((r.arrival_s for r in requests), default=0.0)
+    w = np.asarray([max(0.0, t.t_s - max(t.t_s - t.duration_s - t.charged_s, t0)) for t in pooled], dtype=float)
     timed = w.size and w.sum() > 0
     s.update({"steps": len(steps),
               "mean_queue_len": _num(q.mean()) if q.size else None,
@@ -241,7 +245,7 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result", width
                     ("Output token throughput (tok/s):", "output_throughput"),
                     ("Total token throughput (tok/s):", "total_token_throughput")):
         row(name, g(k))
-    for key, long, short in LATENCIES + (("queue_delay", "Queueing Delay (arrival to prefill start)", "QD"),):
+    for key, long, short in LATENCIES + (("queue_delay", "Queueing Delay (waits for a prefill)", "QD"),):
         sec(long)
         for stat, label in (("mean", "Mean"), ("median", "Median"), ("std", "Std"), ("p90", "P90"), ("p99", "P99")):
             row(f"{label} {short} (ms):", g(f"{stat}_{key}_ms"))

@@ -143,7 +143,7 @@ def plot_comparison(out_dir, summaries: dict, title: Optional[str] = None) -> Pa
             ax.annotate(_bar_label(y), (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=8)
         ax.set_xticks(x, names, rotation=20)
-        _title(ax, label, 28)
+        _title(ax, label, 18)
         if not np.nansum(np.abs(ys)):  # all zero (or n/a): no axis around 0 +- 0.06
             ax.set_ylim(0, 1)
         else:

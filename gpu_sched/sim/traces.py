@@ -20,14 +20,14 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
-import re
 import math
 import numbers
+import re
 import zlib
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -291,15 +291,20 @@ def read_mooncake(path: PathLike, limit: Optional[int] = None, rate_scale: float
 _UTC_OFFSET = re.compile(r"(?:Z|([+-])(\d\d):?(\d\d))$")
 
 
-def _parse_wallclock_ns(s: str) -> int:
-    """'YYYY-mm-dd HH:MM:SS[.fffffff][+HH:MM | -HH:MM | Z]' -> integer ns since the epoch: in
-    UTC when an offset is given, else as written (naive; one trace's rows share a zone)."""
+def _parse_wallclock_ns(s: str) -> Tuple[int, bool]:
+    """'YYYY-mm-dd HH:MM:SS[.fffffff][+HH:MM | -HH:MM | Z]' -> (integer ns since the epoch,
+    whether an offset was given): in UTC when it was, else as written (naive). An offset's
+    hours must be below 24 and its minutes below 60."""
     text = s.strip()
     shift = 0  # seconds east of UTC
     m = _UTC_OFFSET.search(text)
-    if m and len(text) > 19:  # past the seconds: a date's own '-' never ends the string
+    zoned = bool(m) and len(text) > 19  # past the seconds: a date's own '-' never ends the string
+    if zoned:
         if m.group(1):
-            shift = (int(m.group(2)) * 3600 + int(m.group(3)) * 60) * (1 if m.group(1) == "+" else -1)
+            hh, mm = int(m.group(2)), int(m.group(3))
+            if hh >= 24 or mm >= 60:
+                raise _Bad(f"unparsable TIMESTAMP {s!r} (UTC offset out of range)")
+            shift = (hh * 3600 + mm * 60) * (1 if m.group(1) == "+" else -1)
         text = text[: m.start()]
     whole, _, frac = text.partition(".")
     try:
@@ -310,7 +315,7 @@ def _parse_wallclock_ns(s: str) -> int:
         raise _Bad(f"unparsable TIMESTAMP {s!r}")
     secs = (dt.toordinal() * 86400 + dt.hour * 3600 + dt.minute * 60 + dt.second) - shift
     # strptime's %f stops at 6 digits; keep all of the 7 (100 ns) digits exactly.
-    return secs * 10**9 + (int(frac.ljust(9, "0")) if frac else 0)
+    return secs * 10**9 + (int(frac.ljust(9, "0")) if frac else 0), zoned
 
 
 def _parse_count(v: str, name: str, minimum: int) -> int:
@@ -331,13 +336,18 @@ def read_azure(path: PathLike, limit: Optional[int] = None, rate_scale: float = 
     """
     p = _check_args(path, limit, rate_scale)
     salt = zlib.crc32(p.name.encode())  # trace-specific, stable across runs (unlike hash())
+    zones: List[bool] = []  # whether the first kept row's timestamp has a UTC offset
 
     def parse(cols: list, idx: int) -> tuple:
         if len(cols) != 3:
             raise _Bad(f"expected 3 columns, got {len(cols)}")
-        t_ns = _parse_wallclock_ns(cols[0])
+        t_ns, zoned = _parse_wallclock_ns(cols[0])
+        if zones and zoned != zones[0]:  # a naive time next to zoned ones has no instant to order by
+            raise _Bad(f"TIMESTAMP {cols[0].strip()!r} {'has' if zoned else 'lacks'} a UTC offset, "
+                       f"unlike the first row's")
         n_in = _parse_count(cols[1], "ContextTokens", 1)
         n_out = _parse_count(cols[2], "GeneratedTokens", 0)
+        zones[:] = zones or [zoned]
         return t_ns, n_in, n_out, idx
 
     with _text(p, newline="") as f:
