@@ -65,10 +65,12 @@ class NewTokenRatio:
 
         Raises (nothing changed) TypeError for a count that is not an int, ValueError for a
         negative sum or `n_running` < 1 (R-DEC-2 always keeps one request running; after an
-        iteration with none, call `reset()`)."""
+        iteration with none, call `reset()`), or a sum past 2^126 (the sums of int64 counts over
+        any number of requests fit; n_running past int64's largest)."""
         counts = [v.item() if isinstance(v, np.integer) else v for v in (out_tokens, n_running, max_new_tokens)]
         for name, v, lo in zip(("out_tokens", "n_running", "max_new_tokens"), counts, (0, 1, 0)):
-            _check_int(f"after_retraction: {name}", v, lo=lo)
+            wide = name != "n_running"  # a sum over requests whose max_new_tokens each reach int64's largest
+            _check_int(f"after_retraction: {name}", v, lo=lo, **(dict(hi=2**126, hi_is="2^126") if wide else {}))
         out_tokens, n_running, max_new_tokens = counts
         self.value = min(1.0, (out_tokens + RETRACT_DECODE_STEPS * n_running) / (max_new_tokens + 1))
 

@@ -133,10 +133,7 @@ class StepGraph:
         # slots [_S_LEN] and the new-token ratio (float64 bits); the step reads views of it
         Q = self.Q
         self.inp = torch.zeros(2 * Q + _S_LEN + 1, dtype=torch.int64, device=dev)
-        self.sidx = self.inp[:Q]
-        self.qt = self.inp[Q : 2 * Q].view(torch.float64)
-        self.sc = self.inp[2 * Q : 2 * Q + _S_LEN]
-        self.ratio = self.inp[2 * Q + _S_LEN :].view(torch.float64).reshape(())
+        self._input_views()
         # its host side: pinned on CUDA, so the copy does not wait for the device; the next
         # load waits for the copy before writing it again (`_sent`)
         self._stage = torch.zeros(self.inp.numel(), dtype=torch.int64, pin_memory=dev.type == "cuda")
@@ -180,6 +177,35 @@ class StepGraph:
         self._caps = np.zeros(0, dtype=np.int64)  # max_prefix_len of the loaded queue
         self.captures = 0  # graphs recorded so far
         self.runs = 0  # steps computed (replays on CUDA)
+
+    def _input_views(self) -> None:
+        """The step's views of its input buffer `inp`: row-store slots, enqueue times, scalars
+        and the ratio."""
+        Q = self.Q
+        self.sidx = self.inp[:Q]
+        self.qt = self.inp[Q : 2 * Q].view(torch.float64)
+        self.sc = self.inp[2 * Q : 2 * Q + _S_LEN]
+        self.ratio = self.inp[2 * Q + _S_LEN :].view(torch.float64).reshape(())
+
+    # ---- copies and pickles ----------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) of a recorded step: its buffers as torch copies them, without
+        the views into them (a pickle copies a view apart from its base, and a copied numpy
+        view of the input stage is not the stage the step uploads: a copied scheduler decided on
+        stale inputs), the copy event and the CUDA graph, recorded again by the copy's first
+        step (its buffers are new). The views are made again on the copy's own buffers."""
+        state = dict(self.__dict__)
+        for name in ("sidx", "qt", "sc", "ratio", "_stage_np"):
+            del state[name]
+        state.update(_sent=None, graph=None, _sig=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._input_views()
+        if self.device.type == "cuda" and not self._stage.is_pinned():
+            self._stage = self._stage.pin_memory()
+        self._stage_np = self._stage.numpy()
 
     # ---- eligibility and inputs ------------------------------------------------------------------
     def supports(self, n_queue: int, n_running: int) -> bool:

@@ -271,6 +271,41 @@ def test_a_copy_or_pickle_mid_run_goes_on_as_the_original(cls, policy):
     assert _go_on(b) == want and _go_on(c) == want
 
 
+@pytest.mark.parametrize("policy", ["lpm", "fcfs", "routing-key"])
+def test_a_copy_or_pickle_of_a_recorded_step_goes_on_as_the_original(policy):
+    """After `capture()` too: the copies' recorded step uploads its own inputs (its numpy view of
+    the input stage was a detached copy, so a copied scheduler decided on stale inputs: a
+    64-token prompt admitted as 2 cached tokens of another prompt plus one, or nothing), and
+    each decides as the reference from the same point, before and after its first recorded
+    step."""
+    import copy
+    import pickle
+
+    from gpu_sched import GpuScheduler
+
+    def prime(s):
+        s.submit([Request("w", [1, 2, 3], 1)])
+        s.step(0.7)
+        s.complete_prefill({"w": 1})
+        s.finish(["w"])
+        s.submit([Request("a", list(range(10, 74)), 2)])
+
+    cfg = SchedulerConfig(schedule_policy=policy)
+    for copy_before_first_step in (True, False):
+        ref, dev = ReferenceScheduler(cfg, 1500), GpuScheduler(cfg, 1500, backend="torch", device="cpu")
+        dev.capture(queue_capacity=64, running_capacity=16)
+        if copy_before_first_step:
+            dev = copy.deepcopy(dev)
+        for s in (ref, dev):
+            prime(s)
+        b, c = copy.deepcopy(dev), pickle.loads(pickle.dumps(dev))
+        want = _go_on(ref)
+        assert want[0][0] == [("a", 0, 64)]
+        for s in (dev, b, c):
+            assert _go_on(s) == want
+            assert s._graph.runs > 0  # the recorded step decided
+
+
 # ---- the simulator's inputs built in code ----------------------------------------------------------
 @pytest.mark.parametrize("fields,err,msg", [
     (dict(arrival_s=float("nan"), input_len=10, output_len=3), ValueError, "arrival_s must be a finite number"),

@@ -211,6 +211,7 @@ def test_new_token_ratio_rule():
     ((100, 3, -5), ValueError, "max_new_tokens must be >= 0, got -5"),
     ((100.0, 3, 999), TypeError, "out_tokens must be an int, got float"),
     ((100, True, 999), TypeError, "n_running must be an int, got bool"),
+    ((100, 3, 2**126 + 1), ValueError, r"max_new_tokens must be <= \d+ \(2\^126\)"),
 ])
 def test_new_token_ratio_refuses_bad_retraction_sums(args, exc, words):
     r = NewTokenRatio(1.0)
@@ -219,6 +220,14 @@ def test_new_token_ratio_refuses_bad_retraction_sums(args, exc, words):
     with pytest.raises(exc, match=words):
         r.after_retraction(*args)
     assert r.value == before  # nothing changed
+
+
+def test_new_token_ratio_takes_sums_past_int64():
+    """The sums run over every running request, each max_new_tokens up to int64's largest (as
+    `Request` takes it): two of them sum past int64, which the README's engine loop passes."""
+    r = NewTokenRatio(1.0)
+    r.after_retraction(5, 2, 2 * (2**63 - 1))
+    assert r.value == (5 + 40) / (2 * (2**63 - 1) + 1)
 
 
 def test_new_token_ratio_refuses_bad_conservativeness():

@@ -160,9 +160,9 @@ class ReferenceScheduler:
         except TypeError:
             raise TypeError(f"submit takes an iterable of Request objects, got {type(requests).__name__}") from None
         seen = set()
-        for r in requests:
+        for i, r in enumerate(requests):
             if not isinstance(r, Request):
-                raise TypeError(f"submit takes Request objects, got {type(r).__name__}")
+                raise TypeError(f"submit takes Request objects, got {type(r).__name__} {r!r:.60} at position {i}")
             r.validate()
             if r.rid in seen:
                 raise ValueError(f"submit: rid {r.rid!r} is given twice in this call")
@@ -726,7 +726,8 @@ class ReferenceScheduler:
             raise ValueError(f"seed_chunked: chunking is off (chunked_prefill_size is None), so no request "
                              f"can be in flight as the chunked request; got {req.rid!r}")
         if self.chunked is not None:
-            raise ValueError("a chunked request is already in flight")
+            raise ValueError(f"seed_chunked: request {self.chunked.rid!r} is already in flight as the chunked "
+                             f"request; got {req.rid!r}")
         _check_int("seed_chunked: done", done)  # a float would fail deep in the slicing, unnamed
         done = int(done)
         if not 0 <= done < req.fill_len:
