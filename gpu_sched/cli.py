@@ -523,7 +523,7 @@ def _ignored_options_notes(args, configs: dict, trace) -> List[str]:
         notes.append("--seed is replaced by each of --seeds in turn: it changes nothing here")
     if set(_run_backends(args, configs).values()) == {"reference"}:  # (a --device other than cpu is refused)
         for dest, what in (("threads", "--threads sets torch's threads"), ("device", "--device cpu picks the device")):
-            if dest in given:
+            if dest in given and (dest != "device" or str(args.device).split(":")[0] == "cpu"):
                 notes.append(f"{what} of the torch and triton backends: the reference scheduler ignores it")
     cfgs = list(configs.values())
     if "schedule_low_priority_values_first" in given and not any(

@@ -621,6 +621,8 @@ def test_options_a_replay_does_not_read_are_noted(capsys):
     assert "--routing-keys" not in capsys.readouterr().err
     assert main(base + ["--seeds", "0,1", "--seed", "4"]) == 0
     assert "--seed is replaced by each of --seeds" in capsys.readouterr().err
+    assert main(base + ["--device", "cpu"]) == 0
+    assert "--device cpu picks the device of the torch and triton backends" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not AZURE.exists(), reason="Azure trace not present")
